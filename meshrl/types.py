@@ -1,0 +1,96 @@
+"""The data that flows between actors: Prompt -> Completion -> ScoredCompletion -> Episode -> TrainBatch.
+
+Each stage adds only what its producer knows: the generator knows tokens and logprobs, the grader
+knows rewards, the controller knows groups and advantages. The trainer sees only TrainBatch.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Prompt:
+    """A tokenized prompt. `index` ties its completions back to the task's sample (and its answer)."""
+
+    index: int
+    token_ids: list[int]
+
+
+@dataclass
+class Sampling:
+    n: int = 1  # completions per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 48
+
+
+@dataclass
+class Completion:
+    """One sampled response, exactly as the generator produced it."""
+
+    prompt_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # behaviour logprob of each generated token
+    text: str
+    policy_version: int
+    finish_reason: str  # "stop" or "length"
+
+
+@dataclass
+class ScoredCompletion:
+    completion: Completion
+    reward: float
+    reward_components: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Episode:
+    """One trainer-ready sequence: prompt + response tokens, with per-token training data."""
+
+    tokens: list[int]
+    loss_mask: list[bool]  # True on response tokens (those the loss trains)
+    behaviour_logprobs: list[float]  # aligned with tokens; 0.0 where loss_mask is False
+    advantage: float
+    policy_version: int
+    group_id: int
+
+    @property
+    def num_response_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass
+class TrainBatch:
+    """Right-padded tensors for one micro-batch.
+
+    Position t holds the target token t+1 of each sequence, so `target_ids`, `loss_mask`,
+    `behaviour_logprobs` line up with the logits the model emits at position t.
+    `loss_tokens` is the number of loss tokens in the whole optimizer step, so micro-batches
+    accumulate to one token mean.
+    """
+
+    input_ids: torch.Tensor  # [B, T] int64
+    target_ids: torch.Tensor  # [B, T] int64
+    loss_mask: torch.Tensor  # [B, T] bool
+    behaviour_logprobs: torch.Tensor  # [B, T] float32
+    advantages: torch.Tensor  # [B] float32
+    loss_tokens: int
+
+    @staticmethod
+    def collate(episodes: list[Episode], loss_tokens: int, pad_id: int = 0) -> "TrainBatch":
+        length = max(len(e.tokens) for e in episodes) - 1
+        n = len(episodes)
+        input_ids = torch.full((n, length), pad_id, dtype=torch.long)
+        target_ids = torch.full((n, length), pad_id, dtype=torch.long)
+        loss_mask = torch.zeros((n, length), dtype=torch.bool)
+        behaviour = torch.zeros((n, length), dtype=torch.float32)
+        for i, e in enumerate(episodes):
+            t = len(e.tokens) - 1
+            input_ids[i, :t] = torch.tensor(e.tokens[:-1])
+            target_ids[i, :t] = torch.tensor(e.tokens[1:])
+            loss_mask[i, :t] = torch.tensor(e.loss_mask[1:])
+            behaviour[i, :t] = torch.tensor(e.behaviour_logprobs[1:])
+        advantages = torch.tensor([e.advantage for e in episodes], dtype=torch.float32)
+        return TrainBatch(input_ids, target_ids, loss_mask, behaviour, advantages, loss_tokens)
