@@ -1,0 +1,123 @@
+"""Trainer -> generator weight transfer over Monarch RDMA (its TCP fallback where there is no RDMA NIC).
+
+The trainer packs the policy's HF-named weights into one registered byte buffer and hands out a
+`WeightHandle` (version, layout, RDMABuffer). A generator reads the bytes into its own buffer with
+one RDMA read and unpacks zero-copy views in the layout vLLM loads. Both sides agree on a
+`WeightLayout`; a mismatch is an error naming the tensor, never a silent misread.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+class LayoutError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # in bytes, into the flat buffer
+
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.itemsize * (torch.Size(self.shape).numel())
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    specs: tuple[TensorSpec, ...]
+
+    @staticmethod
+    def of(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> "WeightLayout":
+        """Lay tensors out back to back, each aligned to 64 bytes, in name order."""
+        specs, offset = [], 0
+        for name in sorted(shapes):
+            shape, dtype = shapes[name]
+            spec = TensorSpec(name, dtype, tuple(shape), offset)
+            specs.append(spec)
+            offset += -(-spec.nbytes // 64) * 64
+        return WeightLayout(tuple(specs))
+
+    @staticmethod
+    def of_tensors(weights: dict[str, torch.Tensor]) -> "WeightLayout":
+        return WeightLayout.of({name: (tuple(t.shape), t.dtype) for name, t in weights.items()})
+
+    @property
+    def nbytes(self) -> int:
+        last = self.specs[-1]
+        return last.offset + last.nbytes
+
+    def check_matches(self, expected: "WeightLayout") -> None:
+        """Raise LayoutError naming the first tensor whose name, shape or dtype differs."""
+        mine = {s.name: s for s in self.specs}
+        theirs = {s.name: s for s in expected.specs}
+        for name in sorted(mine.keys() | theirs.keys()):
+            if name not in mine:
+                raise LayoutError(f"weight layout mismatch: {name} is missing from the published weights")
+            if name not in theirs:
+                raise LayoutError(f"weight layout mismatch: {name} is not a weight of the receiving model")
+            a, b = mine[name], theirs[name]
+            if (a.shape, a.dtype) != (b.shape, b.dtype):
+                raise LayoutError(f"weight layout mismatch: {name} is {a.dtype}{list(a.shape)}, "
+                                  f"expected {b.dtype}{list(b.shape)}")
+
+    def pack(self, weights: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+        """Copy `weights` into the flat uint8 buffer `out`, cast to the layout's dtypes."""
+        dtypes = {s.name: s.dtype for s in self.specs}
+        cast = {k: (tuple(v.shape), dtypes.get(k, v.dtype)) for k, v in weights.items()}
+        WeightLayout.of(cast).check_matches(self)
+        for spec in self.specs:
+            self.view(out, spec).copy_(weights[spec.name])
+
+    def unpack(self, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Zero-copy (name, tensor) views into a flat uint8 buffer."""
+        return [(spec.name, self.view(buffer, spec)) for spec in self.specs]
+
+    @staticmethod
+    def view(buffer: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+        return buffer[spec.offset:spec.offset + spec.nbytes].view(spec.dtype).view(spec.shape)
+
+
+@dataclass
+class WeightHandle:
+    """What a generator needs to pull one published policy version."""
+
+    version: int
+    layout: WeightLayout
+    buffer: object  # monarch.rdma.RDMABuffer over the publisher's flat bytes
+
+
+class WeightPublisher:
+    """Trainer side: one registered buffer, rewritten on every publish.
+
+    The synchronous loop publishes only while no generator reads; the versioned ring of several
+    buffers that lets readers and the writer overlap is the next step (see weight_sync issue).
+    """
+
+    def __init__(self, layout: WeightLayout):
+        from monarch.rdma import RDMABuffer
+
+        self.layout = layout
+        self.bytes = torch.empty(layout.nbytes, dtype=torch.uint8)
+        self.rdma = RDMABuffer(self.bytes)
+
+    def publish(self, weights: dict[str, torch.Tensor], version: int) -> WeightHandle:
+        self.layout.pack(weights, self.bytes)
+        return WeightHandle(version, self.layout, self.rdma)
+
+
+class WeightReceiver:
+    """Generator side: reads a published version into a local buffer and checks its layout."""
+
+    def __init__(self, expected: WeightLayout):
+        self.expected = expected
+        self.bytes = torch.empty(expected.nbytes, dtype=torch.uint8)
+
+    async def pull(self, handle: WeightHandle) -> list[tuple[str, torch.Tensor]]:
+        handle.layout.check_matches(self.expected)
+        await handle.buffer.read_into(self.bytes)
+        return self.expected.unpack(self.bytes)
