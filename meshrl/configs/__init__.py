@@ -107,6 +107,7 @@ def sum_digits_smollm2() -> Config:
     """The demo: SmolLM2-135M learns two-term single-digit sums (27% right before training)."""
     config = Config()
     config.trainer.lr = 1e-5
+    config.controller.eval_every = 5
     return config
 
 

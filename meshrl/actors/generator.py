@@ -1,0 +1,63 @@
+"""The generator: vLLM in process, producing Completions with per-token logprobs and their policy version."""
+
+import os
+
+import torch
+from monarch.actor import Actor, endpoint
+
+from meshrl.configs import GeneratorConfig
+from meshrl.model import load_hf_weights
+from meshrl.types import Completion, Prompt, Sampling
+from meshrl.weight_sync import WeightHandle, WeightLayout, WeightReceiver
+
+
+class VLLMGenerator(Actor):
+    def __init__(self, config: GeneratorConfig, checkpoint: str):
+        # vLLM reads these at import: keep the engine in this process, size its CPU KV cache,
+        # and keep the thread count we pin instead of lowering it to 1.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+        os.environ["OMP_NUM_THREADS"] = str(config.num_threads)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        torch.set_num_threads(config.num_threads)
+        from vllm import LLM
+
+        self.config = config
+        self.llm = LLM(checkpoint, dtype=config.dtype, max_model_len=config.max_model_len,
+                       gpu_memory_utilization=config.memory_fraction, seed=config.seed, enforce_eager=True)
+        self.receiver = WeightReceiver(WeightLayout.of_tensors(load_hf_weights(checkpoint)))
+        self.policy_version = 0
+
+    @endpoint
+    async def generate(self, prompts: list[Prompt], sampling: Sampling | None = None) -> list[Completion]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        s = sampling or Sampling(temperature=self.config.temperature, top_p=self.config.top_p,
+                                 max_tokens=self.config.max_tokens)
+        params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
+                                logprobs=0)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p.token_ids) for p in prompts], params,
+                                    use_tqdm=False)
+        return [
+            Completion(
+                prompt_index=prompt.index,
+                prompt_token_ids=prompt.token_ids,
+                token_ids=list(out.token_ids),
+                logprobs=[step[token].logprob for step, token in zip(out.logprobs, out.token_ids)],
+                text=out.text,
+                policy_version=self.policy_version,
+                finish_reason=out.finish_reason,
+            )
+            for prompt, request in zip(prompts, outputs)
+            for out in request.outputs
+        ]
+
+    @endpoint
+    async def load_weights(self, handle: WeightHandle) -> int:
+        """Pull a published version and load it into the running engine in place."""
+        weights = await self.receiver.pull(handle)
+        self.llm.llm_engine.model_executor.driver_worker.worker.reload_weights(weights_iterator=iter(weights))
+        self.llm.llm_engine.reset_prefix_cache()
+        self.policy_version = handle.version
+        return self.policy_version

@@ -1,0 +1,87 @@
+"""The trainer: the policy as torchtitan's Llama3 model, trained with a clipped policy-gradient loss.
+
+It trains only: advantages arrive in the batch, computed by the controller.
+"""
+
+from pathlib import Path
+
+import torch
+from monarch.actor import Actor, endpoint
+
+from meshrl.configs import TrainerConfig
+from meshrl.model import build_policy, load_hf_weights, read_hf_config, save_checkpoint
+from meshrl.types import TrainBatch
+from meshrl.weight_sync import WeightHandle, WeightLayout, WeightPublisher
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) at every position, in float32."""
+    logits = logits.float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def ppo_clip_loss(logprobs: torch.Tensor, batch: TrainBatch, clip_eps: float) -> tuple[torch.Tensor, dict]:
+    """Per-token PPO-clip against the generator's behaviour logprobs, summed and divided by the step's
+    loss tokens (so micro-batches add up to one token mean). Metrics are sums over loss tokens."""
+    mask = batch.loss_mask
+    log_ratio = torch.where(mask, logprobs - batch.behaviour_logprobs, 0.0)
+    ratio = torch.exp(log_ratio)
+    advantages = batch.advantages.unsqueeze(-1)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
+    loss = -(torch.minimum(unclipped, clipped) * mask).sum() / batch.loss_tokens
+    with torch.no_grad():
+        metrics = {
+            "loss": loss.item(),
+            "tokens": int(mask.sum()),
+            "logprob_mismatch": float((log_ratio.abs() * mask).sum()),
+            "ratio": float((ratio * mask).sum()),
+            "ratio_max": float(ratio[mask].max()) if mask.any() else 0.0,
+            "clipped": int(((clipped < unclipped) & mask).sum()),
+        }
+    return loss, metrics
+
+
+class TitanTrainer(Actor):
+    def __init__(self, config: TrainerConfig, checkpoint: str):
+        torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.config = config
+        self.checkpoint = Path(checkpoint)
+        hf_weights = load_hf_weights(self.checkpoint)
+        self.model, self.adapter = build_policy(read_hf_config(self.checkpoint))
+        self.model.load_state_dict(self.adapter.from_hf(dict(hf_weights)))
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        # Publish in the checkpoint's own layout (HF names and dtype): what the generator loads.
+        self.publisher = WeightPublisher(WeightLayout.of_tensors(hf_weights))
+        self.policy_version = 0
+
+    @endpoint
+    async def forward_backward(self, batch: TrainBatch) -> dict:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16_autocast):
+            logits = self.model(batch.input_ids)
+        loss, metrics = ppo_clip_loss(token_logprobs(logits, batch.target_ids), batch, self.config.clip_eps)
+        loss.backward()
+        return metrics
+
+    @endpoint
+    async def optim_step(self) -> dict:
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.policy_version += 1
+        return {"policy_version": self.policy_version, "grad_norm": float(grad_norm)}
+
+    @endpoint
+    async def publish_weights(self) -> WeightHandle:
+        return self.publisher.publish(self._hf_weights(), self.policy_version)
+
+    @endpoint
+    async def save(self, path: str) -> None:
+        """Write the current policy as an HF checkpoint (loadable by vLLM and transformers)."""
+        save_checkpoint(self._hf_weights(), self.checkpoint, Path(path))
+
+    @torch.no_grad()
+    def _hf_weights(self) -> dict[str, torch.Tensor]:
+        return self.adapter.to_hf(self.model.state_dict())

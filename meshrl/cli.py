@@ -1,0 +1,57 @@
+"""`meshrl` command line: train, prepare-model, configs."""
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from pathlib import Path
+
+from meshrl.configs import CONFIGS, ConfigError, load_config
+from meshrl.model import ModelError, resolve_checkpoint
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshrl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="run RL training",
+                           epilog="Any config field can be overridden: --trainer.lr 1e-5 --controller.steps=5")
+    train.add_argument("--config", required=True, help=f"one of: {', '.join(sorted(CONFIGS))}")
+    train.add_argument("--run-dir", type=Path, help="where metrics, plots and the final policy go "
+                                                    "(default: runs/CONFIG-TIME)")
+    prepare = sub.add_parser("prepare-model", help="convert the embedded model once (cached) and print its path")
+    prepare.add_argument("--source", default="smollm2", help="smollm2, tiny, or an HF checkpoint directory")
+    sub.add_parser("configs", help="list the named configs")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "configs":
+            for name, fn in sorted(CONFIGS.items()):
+                print(f"{name:24s} {fn.__doc__.strip().splitlines()[0]}")
+        elif args.command == "prepare-model":
+            print(resolve_checkpoint(args.source))
+        else:
+            return _train(args.config, rest, args.run_dir)
+    except (ConfigError, ModelError, ValueError) as e:
+        print(f"meshrl: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _train(name: str, overrides: list[str], run_dir: Path | None) -> int:
+    from meshrl.controller import Controller
+
+    config = load_config(name, overrides)
+    run_dir = run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    summary = asyncio.run(Controller(config, run_dir).run())
+    print(f"eval accuracy: step 0 {summary['eval_accuracy_initial']:.3f} -> "
+          f"step {summary['steps']} {summary['eval_accuracy_final']:.3f}")
+    print(f"run directory: {run_dir} (metrics.jsonl, curves.png, final/)")
+    return 0

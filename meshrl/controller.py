@@ -1,0 +1,216 @@
+"""The controller: spawns one proc mesh per role and routes data between the actors.
+
+Completions (generator) -> ScoredCompletions (grader) -> Episodes with group advantages (here)
+-> ReplayBuffer -> TrainBatches (trainer) -> published weights -> generator. The synchronous loop
+runs these phases one after another, each step on the policy the previous step published.
+"""
+
+import asyncio
+import json
+import math
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from monarch.actor import this_host
+from tqdm import tqdm
+
+from meshrl.actors import load_actor_class
+from meshrl.configs import Config, to_dict
+from meshrl.model import ChatTokenizer, resolve_checkpoint
+from meshrl.tasks import Sample, make_task
+from meshrl.types import Episode, Prompt, Sampling, ScoredCompletion, TrainBatch
+
+
+def grpo_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
+    """GRPO: each reward's distance from its group's mean, in units of the group's std."""
+    mean = statistics.fmean(rewards)
+    std = statistics.pstdev(rewards) if len(rewards) > 1 else 0.0
+    return [(r - mean) / (std + eps) for r in rewards]
+
+
+def build_episodes(group: list[ScoredCompletion], group_id: int, eps: float = 1e-6) -> list[Episode]:
+    """One prompt's scored completions -> flat Episodes carrying the group advantage."""
+    advantages = grpo_advantages([s.reward for s in group], eps)
+    episodes = []
+    for scored, advantage in zip(group, advantages):
+        c = scored.completion
+        n_prompt = len(c.prompt_token_ids)
+        episodes.append(Episode(
+            tokens=c.prompt_token_ids + c.token_ids,
+            loss_mask=[False] * n_prompt + [True] * len(c.token_ids),
+            behaviour_logprobs=[0.0] * n_prompt + c.logprobs,
+            advantage=advantage,
+            policy_version=c.policy_version,
+            group_id=group_id,
+        ))
+    return episodes
+
+
+@dataclass
+class Actors:
+    generator: object
+    grader: object
+    trainer: object
+    replay_buffer: object
+    procs: list
+
+
+def actor_classes(config: Config) -> dict[str, type]:
+    """The implementation each role's config names (checked before anything starts)."""
+    roles = {"generator": config.generator, "grader": config.grader, "trainer": config.trainer,
+             "replay_buffer": config.replay_buffer}
+    return {role: load_actor_class(role_config.impl) for role, role_config in roles.items()}
+
+
+async def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Path) -> Actors:
+    """One proc mesh per role."""
+    args = {
+        "generator": (config.generator, str(checkpoint)),
+        "grader": (config.task, config.task_config),
+        "trainer": (config.trainer, str(checkpoint)),
+        "replay_buffer": (config.replay_buffer,),
+    }
+    actors, procs = {}, []
+    for role, cls in classes.items():
+        mesh = this_host().spawn_procs(per_host={"procs": 1}, name=role)
+        procs.append(mesh)
+        actors[role] = mesh.spawn(role, cls, *args[role])
+    return Actors(**actors, procs=procs)
+
+
+class Controller:
+    def __init__(self, config: Config, run_dir: Path):
+        cfg = config.controller
+        if cfg.mode != "sync":
+            raise ValueError(f"controller.mode {cfg.mode!r} is not supported yet (only 'sync')")
+        if cfg.steps < 1 or cfg.prompts_per_step < 1 or cfg.eval_samples < 1:
+            raise ValueError("controller.steps, prompts_per_step and eval_samples must be at least 1")
+        if cfg.group_size < 2:
+            raise ValueError("controller.group_size must be at least 2: a group of one has no advantage to learn from")
+        self.config = config
+        self.run_dir = run_dir
+        self.task = make_task(config.task, config.task_config)
+        self.classes = actor_classes(config)
+        self.checkpoint = resolve_checkpoint(config.model.source)
+        self.tokenizer = ChatTokenizer(self.checkpoint)
+        self.actors: Actors | None = None
+        self.policy_version = 0
+
+    async def run(self) -> dict:
+        """Train for `controller.steps` steps; return the eval accuracy before and after."""
+        cfg = self.config.controller
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.config), indent=2))
+        self.actors = await spawn_actors(self.config, self.classes, self.checkpoint)
+        try:
+            initial = await self.evaluate()
+            rows = []
+            with open(self.run_dir / "metrics.jsonl", "w") as log, tqdm(range(1, cfg.steps + 1), unit="step") as bar:
+                for step in bar:
+                    row = await self.train_step(step)
+                    if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+                        row["eval_accuracy"] = await self.evaluate()
+                    rows.append(row)
+                    log.write(json.dumps(row) + "\n")
+                    log.flush()
+                    bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=f"{row['accuracy']:.2f}")
+            final = rows[-1]["eval_accuracy"]
+            await self.actors.trainer.save.call_one(str(self.run_dir / "final"))
+        finally:
+            for mesh in self.actors.procs:
+                await mesh.stop()
+        from meshrl.plot import plot_curves
+
+        plot_curves(rows, initial, self.run_dir / "curves.png")
+        return {"eval_accuracy_initial": initial, "eval_accuracy_final": final, "steps": len(rows)}
+
+    async def train_step(self, step: int) -> dict:
+        cfg, gen_cfg = self.config.controller, self.config.generator
+        a = self.actors
+        t0 = time.perf_counter()
+        first = (step - 1) * cfg.prompts_per_step
+        samples = {i: self.task.train_sample(i) for i in range(first, first + cfg.prompts_per_step)}
+        sampling = Sampling(n=cfg.group_size, temperature=gen_cfg.temperature, top_p=gen_cfg.top_p,
+                            max_tokens=gen_cfg.max_tokens)
+        completions = await a.generator.generate.call_one(self._prompts(samples), sampling)
+        t_gen = time.perf_counter() - t0
+
+        groups = await self._score(completions, samples)
+        episodes = [e for gid, group in groups.items() for e in build_episodes(group, gid, cfg.advantage_eps)]
+        await a.replay_buffer.add.call_one(episodes)
+        batch = await a.replay_buffer.sample.call_one(self.policy_version, len(episodes))
+
+        t1 = time.perf_counter()
+        train = await self._train(batch)
+        t2 = time.perf_counter()
+        handle = await a.trainer.publish_weights.call_one()
+        self.policy_version = await a.generator.load_weights.call_one(handle)
+        t3 = time.perf_counter()
+
+        scored = [s for group in groups.values() for s in group]
+        rewards = [s.reward for s in scored]
+        return {
+            "step": step,
+            "policy_version": self.policy_version,
+            "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
+            "reward_std": statistics.pstdev(rewards) if rewards else math.nan,
+            "accuracy": statistics.fmean(s.reward_components.get("correct", 0.0) for s in scored) if scored else math.nan,
+            "reward_errors": len(completions) - len(scored),
+            **train,
+            "tokens_generated": sum(len(c.token_ids) for c in completions),
+            "step_time_s": t3 - t0,
+            "gen_time_s": t_gen,
+            "train_time_s": t2 - t1,
+            "weight_sync_s": t3 - t2,
+        }
+
+    async def evaluate(self) -> float:
+        """Mean accuracy on the task's fixed eval split (mean@k over `eval_samples` per prompt)."""
+        cfg = self.config.controller
+        samples = dict(enumerate(self.task.eval_samples()))
+        sampling = Sampling(n=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=self.config.generator.top_p,
+                            max_tokens=self.config.generator.max_tokens)
+        completions = await self.actors.generator.generate.call_one(self._prompts(samples), sampling)
+        groups = await self._score(completions, samples)
+        correct = [s.reward_components.get("correct", 0.0) for group in groups.values() for s in group]
+        return sum(correct) / len(completions)
+
+    def _prompts(self, samples: dict[int, Sample]) -> list[Prompt]:
+        return [Prompt(i, self.tokenizer.encode_chat(s.prompt)) for i, s in samples.items()]
+
+    async def _score(self, completions, samples: dict[int, Sample]) -> dict[int, list[ScoredCompletion]]:
+        """Grade each prompt's completions as one group, all groups concurrently."""
+        by_prompt = defaultdict(list)
+        for c in completions:
+            by_prompt[c.prompt_index].append(c)
+        indices = list(by_prompt)
+        scored = await asyncio.gather(*(
+            self.actors.grader.score.call_one(by_prompt[i], samples[i].answer) for i in indices))
+        return dict(zip(indices, scored))
+
+    async def _train(self, episodes: list[Episode]) -> dict:
+        """One optimizer step over `episodes`, in micro-batches whose losses add up to a token mean."""
+        trainer = self.actors.trainer
+        size = self.config.trainer.micro_batch_size
+        loss_tokens = sum(e.num_response_tokens for e in episodes)
+        sums = defaultdict(float)
+        for i in range(0, len(episodes), size):
+            batch = TrainBatch.collate(episodes[i:i + size], loss_tokens, self.tokenizer.pad_id)
+            metrics = await trainer.forward_backward.call_one(batch)
+            sums["ratio_max"] = max(sums["ratio_max"], metrics.pop("ratio_max"))
+            for k, v in metrics.items():
+                sums[k] += v
+        step = await trainer.optim_step.call_one()
+        tokens = max(sums["tokens"], 1)
+        return {
+            "loss": sums["loss"],
+            "tokens_trained": int(sum(len(e.tokens) for e in episodes)),
+            "logprob_mismatch": sums["logprob_mismatch"] / tokens,
+            "ratio_mean": sums["ratio"] / tokens,
+            "ratio_max": sums["ratio_max"],
+            "clip_fraction": sums["clipped"] / tokens,
+            "grad_norm": step["grad_norm"],
+        }
