@@ -20,6 +20,7 @@ from tqdm import tqdm
 from meshrl.actors import load_actor_class
 from meshrl.configs import Config, to_dict
 from meshrl.model import ChatTokenizer, resolve_checkpoint
+from meshrl.plot import plot_curves
 from meshrl.tasks import Sample, make_task
 from meshrl.types import Episode, Prompt, Sampling, ScoredCompletion, TrainBatch
 
@@ -100,8 +101,9 @@ class Controller:
         self.policy_version = 0
 
     async def run(self) -> dict:
-        """Train for `controller.steps` steps; return the eval accuracy before and after."""
+        """Train for `controller.steps` steps; return (and write to summary.json) the eval accuracy before and after."""
         cfg = self.config.controller
+        start = time.perf_counter()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.config), indent=2))
         self.actors = await spawn_actors(self.config, self.classes, self.checkpoint)
@@ -122,10 +124,11 @@ class Controller:
         finally:
             for mesh in self.actors.procs:
                 await mesh.stop()
-        from meshrl.plot import plot_curves
-
         plot_curves(rows, initial, self.run_dir / "curves.png")
-        return {"eval_accuracy_initial": initial, "eval_accuracy_final": final, "steps": len(rows)}
+        summary = {"eval_accuracy_initial": initial, "eval_accuracy_final": final, "steps": len(rows),
+                   "wall_time_s": time.perf_counter() - start}
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
 
     async def train_step(self, step: int) -> dict:
         cfg, gen_cfg = self.config.controller, self.config.generator
@@ -135,7 +138,7 @@ class Controller:
         samples = {i: self.task.train_sample(i) for i in range(first, first + cfg.prompts_per_step)}
         sampling = Sampling(n=cfg.group_size, temperature=gen_cfg.temperature, top_p=gen_cfg.top_p,
                             max_tokens=gen_cfg.max_tokens)
-        completions = await a.generator.generate.call_one(self._prompts(samples), sampling)
+        completions = await a.generator.generate.call_one(self._prompts(samples), sampling=sampling)
         t_gen = time.perf_counter() - t0
 
         groups = await self._score(completions, samples)
@@ -173,7 +176,7 @@ class Controller:
         samples = dict(enumerate(self.task.eval_samples()))
         sampling = Sampling(n=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=self.config.generator.top_p,
                             max_tokens=self.config.generator.max_tokens)
-        completions = await self.actors.generator.generate.call_one(self._prompts(samples), sampling)
+        completions = await self.actors.generator.generate.call_one(self._prompts(samples), sampling=sampling)
         groups = await self._score(completions, samples)
         correct = [s.reward_components.get("correct", 0.0) for group in groups.values() for s in group]
         return sum(correct) / len(completions)

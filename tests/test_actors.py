@@ -41,7 +41,7 @@ def test_trainer_weights_reach_vllm_and_change_its_output(tiny_checkpoint):
         try:
             prompt = Prompt(5, ChatTokenizer(tiny_checkpoint).encode_chat("What is 1 + 2?"))
             greedy = Sampling(n=1, temperature=0.0, max_tokens=8)
-            before = (await generator.generate.call_one([prompt], greedy))[0]
+            before = (await generator.generate.call_one([prompt], sampling=greedy))[0]
             assert before.policy_version == 0 and before.prompt_index == 5 and len(before.token_ids) == 8
             # vLLM and the trainer start from the same weights: their logprobs agree
             assert await mismatch(trainer, before) < 0.05
@@ -56,7 +56,7 @@ def test_trainer_weights_reach_vllm_and_change_its_output(tiny_checkpoint):
             assert stale > 0.5  # the new policy scores the old tokens very differently
 
             assert await generator.load_weights.call_one(handle) == 1
-            after = (await generator.generate.call_one([prompt], greedy))[0]
+            after = (await generator.generate.call_one([prompt], sampling=greedy))[0]
             assert after.policy_version == 1
             assert after.token_ids != before.token_ids
             # vLLM now serves exactly the trainer's new weights (tied embedding and head included)

@@ -24,6 +24,8 @@ def test_smoke_run_writes_metrics_plot_and_a_final_policy_vllm_loads(tmp_path, t
     assert [r["policy_version"] for r in rows] == [1, 2, 3]
     assert all(r["tokens_generated"] > 0 and r["tokens_trained"] > r["tokens_generated"] for r in rows)
     assert "eval_accuracy" in rows[-1]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["eval_accuracy_final"] == rows[-1]["eval_accuracy"]
     assert json.loads((run_dir / "config.json").read_text())["controller"]["steps"] == 3
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

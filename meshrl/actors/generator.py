@@ -18,7 +18,8 @@ class VLLMGenerator(Actor):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
         os.environ["OMP_NUM_THREADS"] = str(config.num_threads)
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # vLLM's per-call CPU notices would drown the progress bar; VLLM_LOGGING_LEVEL=INFO brings them back.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         torch.set_num_threads(config.num_threads)
         from vllm import LLM
 
@@ -29,7 +30,7 @@ class VLLMGenerator(Actor):
         self.policy_version = 0
 
     @endpoint
-    async def generate(self, prompts: list[Prompt], sampling: Sampling | None = None) -> list[Completion]:
+    async def generate(self, prompts: list[Prompt], *, sampling: Sampling | None = None) -> list[Completion]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
