@@ -1,9 +1,8 @@
-"""Trainer -> generator weight transfer over Monarch RDMA (its TCP fallback where there is no RDMA NIC).
+"""Trainer -> generator weight transfer.
 
-The trainer packs the policy's HF-named weights into one registered byte buffer and hands out a
-`WeightHandle` (version, layout, RDMABuffer). A generator reads the bytes into its own buffer with
-one RDMA read and unpacks zero-copy views in the layout vLLM loads. Both sides agree on a
-`WeightLayout`; a mismatch is an error naming the tensor, never a silent misread.
+Both sides agree on a `WeightLayout`: the policy's HF-named tensors packed back to back in one
+flat byte buffer, in the dtype the generator loads. A mismatch is an error naming the tensor,
+never a silent misread. `ring.py` moves such buffers from the trainer to the generators.
 """
 
 from dataclasses import dataclass
@@ -80,44 +79,3 @@ class WeightLayout:
     @staticmethod
     def view(buffer: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
         return buffer[spec.offset:spec.offset + spec.nbytes].view(spec.dtype).view(spec.shape)
-
-
-@dataclass
-class WeightHandle:
-    """What a generator needs to pull one published policy version."""
-
-    version: int
-    layout: WeightLayout
-    buffer: object  # monarch.rdma.RDMABuffer over the publisher's flat bytes
-
-
-class WeightPublisher:
-    """Trainer side: one registered buffer, rewritten on every publish.
-
-    The synchronous loop publishes only while no generator reads; the versioned ring of several
-    buffers that lets readers and the writer overlap is the next step (see weight_sync issue).
-    """
-
-    def __init__(self, layout: WeightLayout):
-        from monarch.rdma import RDMABuffer
-
-        self.layout = layout
-        self.bytes = torch.empty(layout.nbytes, dtype=torch.uint8)
-        self.rdma = RDMABuffer(self.bytes)
-
-    def publish(self, weights: dict[str, torch.Tensor], version: int) -> WeightHandle:
-        self.layout.pack(weights, self.bytes)
-        return WeightHandle(version, self.layout, self.rdma)
-
-
-class WeightReceiver:
-    """Generator side: reads a published version into a local buffer and checks its layout."""
-
-    def __init__(self, expected: WeightLayout):
-        self.expected = expected
-        self.bytes = torch.empty(expected.nbytes, dtype=torch.uint8)
-
-    async def pull(self, handle: WeightHandle) -> list[tuple[str, torch.Tensor]]:
-        handle.layout.check_matches(self.expected)
-        await handle.buffer.read_into(self.bytes)
-        return self.expected.unpack(self.bytes)

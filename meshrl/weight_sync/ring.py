@@ -1,0 +1,203 @@
+"""A versioned circular buffer of weight slots: the trainer publishes, generators pull the newest.
+
+The trainer owns `slots` byte buffers, each holding one policy version packed in the layout the
+generator loads, and a header row per slot: (begin, end, version, checksum). Publishing writes
+begin = k (k counts publishes), then the payload, then end = k, into slot `version % slots`, and
+never waits for a reader. A reader takes the newest slot whose begin == end, reads its payload,
+and reads the header again: if begin moved, a writer started on that slot during the read, so the
+copy is thrown away (a torn read) and the reader tries again. With checksums on, the writer also
+stores a CRC32 of the payload, and the reader refuses (and counts) a payload that does not match.
+
+The memory is one anonymous shared-memory file (memfd). Readers on another host read it with
+Monarch RDMA (ibverbs, or its TCP fallback), in concurrent chunks; readers on the same host map the
+same file through /proc/<pid>/fd/<fd> and copy from it directly.
+"""
+
+import mmap
+import os
+import secrets
+import socket
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from meshrl.weight_sync import WeightLayout
+
+BEGIN, END, VERSION, CHECKSUM = range(4)
+TRANSPORTS = ("auto", "rdma", "shm")
+_PAGE = 4096
+
+
+class CorruptWeightsError(RuntimeError):
+    pass
+
+
+class TornReadsError(RuntimeError):
+    pass
+
+
+def checksum(payload: torch.Tensor) -> int:
+    return zlib.crc32(memoryview(payload.numpy()))
+
+
+class _SharedMemory:
+    """A memfd mapping: freed by the kernel when the last process holding it exits, even on a crash."""
+
+    def __init__(self, fd: int, nbytes: int):
+        self.fd = fd
+        self.mmap = mmap.mmap(fd, nbytes)
+        self.tensor = torch.frombuffer(self.mmap, dtype=torch.uint8)
+
+    @staticmethod
+    def create(nbytes: int) -> "_SharedMemory":
+        fd = os.memfd_create("meshrl-weight-ring")
+        os.ftruncate(fd, nbytes)
+        return _SharedMemory(fd, nbytes)
+
+    @staticmethod
+    def attach(pid: int, fd: int, nbytes: int) -> "_SharedMemory":
+        return _SharedMemory(os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR), nbytes)
+
+
+def _header_bytes(slots: int) -> int:
+    return 8 * (1 + 4 * slots)  # a token, then one row of four int64 per slot
+
+
+def _slot_offsets(slots: int, payload_bytes: int) -> list[int]:
+    """Where each slot's payload starts, page-aligned, after the header; the last entry is the total size."""
+    first = -(-_header_bytes(slots) // _PAGE) * _PAGE
+    stride = -(-payload_bytes // _PAGE) * _PAGE
+    return [first + i * stride for i in range(slots + 1)]
+
+
+def _regions(memory: torch.Tensor, slots: int, payload_bytes: int):
+    """The ring's memory as (token, header [slots, 4], each slot's payload)."""
+    token = memory[:8].view(torch.int64)
+    header = memory[8:_header_bytes(slots)].view(torch.int64).view(slots, 4)
+    payloads = [memory[o:o + payload_bytes] for o in _slot_offsets(slots, payload_bytes)[:-1]]
+    return token, header, payloads
+
+
+@dataclass
+class RingHandle:
+    """What a reader needs to attach to a ring: picklable, passed between actors."""
+
+    layout: WeightLayout
+    slots: int
+    host: str
+    pid: int
+    fd: int
+    token: int  # proves a same-host reader mapped this ring and not another process's file
+    header: object  # RDMABuffer over the token and header bytes
+    chunks: list  # per slot, RDMABuffers over consecutive chunks of its payload
+    checksums: bool
+
+
+class WeightRing:
+    """Trainer side: `publish` packs the weights into the next slot and returns at once."""
+
+    def __init__(self, layout: WeightLayout, slots: int = 2, chunk_mb: int = 16, checksums: bool = False):
+        from monarch.rdma import RDMABuffer
+
+        if slots < 2:
+            raise ValueError("a weight ring needs at least 2 slots, so readers never race the only copy")
+        self.layout, self.slots, self.checksums = layout, slots, checksums
+        self.memory = _SharedMemory.create(_slot_offsets(slots, layout.nbytes)[-1])
+        token, self.header, self.payloads = _regions(self.memory.tensor, slots, layout.nbytes)
+        token.fill_(secrets.randbits(62))
+        self.publishes = 0
+        chunk = chunk_mb << 20
+        self._handle = RingHandle(
+            layout=layout, slots=slots, host=socket.gethostname(), pid=os.getpid(), fd=self.memory.fd,
+            token=int(token), header=RDMABuffer(self.memory.tensor[:_header_bytes(slots)]),
+            chunks=[[RDMABuffer(p[i:i + chunk]) for i in range(0, layout.nbytes, chunk)] for p in self.payloads],
+            checksums=checksums)
+
+    def handle(self) -> RingHandle:
+        return self._handle
+
+    def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        slot = version % self.slots
+        self.publishes += 1
+        row = self.header[slot]
+        row[BEGIN] = self.publishes
+        self.layout.pack(weights, self.payloads[slot])
+        row[VERSION] = version
+        row[CHECKSUM] = checksum(self.payloads[slot]) if self.checksums else 0
+        row[END] = self.publishes
+
+
+def choose_transport(handle: RingHandle, transport: str) -> str:
+    """Shared memory when the reader is on the trainer's host and can map its ring, else RDMA."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"weight_sync.transport must be one of {TRANSPORTS}, not {transport!r}")
+    if transport != "auto":
+        return transport
+    same_host = handle.host == socket.gethostname() and os.path.exists(f"/proc/{handle.pid}/fd/{handle.fd}")
+    return "shm" if same_host else "rdma"
+
+
+class RingReader:
+    """Generator side: `pull_latest` returns the newest complete version, never a torn one."""
+
+    def __init__(self, handle: RingHandle, expected: WeightLayout, transport: str = "auto", max_attempts: int = 50):
+        handle.layout.check_matches(expected)
+        self.handle, self.layout, self.max_attempts = handle, expected, max_attempts
+        self.transport = choose_transport(handle, transport)
+        self.bytes = torch.empty(expected.nbytes, dtype=torch.uint8)
+        self.header_bytes = torch.empty(_header_bytes(handle.slots), dtype=torch.uint8)
+        self.torn_reads = 0  # reads retried because the slot was rewritten meanwhile
+        self.corrupt_reads = 0  # reads the seqlock passed but the checksum refused (should stay 0)
+        if self.transport == "shm":
+            size = _slot_offsets(handle.slots, expected.nbytes)[-1]
+            self.memory = _SharedMemory.attach(handle.pid, handle.fd, size)
+            token, _, self.payloads = _regions(self.memory.tensor, handle.slots, expected.nbytes)
+            if int(token) != handle.token:
+                raise RuntimeError("shared-memory weight ring not found on this host: use weight_sync.transport=rdma")
+        else:
+            chunk = handle.chunks[0][0].size()
+            self.chunk_views = [self.bytes[i:i + chunk] for i in range(0, expected.nbytes, chunk)]
+
+    async def pull_latest(self, newer_than: int = -1) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
+        """(version, weights as views into this reader's buffer), or None if nothing newer than `newer_than`."""
+        for _ in range(self.max_attempts):
+            before = await self._read_header()
+            complete = [s for s, row in enumerate(before) if row[BEGIN] == row[END] > 0]
+            if not complete:
+                return None
+            slot = max(complete, key=lambda s: before[s][VERSION])
+            version = before[slot][VERSION]
+            if version <= newer_than:
+                return None
+            await self._read_payload(slot)
+            if (await self._read_header())[slot][BEGIN] != before[slot][BEGIN]:
+                self.torn_reads += 1
+                continue
+            if self.handle.checksums and checksum(self.bytes) != before[slot][CHECKSUM]:
+                self.corrupt_reads += 1  # torn in a way the seqlock missed: never loaded
+                if self.corrupt_reads >= self.max_attempts:
+                    raise CorruptWeightsError(f"weights of version {version} keep failing their checksum")
+                continue
+            return version, self.layout.unpack(self.bytes)
+        raise TornReadsError(f"no untorn read in {self.max_attempts} attempts: the trainer overwrites slots "
+                             "faster than this reader copies them; use more weight_sync.slots")
+
+    async def _read_header(self) -> list[list[int]]:
+        """A copy of the header: one [begin, end, version, checksum] row per slot."""
+        if self.transport == "shm":
+            self.header_bytes.copy_(self.memory.tensor[:self.header_bytes.numel()])
+        else:
+            await self.handle.header.read_into(self.header_bytes)
+        return self.header_bytes[8:].view(torch.int64).view(self.handle.slots, 4).tolist()
+
+    async def _read_payload(self, slot: int) -> None:
+        if self.transport == "shm":
+            self.bytes.copy_(self.payloads[slot])
+            return
+        from monarch.rdma import RDMAAction
+
+        action = RDMAAction()
+        for src, dst in zip(self.handle.chunks[slot], self.chunk_views):
+            action.read_remote(dst, src)
+        await action.submit()
