@@ -69,9 +69,9 @@ def actor_classes(config: Config) -> dict[str, type]:
 async def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Path) -> Actors:
     """One proc mesh per role."""
     args = {
-        "generator": (config.generator, str(checkpoint)),
+        "generator": (config.generator, config.weight_sync, str(checkpoint)),
         "grader": (config.task, config.task_config),
-        "trainer": (config.trainer, str(checkpoint)),
+        "trainer": (config.trainer, config.weight_sync, str(checkpoint)),
         "replay_buffer": (config.replay_buffer,),
     }
     actors, procs = {}, []
@@ -108,6 +108,8 @@ class Controller:
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.config), indent=2))
         self.actors = await spawn_actors(self.config, self.classes, self.checkpoint)
         try:
+            ring = await self.actors.trainer.weight_ring.call_one()
+            await self.actors.generator.attach_weights.call_one(ring)
             initial = await self.evaluate()
             rows = []
             with open(self.run_dir / "metrics.jsonl", "w") as log, tqdm(range(1, cfg.steps + 1), unit="step") as bar:
@@ -149,8 +151,10 @@ class Controller:
         t1 = time.perf_counter()
         train = await self._train(batch)
         t2 = time.perf_counter()
-        handle = await a.trainer.publish_weights.call_one()
-        self.policy_version = await a.generator.load_weights.call_one(handle)
+        published = await a.trainer.publish_weights.call_one()
+        self.policy_version = await a.generator.pull_weights.call_one()
+        if self.policy_version != published:
+            raise RuntimeError(f"generator serves version {self.policy_version} after version {published} was published")
         t3 = time.perf_counter()
 
         scored = [s for group in groups.values() for s in group]

@@ -1,44 +1,30 @@
 """Real Monarch actors with real vLLM and the real torchtitan model (tiny random Llama, real tokenizer)."""
 
 import asyncio
-import dataclasses
 
 import pytest
-from monarch.actor import this_host
+from actor_helpers import episode, mismatch, spawn
 
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.grader import Grader
 from meshrl.actors.replay_buffer import ReplayBuffer
 from meshrl.actors.trainer import TitanTrainer
-from meshrl.configs import GeneratorConfig, ReplayBufferConfig, TrainerConfig
-from meshrl.controller import build_episodes
+from meshrl.configs import GeneratorConfig, ReplayBufferConfig, TrainerConfig, WeightSyncConfig
 from meshrl.model import ChatTokenizer
 from meshrl.tasks.sum_digits import SumDigitsConfig
-from meshrl.types import Completion, Episode, Prompt, Sampling, ScoredCompletion, TrainBatch
-
-
-def spawn(name, cls, *args):
-    procs = this_host().spawn_procs(per_host={"procs": 1}, name=name)
-    return procs, procs.spawn(name, cls, *args)
-
-
-def episode(completion: Completion, advantage: float) -> Episode:
-    return dataclasses.replace(build_episodes([ScoredCompletion(completion, 0.0)], group_id=0)[0], advantage=advantage)
-
-
-async def mismatch(trainer, completion: Completion) -> float:
-    """Mean |trainer logprob - generator logprob| over the completion's tokens (zero advantage: no update)."""
-    e = episode(completion, 0.0)
-    metrics = await trainer.forward_backward.call_one(TrainBatch.collate([e], e.num_response_tokens))
-    return metrics["logprob_mismatch"] / metrics["tokens"]
+from meshrl.types import Completion, Episode, Prompt, Sampling, TrainBatch
 
 
 def test_trainer_weights_reach_vllm_and_change_its_output(tiny_checkpoint):
     async def run():
-        gen_procs, generator = spawn("generator", VLLMGenerator, GeneratorConfig(num_threads=1), str(tiny_checkpoint))
-        trn_procs, trainer = spawn("trainer", TitanTrainer, TrainerConfig(lr=1e-2, num_threads=1),
+        sync = WeightSyncConfig(transport="rdma")  # the transport between hosts (its TCP fallback here)
+        gen_procs, generator = spawn("generator", VLLMGenerator, GeneratorConfig(num_threads=1), sync,
+                                     str(tiny_checkpoint))
+        trn_procs, trainer = spawn("trainer", TitanTrainer, TrainerConfig(lr=1e-2, num_threads=1), sync,
                                    str(tiny_checkpoint))
         try:
+            assert await generator.attach_weights.call_one(await trainer.weight_ring.call_one()) == "rdma"
+            assert await generator.pull_weights.call_one() == 0  # nothing published yet
             prompt = Prompt(5, ChatTokenizer(tiny_checkpoint).encode_chat("What is 1 + 2?"))
             greedy = Sampling(n=1, temperature=0.0, max_tokens=8)
             before = (await generator.generate.call_one([prompt], sampling=greedy))[0]
@@ -50,12 +36,12 @@ def test_trainer_weights_reach_vllm_and_change_its_output(tiny_checkpoint):
             e = episode(before, -1.0)
             await trainer.forward_backward.call_one(TrainBatch.collate([e], e.num_response_tokens))
             assert (await trainer.optim_step.call_one())["policy_version"] == 1
-            handle = await trainer.publish_weights.call_one()
-            assert handle.version == 1
+            assert await trainer.publish_weights.call_one() == 1
             stale = await mismatch(trainer, before)
             assert stale > 0.5  # the new policy scores the old tokens very differently
 
-            assert await generator.load_weights.call_one(handle) == 1
+            assert await generator.pull_weights.call_one() == 1
+            assert await generator.pull_weights.call_one() == 1  # nothing newer: no reload
             after = (await generator.generate.call_one([prompt], sampling=greedy))[0]
             assert after.policy_version == 1
             assert after.token_ids != before.token_ids

@@ -5,14 +5,15 @@ import os
 import torch
 from monarch.actor import Actor, endpoint
 
-from meshrl.configs import GeneratorConfig
+from meshrl.configs import GeneratorConfig, WeightSyncConfig
 from meshrl.model import load_hf_weights
 from meshrl.types import Completion, Prompt, Sampling
-from meshrl.weight_sync import WeightHandle, WeightLayout, WeightReceiver
+from meshrl.weight_sync import WeightLayout
+from meshrl.weight_sync.ring import RingHandle, RingReader
 
 
 class VLLMGenerator(Actor):
-    def __init__(self, config: GeneratorConfig, checkpoint: str):
+    def __init__(self, config: GeneratorConfig, weight_sync: WeightSyncConfig, checkpoint: str):
         # vLLM reads these at import: keep the engine in this process, size its CPU KV cache,
         # and keep the thread count we pin instead of lowering it to 1.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -26,7 +27,9 @@ class VLLMGenerator(Actor):
         self.config = config
         self.llm = LLM(checkpoint, dtype=config.dtype, max_model_len=config.max_model_len,
                        gpu_memory_utilization=config.memory_fraction, seed=config.seed, enforce_eager=True)
-        self.receiver = WeightReceiver(WeightLayout.of_tensors(load_hf_weights(checkpoint)))
+        self.layout = WeightLayout.of_tensors(load_hf_weights(checkpoint))
+        self.transport = weight_sync.transport
+        self.ring: RingReader | None = None
         self.policy_version = 0
 
     @endpoint
@@ -55,10 +58,23 @@ class VLLMGenerator(Actor):
         ]
 
     @endpoint
-    async def load_weights(self, handle: WeightHandle) -> int:
-        """Pull a published version and load it into the running engine in place."""
-        weights = await self.receiver.pull(handle)
-        self.llm.llm_engine.model_executor.driver_worker.worker.reload_weights(weights_iterator=iter(weights))
-        self.llm.llm_engine.reset_prefix_cache()
-        self.policy_version = handle.version
+    async def attach_weights(self, ring: RingHandle) -> str:
+        """Pull weights from the trainer's ring from now on; returns the transport chosen."""
+        self.ring = RingReader(ring, self.layout, self.transport)
+        return self.ring.transport
+
+    @endpoint
+    async def pull_weights(self) -> int:
+        """Load the ring's newest version in place, if newer than ours; return the version now served."""
+        latest = await self.ring.pull_latest(newer_than=self.policy_version)
+        if latest is not None:
+            version, weights = latest
+            self.llm.llm_engine.model_executor.driver_worker.worker.reload_weights(weights_iterator=iter(weights))
+            self.llm.llm_engine.reset_prefix_cache()
+            self.policy_version = version
         return self.policy_version
+
+    @endpoint
+    async def weight_sync_stats(self) -> dict:
+        return {"transport": self.ring.transport, "torn_reads": self.ring.torn_reads,
+                "corrupt_reads": self.ring.corrupt_reads}

@@ -8,10 +8,11 @@ from pathlib import Path
 import torch
 from monarch.actor import Actor, endpoint
 
-from meshrl.configs import TrainerConfig
+from meshrl.configs import TrainerConfig, WeightSyncConfig
 from meshrl.model import build_policy, load_hf_weights, read_hf_config, save_checkpoint
 from meshrl.types import TrainBatch
-from meshrl.weight_sync import WeightHandle, WeightLayout, WeightPublisher
+from meshrl.weight_sync import WeightLayout
+from meshrl.weight_sync.ring import RingHandle, WeightRing
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -43,7 +44,7 @@ def ppo_clip_loss(logprobs: torch.Tensor, batch: TrainBatch, clip_eps: float) ->
 
 
 class TitanTrainer(Actor):
-    def __init__(self, config: TrainerConfig, checkpoint: str):
+    def __init__(self, config: TrainerConfig, weight_sync: WeightSyncConfig, checkpoint: str):
         torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.config = config
@@ -54,7 +55,8 @@ class TitanTrainer(Actor):
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         # Publish in the checkpoint's own layout (HF names and dtype): what the generator loads.
-        self.publisher = WeightPublisher(WeightLayout.of_tensors(hf_weights))
+        self.ring = WeightRing(WeightLayout.of_tensors(hf_weights), weight_sync.slots, weight_sync.chunk_mb,
+                               weight_sync.checksums)
         self.policy_version = 0
 
     @endpoint
@@ -74,8 +76,15 @@ class TitanTrainer(Actor):
         return {"policy_version": self.policy_version, "grad_norm": float(grad_norm)}
 
     @endpoint
-    async def publish_weights(self) -> WeightHandle:
-        return self.publisher.publish(self._hf_weights(), self.policy_version)
+    async def weight_ring(self) -> RingHandle:
+        """Where generators pull published weights from."""
+        return self.ring.handle()
+
+    @endpoint
+    async def publish_weights(self) -> int:
+        """Put the current policy into the weight ring (no waiting for readers); return its version."""
+        self.ring.publish(self._hf_weights(), self.policy_version)
+        return self.policy_version
 
     @endpoint
     async def save(self, path: str) -> None:

@@ -58,6 +58,14 @@ class TrainerConfig:
 
 
 @dataclass
+class WeightSyncConfig:
+    slots: int = 2  # versions the trainer's ring holds; readers of the newest never race the writer
+    transport: str = "auto"  # "auto": shared memory on the trainer's host, else "rdma"
+    chunk_mb: int = 16  # RDMA reads a slot in chunks of this size, concurrently
+    checksums: bool = False  # CRC32 every published version and verify it on load (stress tests)
+
+
+@dataclass
 class ReplayBufferConfig:
     impl: str = "meshrl.actors.replay_buffer:ReplayBuffer"
     max_policy_age: int = 0  # optimizer steps; 0 trains only on the current policy's episodes
@@ -86,6 +94,7 @@ class Config:
     grader: GraderConfig = field(default_factory=GraderConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     replay_buffer: ReplayBufferConfig = field(default_factory=ReplayBufferConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
 
     @property
