@@ -12,3 +12,13 @@ def tiny_checkpoint():
     from meshrl.model import resolve_checkpoint
 
     return resolve_checkpoint("tiny")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--stress-seconds", type=float, default=6.0,
+                     help="how long the weight-ring stress test publishes and pulls (30 for the full run)")
+
+
+@pytest.fixture
+def stress_seconds(request):
+    return request.config.getoption("--stress-seconds")

@@ -1,0 +1,48 @@
+"""Weight-ring stress: the trainer steps and publishes as fast as it can while generators keep pulling.
+
+Run with checksums on (`WeightSyncConfig(checksums=True)`): every version a generator loads is then
+checked against the CRC32 the trainer wrote for it; a mismatch is refused and counted.
+"""
+
+import asyncio
+import time
+
+from meshrl.types import Episode, TrainBatch
+
+
+def _batch() -> TrainBatch:
+    """A fixed nonzero-advantage batch: each optimizer step then really changes the weights."""
+    episodes = [Episode(list(range(10 + i, 42 + i)), [False] * 8 + [True] * 24, [-1.0] * 32, 1.0 - 2 * i, 0, 0)
+                for i in range(2)]
+    return TrainBatch.collate(episodes, loss_tokens=48)
+
+
+async def stress_ring(trainer, generators: list, seconds: float) -> dict:
+    """Versions published, the versions each generator loaded, torn reads retried, and torn reads the
+    seqlock missed (caught by the checksum, so never loaded; what a reader without checksums would load)."""
+    batch = _batch()
+    end = time.monotonic() + seconds
+    published = 0
+
+    async def train_and_publish():
+        nonlocal published
+        while time.monotonic() < end:
+            await trainer.forward_backward.call_one(batch)
+            await trainer.optim_step.call_one()
+            published = await trainer.publish_weights.call_one()
+
+    async def pull(generator) -> list[int]:
+        loaded = []
+        while time.monotonic() < end:
+            version = await generator.pull_weights.call_one()
+            if loaded and version == loaded[-1]:
+                await asyncio.sleep(0.01)  # nothing newer yet
+            else:
+                loaded.append(version)
+        return loaded
+
+    _, *loads = await asyncio.gather(train_and_publish(), *(pull(g) for g in generators))
+    stats = [await g.weight_sync_stats.call_one() for g in generators]
+    return {"versions_published": published, "versions_loaded": loads,
+            "torn_reads_detected": sum(s["torn_reads"] for s in stats),
+            "torn_reads_loaded": sum(s["corrupt_reads"] for s in stats)}

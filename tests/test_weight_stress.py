@@ -1,0 +1,51 @@
+"""The weight ring under load: real trainer and two real vLLM generators, checksums on.
+
+`make test` runs it for a few seconds; `pytest tests/test_weight_stress.py --stress-seconds 30`
+runs the full 30-second version.
+"""
+
+import asyncio
+
+from actor_helpers import spawn
+
+from meshrl.actors.generator import VLLMGenerator
+from meshrl.actors.trainer import TitanTrainer
+from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
+from meshrl.model import ChatTokenizer
+from meshrl.types import Prompt, Sampling
+from meshrl.weight_sync.stress import stress_ring
+
+
+def test_generators_load_only_whole_versions_while_the_trainer_publishes_flat_out(tiny_checkpoint, stress_seconds):
+    async def run():
+        sync = WeightSyncConfig(checksums=True)  # every load is checked against the trainer's CRC32
+        procs, generators = [], []
+        for i in range(2):
+            p, g = spawn(f"generator{i}", VLLMGenerator, GeneratorConfig(num_threads=1), sync, str(tiny_checkpoint))
+            procs.append(p)
+            generators.append(g)
+        p, trainer = spawn("trainer", TitanTrainer, TrainerConfig(lr=1e-3, num_threads=1), sync, str(tiny_checkpoint))
+        procs.append(p)
+        try:
+            ring = await trainer.weight_ring.call_one()
+            for g in generators:
+                assert await g.attach_weights.call_one(ring) == "shm"
+            stats = await stress_ring(trainer, generators, stress_seconds)
+
+            assert stats["torn_reads_loaded"] == 0  # every load matched the trainer's checksum
+            published = stats["versions_published"]
+            assert published >= 5
+            for loaded in stats["versions_loaded"]:
+                assert len(loaded) >= 3 and loaded == sorted(set(loaded))  # only ever newer versions
+                assert loaded[-1] <= published
+            # after the storm each generator serves the trainer's final version
+            prompt = Prompt(0, ChatTokenizer(tiny_checkpoint).encode_chat("What is 2 + 2?"))
+            for g in generators:
+                assert await g.pull_weights.call_one() == published
+                completion = (await g.generate.call_one([prompt], sampling=Sampling(max_tokens=8)))[0]
+                assert completion.policy_version == published
+        finally:
+            for p in procs:
+                await p.stop()
+
+    asyncio.run(run())
