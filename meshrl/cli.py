@@ -1,7 +1,8 @@
-"""`meshrl` command line: train, prepare-model, configs."""
+"""`meshrl` command line: train, bench, prepare-model, configs."""
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 import time
@@ -22,6 +23,12 @@ def _parser() -> argparse.ArgumentParser:
     prepare = sub.add_parser("prepare-model", help="convert the embedded model once (cached) and print its path")
     prepare.add_argument("--source", default="smollm2", help="smollm2, tiny, or an HF checkpoint directory")
     sub.add_parser("configs", help="list the named configs")
+    bench = sub.add_parser("bench", help="run a benchmark").add_subparsers(dest="bench", required=True)
+    weight_sync = bench.add_parser("weight-sync", help="the weight ring against memcpy and raw RDMA")
+    weight_sync.add_argument("--json", type=Path, required=True, help="where to write the figures")
+    weight_sync.add_argument("--model", default="smollm2", help="smollm2, tiny, or an HF checkpoint directory")
+    weight_sync.add_argument("--repeats", type=int, default=5, help="timings per figure (the median is reported)")
+    weight_sync.add_argument("--stress-seconds", type=float, default=10.0, help="length of the torn-read stress")
     return parser
 
 
@@ -37,12 +44,23 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:24s} {fn.__doc__.strip().splitlines()[0]}")
         elif args.command == "prepare-model":
             print(resolve_checkpoint(args.source))
+        elif args.command == "bench":
+            _bench_weight_sync(args)
         else:
             return _train(args.config, rest, args.run_dir)
     except (ConfigError, ModelError, ValueError) as e:
         print(f"meshrl: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _bench_weight_sync(args) -> None:
+    from meshrl.bench import weight_sync
+
+    result = weight_sync.run(args.model, args.repeats, args.stress_seconds)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print(weight_sync.report(result))
 
 
 def _train(name: str, overrides: list[str], run_dir: Path | None) -> int:
