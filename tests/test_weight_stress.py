@@ -31,6 +31,8 @@ def test_generators_load_only_whole_versions_while_the_trainer_publishes_flat_ou
             for g in generators:
                 assert await g.attach_weights.call_one(ring) == "shm"
             stats = await stress_ring(trainer, generators, stress_seconds)
+            print(f"stress {stress_seconds:.0f} s: {stats['versions_published']} versions published, "
+                  f"{[len(v) for v in stats['versions_loaded']]} loaded, {stats['torn_reads_detected']} torn reads")
 
             assert stats["torn_reads_loaded"] == 0  # every load matched the trainer's checksum
             published = stats["versions_published"]
