@@ -30,7 +30,8 @@ def test_ppo_clip_by_hand():
     loss, metrics = ppo_clip_loss(new, b, clip_eps=0.2)
     per_token = [-1.2, -math.exp(-0.1), 2 * 0.8]
     assert loss.item() == pytest.approx(sum(per_token) / 3, rel=1e-6)
-    assert metrics["tokens"] == 3 and metrics["clipped"] == 2
+    assert metrics["tokens"] == 3 and (metrics["clip_high"], metrics["clip_low"]) == (1, 1)
+    assert metrics["tis_truncated"] == 0
     assert metrics["ratio"] == pytest.approx(math.exp(0.5) + math.exp(-0.1) + math.exp(-0.5), rel=1e-6)
     assert metrics["ratio_max"] == pytest.approx(math.exp(0.5), rel=1e-6)
     assert metrics["logprob_mismatch"] == pytest.approx(0.5 + 0.1 + 0.5, rel=1e-6)
@@ -45,3 +46,17 @@ def test_loss_tokens_normalise_across_micro_batches():
     b = batch([[0.0, 0.0]], [[True, True]], [1.0], loss_tokens=8)
     loss, _ = ppo_clip_loss(new, b, clip_eps=0.2)
     assert loss.item() == pytest.approx(-2 / 8)
+
+
+def test_truncated_importance_sampling_caps_the_ratio():
+    # A=-1, ratio e^1.5 = 4.48: PPO alone keeps the unclipped -4.48 (min of -4.48 and -1.2);
+    # the cap of 2 truncates the ratio first: loss +2, and no gradient through the capped token.
+    new = torch.tensor([[0.5]], requires_grad=True)
+    b = batch([[-1.0]], [[True]], [-1.0], 1)
+    uncapped, _ = ppo_clip_loss(new, b, clip_eps=0.2)
+    assert uncapped.item() == pytest.approx(math.exp(1.5), rel=1e-6)
+    capped, metrics = ppo_clip_loss(new, b, clip_eps=0.2, tis_cap=2.0)
+    assert capped.item() == pytest.approx(2.0)
+    assert metrics["tis_truncated"] == 1 and metrics["ratio_max"] == pytest.approx(math.exp(1.5), rel=1e-6)
+    capped.backward()
+    assert new.grad.item() == 0

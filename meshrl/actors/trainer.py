@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from monarch.actor import Actor, endpoint
 
+from meshrl.actors import pin_cpus
 from meshrl.configs import TrainerConfig, WeightSyncConfig
 from meshrl.model import build_policy, load_hf_weights, read_hf_config, save_checkpoint
 from meshrl.types import TrainBatch
@@ -21,31 +22,41 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def ppo_clip_loss(logprobs: torch.Tensor, batch: TrainBatch, clip_eps: float) -> tuple[torch.Tensor, dict]:
-    """Per-token PPO-clip against the generator's behaviour logprobs, summed and divided by the step's
-    loss tokens (so micro-batches add up to one token mean). Metrics are sums over loss tokens."""
+def ppo_clip_loss(logprobs: torch.Tensor, batch: TrainBatch, clip_eps: float,
+                  tis_cap: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """Per-token PPO-clip on the importance ratio against the generator's behaviour logprobs.
+
+    The ratio corrects for off-policy (stale) episodes; with `tis_cap` > 0 it is truncated there
+    (truncated importance sampling), which bounds the pull of tokens the trainer now finds far more
+    likely than the generator did. The loss is summed and divided by the step's loss tokens, so
+    micro-batches add up to one token mean. Metrics are sums over loss tokens.
+    """
     mask = batch.loss_mask
     log_ratio = torch.where(mask, logprobs - batch.behaviour_logprobs, 0.0)
     ratio = torch.exp(log_ratio)
+    weight = ratio.clamp(max=tis_cap) if tis_cap > 0 else ratio
     advantages = batch.advantages.unsqueeze(-1)
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
+    unclipped = weight * advantages
+    clipped = weight.clamp(1 - clip_eps, 1 + clip_eps) * advantages
     loss = -(torch.minimum(unclipped, clipped) * mask).sum() / batch.loss_tokens
     with torch.no_grad():
+        clip_active = (clipped < unclipped) & mask
         metrics = {
             "loss": loss.item(),
             "tokens": int(mask.sum()),
             "logprob_mismatch": float((log_ratio.abs() * mask).sum()),
             "ratio": float((ratio * mask).sum()),
             "ratio_max": float(ratio[mask].max()) if mask.any() else 0.0,
-            "clipped": int(((clipped < unclipped) & mask).sum()),
+            "clip_low": int((clip_active & (ratio < 1)).sum()),
+            "clip_high": int((clip_active & (ratio > 1)).sum()),
+            "tis_truncated": int(((ratio > tis_cap) & mask).sum()) if tis_cap > 0 else 0,
         }
     return loss, metrics
 
 
 class TitanTrainer(Actor):
     def __init__(self, config: TrainerConfig, weight_sync: WeightSyncConfig, checkpoint: str):
-        torch.set_num_threads(config.num_threads)
+        pin_cpus(config.cpus, config.num_threads)
         torch.manual_seed(config.seed)
         self.config = config
         self.checkpoint = Path(checkpoint)
@@ -63,7 +74,8 @@ class TitanTrainer(Actor):
     async def forward_backward(self, batch: TrainBatch) -> dict:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16_autocast):
             logits = self.model(batch.input_ids)
-        loss, metrics = ppo_clip_loss(token_logprobs(logits, batch.target_ids), batch, self.config.clip_eps)
+        loss, metrics = ppo_clip_loss(token_logprobs(logits, batch.target_ids), batch, self.config.clip_eps,
+                                      self.config.tis_cap)
         loss.backward()
         return metrics
 
