@@ -82,15 +82,33 @@ async def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Pat
     return Actors(**actors, procs=procs)
 
 
+@dataclass
+class Rollout:
+    """One generated, scored batch: its episodes wait in the replay buffer for the step that trains them."""
+
+    num_episodes: int
+    policy_version: int
+    rewards: list[float]
+    correct: list[float]
+    reward_errors: int
+    tokens_generated: int
+    gen_time_s: float
+    pull_time_s: float
+    rollout_time_s: float
+
+
 class Controller:
+    """One loop for sync and async training: `replay_buffer.max_policy_age` sets how far ahead of the
+    trainer the rollouts may run (0: generate, then train, strictly alternating)."""
+
     def __init__(self, config: Config, run_dir: Path):
         cfg = config.controller
-        if cfg.mode != "sync":
-            raise ValueError(f"controller.mode {cfg.mode!r} is not supported yet (only 'sync')")
         if cfg.steps < 1 or cfg.prompts_per_step < 1 or cfg.eval_samples < 1:
             raise ValueError("controller.steps, prompts_per_step and eval_samples must be at least 1")
         if cfg.group_size < 2:
             raise ValueError("controller.group_size must be at least 2: a group of one has no advantage to learn from")
+        if config.replay_buffer.max_policy_age < 0:
+            raise ValueError("replay_buffer.max_policy_age must be at least 0")
         self.config = config
         self.run_dir = run_dir
         self.task = make_task(config.task, config.task_config)
@@ -98,7 +116,11 @@ class Controller:
         self.checkpoint = resolve_checkpoint(config.model.source)
         self.tokenizer = ChatTokenizer(self.checkpoint)
         self.actors: Actors | None = None
-        self.policy_version = 0
+        self.trainer_version = 0  # the newest version the trainer published
+        self.published = asyncio.Condition()
+        self.rollouts: asyncio.Queue[Rollout] = asyncio.Queue()
+        self.rollout_task: asyncio.Task | None = None
+        self.busy = {"generator": 0.0, "trainer": 0.0}  # seconds each has spent working
 
     async def run(self) -> dict:
         """Train for `controller.steps` steps; return (and write to summary.json) the eval accuracy before and after."""
@@ -112,11 +134,18 @@ class Controller:
             await self.actors.generator.attach_weights.call_one(ring)
             initial = await self.evaluate()
             rows = []
+            self.rollout_task = asyncio.create_task(self._rollout_loop())
             with open(self.run_dir / "metrics.jsonl", "w") as log, tqdm(range(1, cfg.steps + 1), unit="step") as bar:
+                last, busy = time.perf_counter(), dict(self.busy)
                 for step in bar:
                     row = await self.train_step(step)
+                    now = time.perf_counter()
+                    row["step_time_s"] = now - last
+                    for role in self.busy:
+                        row[f"{role}_busy"] = (self.busy[role] - busy[role]) / row["step_time_s"]
                     if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
                         row["eval_accuracy"] = await self.evaluate()
+                    last, busy = time.perf_counter(), dict(self.busy)
                     rows.append(row)
                     log.write(json.dumps(row) + "\n")
                     log.flush()
@@ -124,6 +153,9 @@ class Controller:
             final = rows[-1]["eval_accuracy"]
             await self.actors.trainer.save.call_one(str(self.run_dir / "final"))
         finally:
+            if self.rollout_task:
+                self.rollout_task.cancel()
+                await asyncio.gather(self.rollout_task, return_exceptions=True)
             for mesh in self.actors.procs:
                 await mesh.stop()
         plot_curves(rows, initial, self.run_dir / "curves.png")
@@ -132,51 +164,90 @@ class Controller:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
-    async def train_step(self, step: int) -> dict:
-        cfg, gen_cfg = self.config.controller, self.config.generator
-        a = self.actors
-        t0 = time.perf_counter()
-        first = (step - 1) * cfg.prompts_per_step
-        samples = {i: self.task.train_sample(i) for i in range(first, first + cfg.prompts_per_step)}
+    async def _rollout_loop(self) -> None:
+        """Generate, score and buffer one batch per train step, never more than max_policy_age ahead.
+
+        Batch i feeds step i + 1, which trains at trainer version i, so it may only be sampled with
+        a policy no older than version i - max_policy_age: wait until the trainer has published it.
+        """
+        cfg, gen_cfg, a = self.config.controller, self.config.generator, self.actors
+        max_age = self.config.replay_buffer.max_policy_age
         sampling = Sampling(n=cfg.group_size, temperature=gen_cfg.temperature, top_p=gen_cfg.top_p,
                             max_tokens=gen_cfg.max_tokens)
-        completions = await a.generator.generate.call_one(self._prompts(samples), sampling=sampling)
-        t_gen = time.perf_counter() - t0
+        for batch in range(cfg.steps):
+            async with self.published:
+                await self.published.wait_for(lambda: self.trainer_version >= batch - max_age)
+            t0 = time.perf_counter()
+            version = await a.generator.pull_weights.call_one()  # the newest, between batches
+            t1 = time.perf_counter()
+            first = batch * cfg.prompts_per_step
+            samples = {i: self.task.train_sample(i) for i in range(first, first + cfg.prompts_per_step)}
+            completions = await a.generator.generate.call_one(self._prompts(samples), sampling=sampling)
+            t2 = time.perf_counter()
+            self.busy["generator"] += t2 - t0
+            groups = await self._score(completions, samples)
+            episodes = [e for gid, group in groups.items() for e in build_episodes(group, gid, cfg.advantage_eps)]
+            await a.replay_buffer.add.call_one(episodes)
+            scored = [s for group in groups.values() for s in group]
+            await self.rollouts.put(Rollout(
+                num_episodes=len(episodes), policy_version=version, rewards=[s.reward for s in scored],
+                correct=[s.reward_components.get("correct", 0.0) for s in scored],
+                reward_errors=len(completions) - len(scored),
+                tokens_generated=sum(len(c.token_ids) for c in completions),
+                gen_time_s=t2 - t1, pull_time_s=t1 - t0, rollout_time_s=time.perf_counter() - t0))
 
-        groups = await self._score(completions, samples)
-        episodes = [e for gid, group in groups.items() for e in build_episodes(group, gid, cfg.advantage_eps)]
-        await a.replay_buffer.add.call_one(episodes)
-        batch = await a.replay_buffer.sample.call_one(self.policy_version, len(episodes))
+    async def _next_rollout(self) -> Rollout:
+        """The next buffered batch; re-raises if the rollout loop died instead of waiting forever."""
+        get = asyncio.ensure_future(self.rollouts.get())
+        await asyncio.wait({get, self.rollout_task}, return_when=asyncio.FIRST_COMPLETED)
+        if not get.done():
+            get.cancel()
+            self.rollout_task.result()  # raises the rollout loop's error
+            raise RuntimeError("the rollout loop ended before the last train step")
+        return get.result()
 
+    async def train_step(self, step: int) -> dict:
+        a = self.actors
+        t0 = time.perf_counter()
+        trained_version = self.trainer_version
+        rollout = await self._next_rollout()
+        # A batch that went stale waiting is evicted by the buffer (and counted); train on the next.
+        while (episodes := await a.replay_buffer.sample.call_one(trained_version, rollout.num_episodes)) is None:
+            rollout = await self._next_rollout()
         t1 = time.perf_counter()
-        train = await self._train(batch)
+        train = await self._train(episodes)
         t2 = time.perf_counter()
         published = await a.trainer.publish_weights.call_one()
-        self.policy_version = await a.generator.pull_weights.call_one()
-        if self.policy_version != published:
-            raise RuntimeError(f"generator serves version {self.policy_version} after version {published} was published")
         t3 = time.perf_counter()
-
-        scored = [s for group in groups.values() for s in group]
-        rewards = [s.reward for s in scored]
+        self.busy["trainer"] += t3 - t1
+        async with self.published:
+            self.trainer_version = published
+            self.published.notify_all()
+        staleness = [trained_version - e.policy_version for e in episodes]
+        rewards = rollout.rewards
         return {
             "step": step,
-            "policy_version": self.policy_version,
+            "policy_version": published,
             "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
             "reward_std": statistics.pstdev(rewards) if rewards else math.nan,
-            "accuracy": statistics.fmean(s.reward_components.get("correct", 0.0) for s in scored) if scored else math.nan,
-            "reward_errors": len(completions) - len(scored),
+            "accuracy": statistics.fmean(rollout.correct) if rewards else math.nan,
+            "reward_errors": rollout.reward_errors,
             **train,
-            "tokens_generated": sum(len(c.token_ids) for c in completions),
-            "step_time_s": t3 - t0,
-            "gen_time_s": t_gen,
+            "tokens_generated": rollout.tokens_generated,
+            "gen_time_s": rollout.gen_time_s,
+            "rollout_time_s": rollout.rollout_time_s,
             "train_time_s": t2 - t1,
-            "weight_sync_s": t3 - t2,
+            "weight_sync_s": rollout.pull_time_s + t3 - t2,
+            "wait_time_s": t1 - t0,
+            "staleness_mean": statistics.fmean(staleness),
+            "staleness_max": max(staleness),
+            **await a.replay_buffer.stats.call_one(),
         }
 
     async def evaluate(self) -> float:
-        """Mean accuracy on the task's fixed eval split (mean@k over `eval_samples` per prompt)."""
+        """Mean accuracy of the newest policy on the task's fixed eval split (mean@k, `eval_samples` per prompt)."""
         cfg = self.config.controller
+        await self.actors.generator.pull_weights.call_one()
         samples = dict(enumerate(self.task.eval_samples()))
         sampling = Sampling(n=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=self.config.generator.top_p,
                             max_tokens=self.config.generator.max_tokens)
@@ -218,6 +289,8 @@ class Controller:
             "logprob_mismatch": sums["logprob_mismatch"] / tokens,
             "ratio_mean": sums["ratio"] / tokens,
             "ratio_max": sums["ratio_max"],
-            "clip_fraction": sums["clipped"] / tokens,
+            "clip_fraction_low": sums["clip_low"] / tokens,
+            "clip_fraction_high": sums["clip_high"] / tokens,
+            "tis_fraction": sums["tis_truncated"] / tokens,
             "grad_norm": step["grad_norm"],
         }

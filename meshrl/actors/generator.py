@@ -2,9 +2,9 @@
 
 import os
 
-import torch
 from monarch.actor import Actor, endpoint
 
+from meshrl.actors import pin_cpus
 from meshrl.configs import GeneratorConfig, WeightSyncConfig
 from meshrl.model import load_hf_weights
 from meshrl.types import Completion, Prompt, Sampling
@@ -19,9 +19,11 @@ class VLLMGenerator(Actor):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
         os.environ["OMP_NUM_THREADS"] = str(config.num_threads)
+        if config.cpus:  # vLLM binds its OpenMP threads itself: to our cores, not to all of them
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpus
         # vLLM's per-call CPU notices would drown the progress bar; VLLM_LOGGING_LEVEL=INFO brings them back.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-        torch.set_num_threads(config.num_threads)
+        pin_cpus(config.cpus, config.num_threads)
         from vllm import LLM
 
         self.config = config

@@ -36,6 +36,7 @@ class GeneratorConfig:
     memory_fraction: float = 0.2  # vLLM's gpu_memory_utilization; on CPU a share of host memory
     kv_cache_gib: int = 1
     num_threads: int = 2
+    cpus: str = ""  # pin to these cores ("0", "0-1", "0,2"); "" leaves placement to the OS
     seed: int = 0
 
 
@@ -51,9 +52,11 @@ class TrainerConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     clip_eps: float = 0.2  # PPO clip range of the per-token importance ratio
+    tis_cap: float = 2.0  # truncate the importance ratio against the behaviour policy here (0: off)
     micro_batch_size: int = 16
     bf16_autocast: bool = True
     num_threads: int = 2
+    cpus: str = ""  # pin to these cores ("1", "2-3"); "" leaves placement to the OS
     seed: int = 0
 
 
@@ -68,12 +71,14 @@ class WeightSyncConfig:
 @dataclass
 class ReplayBufferConfig:
     impl: str = "meshrl.actors.replay_buffer:ReplayBuffer"
-    max_policy_age: int = 0  # optimizer steps; 0 trains only on the current policy's episodes
+    # The staleness bound, in optimizer steps: episodes sampled from a policy more than this many
+    # versions behind the trainer are evicted, never trained on. 0 is synchronous training; 1 lets
+    # the generators sample the next batch while the trainer trains on this one.
+    max_policy_age: int = 0
 
 
 @dataclass
 class ControllerConfig:
-    mode: str = "sync"
     steps: int = 20
     prompts_per_step: int = 8
     group_size: int = 8
@@ -118,6 +123,20 @@ def sum_digits_smollm2() -> Config:
     config.trainer.lr = 1e-5
     config.controller.eval_every = 5
     return config
+
+
+def _async(config: Config) -> Config:
+    """Generation on core 0, training on core 1, the generator sampling one step ahead of the trainer."""
+    config.replay_buffer.max_policy_age = 1
+    config.generator.cpus, config.generator.num_threads = "0", 1
+    config.trainer.cpus, config.trainer.num_threads = "1", 1
+    return config
+
+
+@register
+def sum_digits_smollm2_async() -> Config:
+    """The demo, trained asynchronously: staleness at most one step, one core per role."""
+    return _async(sum_digits_smollm2())
 
 
 @register
@@ -185,3 +204,21 @@ def _parse(key: str, text: str, kind: type):
 
 def to_dict(config: Config) -> dict:
     return dataclasses.asdict(config)
+
+
+@register
+def bench_smoke() -> Config:
+    """`meshrl bench sync-vs-async` on the tiny model: both modes in a few minutes."""
+    config = _async(smoke())
+    config.controller = ControllerConfig(steps=8, prompts_per_step=4, group_size=8)
+    config.generator.max_tokens = 32
+    config.sum_digits.eval_size = 8
+    return config
+
+
+@register
+def bench_smollm2() -> Config:
+    """`meshrl bench sync-vs-async` on the demo workload."""
+    config = _async(sum_digits_smollm2())
+    config.controller.eval_every = 0
+    return config
