@@ -29,13 +29,20 @@ def _parser() -> argparse.ArgumentParser:
     weight_sync.add_argument("--model", default="smollm2", help="smollm2, tiny, or an HF checkpoint directory")
     weight_sync.add_argument("--repeats", type=int, default=5, help="timings per figure (the median is reported)")
     weight_sync.add_argument("--stress-seconds", type=float, default=10.0, help="length of the torn-read stress")
+    sync_async = bench.add_parser("sync-vs-async", help="one workload trained sync, then async",
+                                  epilog="Config overrides apply to both runs: --generator.max_tokens 32")
+    sync_async.add_argument("--config", required=True, help="e.g. bench_smoke or bench_smollm2")
+    sync_async.add_argument("--steps", type=int, required=True, help="optimizer steps in each mode")
+    sync_async.add_argument("--json", type=Path, required=True, help="where to write the figures")
+    sync_async.add_argument("--plot", type=Path, required=True, help="where to write the PNG")
+    sync_async.add_argument("--run-dir", type=Path, help="where both runs go (default: runs/bench-CONFIG-TIME)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command != "train":
+    if rest and args.command != "train" and getattr(args, "bench", None) != "sync-vs-async":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -44,8 +51,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:24s} {fn.__doc__.strip().splitlines()[0]}")
         elif args.command == "prepare-model":
             print(resolve_checkpoint(args.source))
-        elif args.command == "bench":
+        elif args.command == "bench" and args.bench == "weight-sync":
             _bench_weight_sync(args)
+        elif args.command == "bench":
+            _bench_sync_vs_async(args, rest)
         else:
             return _train(args.config, rest, args.run_dir)
     except (ConfigError, ModelError, ValueError) as e:
@@ -61,6 +70,20 @@ def _bench_weight_sync(args) -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(weight_sync.report(result))
+
+
+def _bench_sync_vs_async(args, overrides: list[str]) -> None:
+    from meshrl.bench import sync_vs_async
+
+    load_config(args.config, overrides)  # bad input fails here, before either run starts
+    run_dir = args.run_dir or Path("runs") / f"bench-{args.config}-{time.strftime('%Y%m%d-%H%M%S')}"
+    result = sync_vs_async.run(args.config, args.steps, run_dir, overrides)
+    for path in (args.json, args.plot):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    sync_vs_async.plot(result, args.plot)
+    print(sync_vs_async.report(result))
+    print(f"runs: {run_dir}/sync, {run_dir}/async")
 
 
 def _train(name: str, overrides: list[str], run_dir: Path | None) -> int:
