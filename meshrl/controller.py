@@ -1,8 +1,9 @@
 """The controller: spawns one proc mesh per role and routes data between the actors.
 
 Completions (generator) -> ScoredCompletions (grader) -> Episodes with group advantages (here)
--> ReplayBuffer -> TrainBatches (trainer) -> published weights -> generator. The synchronous loop
-runs these phases one after another, each step on the policy the previous step published.
+-> ReplayBuffer -> TrainBatches (trainer) -> weight ring -> generator. A rollout loop and a
+training loop run concurrently; `replay_buffer.max_policy_age` bounds how far the rollouts may
+run ahead, and 0 makes the two alternate: synchronous training on the same code path.
 """
 
 import asyncio
@@ -66,7 +67,7 @@ def actor_classes(config: Config) -> dict[str, type]:
     return {role: load_actor_class(role_config.impl) for role, role_config in roles.items()}
 
 
-async def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Path) -> Actors:
+def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Path) -> Actors:
     """One proc mesh per role."""
     args = {
         "generator": (config.generator, config.weight_sync, str(checkpoint)),
@@ -87,7 +88,6 @@ class Rollout:
     """One generated, scored batch: its episodes wait in the replay buffer for the step that trains them."""
 
     num_episodes: int
-    policy_version: int
     rewards: list[float]
     correct: list[float]
     reward_errors: int
@@ -128,7 +128,7 @@ class Controller:
         start = time.perf_counter()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.config), indent=2))
-        self.actors = await spawn_actors(self.config, self.classes, self.checkpoint)
+        self.actors = spawn_actors(self.config, self.classes, self.checkpoint)
         try:
             ring = await self.actors.trainer.weight_ring.call_one()
             await self.actors.generator.attach_weights.call_one(ring)
@@ -178,7 +178,7 @@ class Controller:
             async with self.published:
                 await self.published.wait_for(lambda: self.trainer_version >= batch - max_age)
             t0 = time.perf_counter()
-            version = await a.generator.pull_weights.call_one()  # the newest, between batches
+            await a.generator.pull_weights.call_one()  # the newest version, between batches
             t1 = time.perf_counter()
             first = batch * cfg.prompts_per_step
             samples = {i: self.task.train_sample(i) for i in range(first, first + cfg.prompts_per_step)}
@@ -190,7 +190,7 @@ class Controller:
             await a.replay_buffer.add.call_one(episodes)
             scored = [s for group in groups.values() for s in group]
             await self.rollouts.put(Rollout(
-                num_episodes=len(episodes), policy_version=version, rewards=[s.reward for s in scored],
+                num_episodes=len(episodes), rewards=[s.reward for s in scored],
                 correct=[s.reward_components.get("correct", 0.0) for s in scored],
                 reward_errors=len(completions) - len(scored),
                 tokens_generated=sum(len(c.token_ids) for c in completions),

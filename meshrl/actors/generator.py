@@ -68,6 +68,8 @@ class VLLMGenerator(Actor):
     @endpoint
     async def pull_weights(self) -> int:
         """Load the ring's newest version in place, if newer than ours; return the version now served."""
+        if self.ring is None:
+            raise RuntimeError("pull_weights before attach_weights: no weight ring to pull from")
         latest = await self.ring.pull_latest(newer_than=self.policy_version)
         if latest is not None:
             version, weights = latest
