@@ -43,7 +43,7 @@ def run_cli(*args):
     (["train", "--config", "nope"], "unknown config 'nope'"),
     (["train", "--config", "smoke", "--controller.steps", "x"], "bad value for controller.steps"),
     (["train", "--config", "smoke", "--model.source", "/no/such/model"], "model '/no/such/model' not found"),
-    (["train", "--config", "smoke", "--controller.mode", "turbo"], "controller.mode 'turbo'"),
+    (["train", "--config", "smoke", "--replay_buffer.max_policy_age", "-1"], "max_policy_age must be at least 0"),
     (["train", "--config", "smoke", "--controller.group_size", "1"], "group_size must be at least 2"),
     (["train", "--config", "smoke", "--generator.impl", "no_module:Gen"], "cannot load actor implementation"),
 ])
