@@ -19,32 +19,28 @@ from monarch.actor import this_host
 from tqdm import tqdm
 
 from meshrl.actors import load_actor_class
+from meshrl.advantages import all_equal, estimator
 from meshrl.configs import Config, to_dict
+from meshrl.losses import check as check_loss
 from meshrl.model import ChatTokenizer, resolve_checkpoint
 from meshrl.plot import plot_curves
 from meshrl.tasks import Sample, make_task
 from meshrl.types import Episode, Prompt, Sampling, ScoredCompletion, TrainBatch
 
 
-def grpo_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
-    """GRPO: each reward's distance from its group's mean, in units of the group's std."""
-    mean = statistics.fmean(rewards)
-    std = statistics.pstdev(rewards) if len(rewards) > 1 else 0.0
-    return [(r - mean) / (std + eps) for r in rewards]
-
-
-def build_episodes(group: list[ScoredCompletion], group_id: int, eps: float = 1e-6) -> list[Episode]:
+def build_episodes(group: list[ScoredCompletion], group_id: int, advantage: str = "grpo",
+                   eps: float = 1e-6) -> list[Episode]:
     """One prompt's scored completions -> flat Episodes carrying the group advantage."""
-    advantages = grpo_advantages([s.reward for s in group], eps)
+    advantages = estimator(advantage)([s.reward for s in group], eps)
     episodes = []
-    for scored, advantage in zip(group, advantages):
+    for scored, adv in zip(group, advantages):
         c = scored.completion
         n_prompt = len(c.prompt_token_ids)
         episodes.append(Episode(
             tokens=c.prompt_token_ids + c.token_ids,
             loss_mask=[False] * n_prompt + [True] * len(c.token_ids),
             behaviour_logprobs=[0.0] * n_prompt + c.logprobs,
-            advantage=advantage,
+            advantage=adv,
             policy_version=c.policy_version,
             group_id=group_id,
         ))
@@ -58,12 +54,15 @@ class Actors:
     trainer: object
     replay_buffer: object
     procs: list
+    reference: object | None = None
 
 
 def actor_classes(config: Config) -> dict[str, type]:
     """The implementation each role's config names (checked before anything starts)."""
     roles = {"generator": config.generator, "grader": config.grader, "trainer": config.trainer,
              "replay_buffer": config.replay_buffer}
+    if config.trainer.loss.kl_coef > 0:
+        roles["reference"] = config.reference
     return {role: load_actor_class(role_config.impl) for role, role_config in roles.items()}
 
 
@@ -74,6 +73,7 @@ def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Path) -> 
         "grader": (config.task, config.task_config),
         "trainer": (config.trainer, config.weight_sync, str(checkpoint)),
         "replay_buffer": (config.replay_buffer,),
+        "reference": (config.reference, str(checkpoint)),
     }
     actors, procs = {}, []
     for role, cls in classes.items():
@@ -88,6 +88,8 @@ class Rollout:
     """One generated, scored batch: its episodes wait in the replay buffer for the step that trains them."""
 
     num_episodes: int
+    equal_reward_groups: int  # groups whose completions all got the same reward: no learning signal
+    groups_dropped: int
     rewards: list[float]
     correct: list[float]
     reward_errors: int
@@ -109,6 +111,8 @@ class Controller:
             raise ValueError("controller.group_size must be at least 2: a group of one has no advantage to learn from")
         if config.replay_buffer.max_policy_age < 0:
             raise ValueError("replay_buffer.max_policy_age must be at least 0")
+        estimator(cfg.advantage)
+        check_loss(config.trainer.loss)
         self.config = config
         self.run_dir = run_dir
         self.task = make_task(config.task, config.task_config)
@@ -174,27 +178,45 @@ class Controller:
         max_age = self.config.replay_buffer.max_policy_age
         sampling = Sampling(n=cfg.group_size, temperature=gen_cfg.temperature, top_p=gen_cfg.top_p,
                             max_tokens=gen_cfg.max_tokens)
+        rounds = cfg.max_sample_rounds if cfg.drop_equal_reward_groups else 1
+        next_prompt = 0
         for batch in range(cfg.steps):
             async with self.published:
                 await self.published.wait_for(lambda: self.trainer_version >= batch - max_age)
             t0 = time.perf_counter()
             await a.generator.pull_weights.call_one()  # the newest version, between batches
-            t1 = time.perf_counter()
-            first = batch * cfg.prompts_per_step
-            samples = {i: self.task.train_sample(i) for i in range(first, first + cfg.prompts_per_step)}
-            completions = await a.generator.generate.call_one(self._prompts(samples), sampling=sampling)
-            t2 = time.perf_counter()
-            self.busy["generator"] += t2 - t0
-            groups = await self._score(completions, samples)
-            episodes = [e for gid, group in groups.items() for e in build_episodes(group, gid, cfg.advantage_eps)]
+            pull_time, gen_time = time.perf_counter() - t0, 0.0
+            kept, scored, equal, completions = {}, [], 0, []
+            # DAPO's dynamic sampling: with drop_equal_reward_groups, groups without signal are left out
+            # and more prompts are sampled, up to max_sample_rounds blocks, to fill the batch.
+            for _ in range(rounds):
+                samples = {i: self.task.train_sample(i) for i in range(next_prompt, next_prompt + cfg.prompts_per_step)}
+                next_prompt += cfg.prompts_per_step
+                t1 = time.perf_counter()
+                block = await a.generator.generate.call_one(self._prompts(samples), sampling=sampling)
+                gen_time += time.perf_counter() - t1
+                completions += block
+                for gid, group in (await self._score(block, samples)).items():
+                    if not group:  # every completion's reward function failed
+                        continue
+                    scored += group
+                    no_signal = all_equal([s.reward for s in group])
+                    equal += no_signal
+                    if not (cfg.drop_equal_reward_groups and no_signal):
+                        kept[gid] = group
+                if len(kept) >= cfg.prompts_per_step:
+                    break
+            self.busy["generator"] += pull_time + gen_time
+            episodes = [e for gid, group in kept.items()
+                        for e in build_episodes(group, gid, cfg.advantage, cfg.advantage_eps)]
             await a.replay_buffer.add.call_one(episodes)
-            scored = [s for group in groups.values() for s in group]
             await self.rollouts.put(Rollout(
-                num_episodes=len(episodes), rewards=[s.reward for s in scored],
-                correct=[s.reward_components.get("correct", 0.0) for s in scored],
+                num_episodes=len(episodes), equal_reward_groups=equal,
+                groups_dropped=equal if cfg.drop_equal_reward_groups else 0,
+                rewards=[s.reward for s in scored], correct=[s.reward_components.get("correct", 0.0) for s in scored],
                 reward_errors=len(completions) - len(scored),
                 tokens_generated=sum(len(c.token_ids) for c in completions),
-                gen_time_s=t2 - t1, pull_time_s=t1 - t0, rollout_time_s=time.perf_counter() - t0))
+                gen_time_s=gen_time, pull_time_s=pull_time, rollout_time_s=time.perf_counter() - t0))
 
     async def _next_rollout(self) -> Rollout:
         """The next buffered batch; re-raises if the rollout loop died instead of waiting forever."""
@@ -223,7 +245,7 @@ class Controller:
         async with self.published:
             self.trainer_version = published
             self.published.notify_all()
-        staleness = [trained_version - e.policy_version for e in episodes]
+        staleness = [trained_version - e.policy_version for e in episodes] or [0]  # [0]: nothing to train
         rewards = rollout.rewards
         return {
             "step": step,
@@ -232,6 +254,8 @@ class Controller:
             "reward_std": statistics.pstdev(rewards) if rewards else math.nan,
             "accuracy": statistics.fmean(rollout.correct) if rewards else math.nan,
             "reward_errors": rollout.reward_errors,
+            "equal_reward_groups": rollout.equal_reward_groups,
+            "groups_dropped": rollout.groups_dropped,
             **train,
             "tokens_generated": rollout.tokens_generated,
             "gen_time_s": rollout.gen_time_s,
@@ -271,12 +295,14 @@ class Controller:
 
     async def _train(self, episodes: list[Episode]) -> dict:
         """One optimizer step over `episodes`, in micro-batches whose losses add up to a token mean."""
-        trainer = self.actors.trainer
+        trainer, reference = self.actors.trainer, self.actors.reference
         size = self.config.trainer.micro_batch_size
         loss_tokens = sum(e.num_response_tokens for e in episodes)
         sums = defaultdict(float)
         for i in range(0, len(episodes), size):
-            batch = TrainBatch.collate(episodes[i:i + size], loss_tokens, self.tokenizer.pad_id)
+            batch = TrainBatch.collate(episodes[i:i + size], loss_tokens, len(episodes), self.tokenizer.pad_id)
+            if reference:
+                batch.ref_logprobs = await reference.logprobs.call_one(batch)
             metrics = await trainer.forward_backward.call_one(batch)
             sums["ratio_max"] = max(sums["ratio_max"], metrics.pop("ratio_max"))
             for k, v in metrics.items():
@@ -292,5 +318,7 @@ class Controller:
             "clip_fraction_low": sums["clip_low"] / tokens,
             "clip_fraction_high": sums["clip_high"] / tokens,
             "tis_fraction": sums["tis_truncated"] / tokens,
+            "entropy": sums["entropy"] / tokens,
+            **({"kl": sums["kl"] / tokens} if reference else {}),
             "grad_norm": step["grad_norm"],
         }

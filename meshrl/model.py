@@ -136,6 +136,13 @@ def build_policy(hf_config: dict):
     return config.build(), Llama3StateDictAdapter(config, None)
 
 
+def load_policy(checkpoint: Path, hf_weights: dict[str, torch.Tensor] | None = None):
+    """The torchtitan policy with the checkpoint's weights, and its HF adapter."""
+    model, adapter = build_policy(read_hf_config(checkpoint))
+    model.load_state_dict(adapter.from_hf(dict(hf_weights or load_hf_weights(checkpoint))))
+    return model, adapter
+
+
 def load_hf_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     weights = {}
     for path in sorted(Path(checkpoint).glob("*.safetensors")):

@@ -67,8 +67,8 @@ class TrainBatch:
 
     Position t holds the target token t+1 of each sequence, so `target_ids`, `loss_mask`,
     `behaviour_logprobs` line up with the logits the model emits at position t.
-    `loss_tokens` is the number of loss tokens in the whole optimizer step, so micro-batches
-    accumulate to one token mean.
+    `loss_tokens` and `loss_sequences` count the whole optimizer step, so micro-batches accumulate
+    to one mean. `ref_logprobs` are the reference model's, when a KL penalty needs them.
     """
 
     input_ids: torch.Tensor  # [B, T] int64
@@ -77,9 +77,11 @@ class TrainBatch:
     behaviour_logprobs: torch.Tensor  # [B, T] float32
     advantages: torch.Tensor  # [B] float32
     loss_tokens: int
+    loss_sequences: int
+    ref_logprobs: torch.Tensor | None = None  # [B, T] float32
 
     @staticmethod
-    def collate(episodes: list[Episode], loss_tokens: int, pad_id: int = 0) -> "TrainBatch":
+    def collate(episodes: list[Episode], loss_tokens: int, loss_sequences: int, pad_id: int = 0) -> "TrainBatch":
         length = max(len(e.tokens) for e in episodes) - 1
         n = len(episodes)
         input_ids = torch.full((n, length), pad_id, dtype=torch.long)
@@ -93,4 +95,4 @@ class TrainBatch:
             loss_mask[i, :t] = torch.tensor(e.loss_mask[1:])
             behaviour[i, :t] = torch.tensor(e.behaviour_logprobs[1:])
         advantages = torch.tensor([e.advantage for e in episodes], dtype=torch.float32)
-        return TrainBatch(input_ids, target_ids, loss_mask, behaviour, advantages, loss_tokens)
+        return TrainBatch(input_ids, target_ids, loss_mask, behaviour, advantages, loss_tokens, loss_sequences)

@@ -20,5 +20,5 @@ def episode(completion: Completion, advantage: float) -> Episode:
 async def mismatch(trainer, completion: Completion) -> float:
     """Mean |trainer logprob - generator logprob| over the completion's tokens (zero advantage: no update)."""
     e = episode(completion, 0.0)
-    metrics = await trainer.forward_backward.call_one(TrainBatch.collate([e], e.num_response_tokens))
+    metrics = await trainer.forward_backward.call_one(TrainBatch.collate([e], e.num_response_tokens, 1))
     return metrics["logprob_mismatch"] / metrics["tokens"]

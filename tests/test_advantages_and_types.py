@@ -1,30 +1,14 @@
-"""Pure logic: GRPO advantages, Episode construction, TrainBatch collation."""
+"""Pure logic: Episode construction and TrainBatch collation."""
 
-import math
-
-import pytest
 import torch
 
-from meshrl.controller import build_episodes, grpo_advantages
+from meshrl.controller import build_episodes
 from meshrl.types import Completion, ScoredCompletion, TrainBatch
 
 
 def scored(reward, prompt=(1, 2), tokens=(3, 4), logprobs=(-0.5, -0.25), version=3):
     c = Completion(0, list(prompt), list(tokens), list(logprobs), "text", version, "stop")
     return ScoredCompletion(c, reward, {"correct": reward})
-
-
-def test_grpo_advantages_by_hand():
-    # rewards 1, 0, 0, 1: mean 0.5, population std 0.5
-    assert grpo_advantages([1.0, 0.0, 0.0, 1.0], eps=0.0) == [1.0, -1.0, -1.0, 1.0]
-    a = grpo_advantages([2.0, 0.0, 1.0], eps=1e-6)
-    std = math.sqrt(2 / 3)
-    assert a == pytest.approx([1 / (std + 1e-6), -1 / (std + 1e-6), 0.0])
-
-
-def test_grpo_advantages_equal_rewards_and_group_of_one_are_zero():
-    assert grpo_advantages([0.7, 0.7, 0.7]) == pytest.approx([0.0, 0.0, 0.0], abs=1e-9)
-    assert grpo_advantages([1.0]) == [0.0]
 
 
 def test_build_episodes_masks_prompt_and_aligns_logprobs():
@@ -40,10 +24,10 @@ def test_build_episodes_masks_prompt_and_aligns_logprobs():
 
 def test_collate_shifts_targets_and_pads():
     episodes = build_episodes([scored(1.0), scored(0.0, tokens=(5,), logprobs=(-2.0,))], group_id=0, eps=0.0)
-    batch = TrainBatch.collate(episodes, loss_tokens=3, pad_id=9)
+    batch = TrainBatch.collate(episodes, loss_tokens=3, loss_sequences=2, pad_id=9)
     assert batch.input_ids.tolist() == [[1, 2, 3], [1, 2, 9]]
     assert batch.target_ids.tolist() == [[2, 3, 4], [2, 5, 9]]
     # the logits at position t predict token t+1: the loss covers the positions predicting responses
     assert batch.loss_mask.tolist() == [[False, True, True], [False, True, False]]
     assert torch.equal(batch.behaviour_logprobs, torch.tensor([[0.0, -0.5, -0.25], [0.0, -2.0, 0.0]]))
-    assert batch.advantages.tolist() == [1.0, -1.0] and batch.loss_tokens == 3
+    assert batch.advantages.tolist() == [1.0, -1.0] and (batch.loss_tokens, batch.loss_sequences) == (3, 2)

@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from meshrl.model import load_hf_weights
 
 KEYS = {"step", "policy_version", "reward_mean", "reward_std", "accuracy", "loss", "tokens_generated",
@@ -42,3 +44,25 @@ def test_smoke_run_writes_metrics_plot_and_a_final_policy_vllm_loads(tmp_path, t
     """)
     loaded = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=300)
     assert "GENERATED 4" in loaded.stdout, loaded.stderr[-3000:]
+
+
+@pytest.mark.parametrize("overrides, check", [
+    # the KL penalty starts the ReferenceModel actor; GSPO's sequence ratio; RLOO's baseline
+    (["--trainer.loss.name", "gspo", "--trainer.loss.kl_coef", "0.05", "--controller.advantage", "rloo"],
+     lambda rows: all(r["kl"] >= 0 for r in rows)),
+    # the tiny random model never earns a reward: DAPO's dynamic sampling drops every group, and
+    # the trainer still steps (on nothing) so the loop goes on
+    (["--trainer.loss.name", "dapo", "--controller.drop_equal_reward_groups", "true",
+      "--controller.max_sample_rounds", "2"],
+     lambda rows: all(r["groups_dropped"] == r["equal_reward_groups"] == 4 and r["tokens_trained"] == 0
+                      for r in rows)),
+])
+def test_smoke_runs_with_other_losses_and_estimators(tmp_path, overrides, check):
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(run_dir),
+                             *overrides], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows] == [1, 2]
+    assert all(r["entropy"] > 0 for r in rows)
+    assert check(rows)

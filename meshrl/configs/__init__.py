@@ -46,13 +46,29 @@ class GraderConfig:
 
 
 @dataclass
+class LossConfig:
+    """The policy loss (see meshrl/losses.py and the README's table)."""
+
+    name: str = "ppo_clip"  # ppo_clip | dapo | gspo | cispo
+    clip_eps: float = 0.2  # ppo_clip: symmetric clip range of the ratio
+    clip_eps_low: float = 0.2  # dapo: lower clip range
+    clip_eps_high: float = 0.28  # dapo (clip-higher) and cispo (upper bound of the IS weight)
+    gspo_clip_eps_low: float = 3e-4  # gspo clips the sequence ratio, which stays close to 1
+    gspo_clip_eps_high: float = 4e-4
+    tis_cap: float = 2.0  # truncate the importance ratio against the behaviour policy here (0: off)
+    aggregation: str = "token_mean"  # token_mean | seq_mean | constant (Dr. GRPO); gspo is always seq_mean
+    constant_norm: int = 48  # aggregation=constant: the tokens per sequence to divide by
+    kl_coef: float = 0.0  # k3 KL penalty to the frozen reference model (starts a ReferenceModel actor)
+    entropy_coef: float = 0.0  # entropy bonus
+
+
+@dataclass
 class TrainerConfig:
     impl: str = "meshrl.actors.trainer:TitanTrainer"
     lr: float = 1e-5
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    clip_eps: float = 0.2  # PPO clip range of the per-token importance ratio
-    tis_cap: float = 2.0  # truncate the importance ratio against the behaviour policy here (0: off)
+    loss: LossConfig = field(default_factory=LossConfig)
     micro_batch_size: int = 16
     bf16_autocast: bool = True
     num_threads: int = 2
@@ -69,6 +85,16 @@ class WeightSyncConfig:
 
 
 @dataclass
+class ReferenceConfig:
+    """The frozen initial policy that the KL penalty pulls toward (used when trainer.loss.kl_coef > 0)."""
+
+    impl: str = "meshrl.actors.reference:ReferenceModel"
+    bf16_autocast: bool = True
+    num_threads: int = 2
+    cpus: str = ""
+
+
+@dataclass
 class ReplayBufferConfig:
     impl: str = "meshrl.actors.replay_buffer:ReplayBuffer"
     # The staleness bound, in optimizer steps: episodes sampled from a policy more than this many
@@ -82,6 +108,9 @@ class ControllerConfig:
     steps: int = 20
     prompts_per_step: int = 8
     group_size: int = 8
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo (meshrl/advantages.py)
+    drop_equal_reward_groups: bool = False  # DAPO's dynamic sampling: groups without signal are not trained
+    max_sample_rounds: int = 4  # with drop_equal_reward_groups: prompt blocks sampled at most to fill a batch
     eval_every: int = 0  # 0: evaluate only before the first and after the last step
     # Eval accuracy is the mean over `eval_samples` completions per eval prompt at `eval_temperature`
     # (the training temperature by default; 0 with eval_samples=1 is greedy).
@@ -98,6 +127,7 @@ class Config:
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     grader: GraderConfig = field(default_factory=GraderConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     replay_buffer: ReplayBufferConfig = field(default_factory=ReplayBufferConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)

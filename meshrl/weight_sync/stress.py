@@ -14,7 +14,7 @@ def _batch() -> TrainBatch:
     """A fixed nonzero-advantage batch: each optimizer step then really changes the weights."""
     episodes = [Episode(list(range(10 + i, 42 + i)), [False] * 8 + [True] * 24, [-1.0] * 32, 1.0 - 2 * i, 0, 0)
                 for i in range(2)]
-    return TrainBatch.collate(episodes, loss_tokens=48)
+    return TrainBatch.collate(episodes, loss_tokens=48, loss_sequences=2)
 
 
 async def stress_ring(trainer, generators: list, seconds: float) -> dict:
