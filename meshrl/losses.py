@@ -140,7 +140,20 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+def response_logits(model, batch: TrainBatch) -> torch.Tensor:
+    """Logits [N, V] at the batch's N loss positions only: the LM head (a fifth of SmolLM2's weights)
+    and the log-softmax over the vocabulary skip the prompt positions. `model` is a policy from
+    `model.load_policy`, whose forward stops before the LM head."""
+    return model.lm_head(model(batch.input_ids)[batch.loss_mask])
+
+
+def on_positions(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-position values [N] back to [B, T], zero off the mask (differentiable)."""
+    return torch.zeros(mask.shape, dtype=values.dtype).masked_scatter(mask, values)
+
+
 def policy_logprobs(model, batch: TrainBatch, bf16_autocast: bool) -> torch.Tensor:
-    """`model`'s logprob of every target token [B, T], without building a graph."""
+    """`model`'s logprob of every loss token [B, T] (0 elsewhere), without building a graph."""
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
-        return token_logprobs(model(batch.input_ids), batch.target_ids)
+        logits = response_logits(model, batch)
+    return on_positions(token_logprobs(logits, batch.target_ids[batch.loss_mask]), batch.loss_mask)

@@ -137,9 +137,13 @@ def build_policy(hf_config: dict):
 
 
 def load_policy(checkpoint: Path, hf_weights: dict[str, torch.Tensor] | None = None):
-    """The torchtitan policy with the checkpoint's weights, and its HF adapter."""
+    """The torchtitan policy with the checkpoint's weights, and its HF adapter.
+
+    Its forward returns the final hidden states (torchtitan's `_skip_lm_head`), so that callers
+    apply the LM head only where they need logits (`losses.response_logits`)."""
     model, adapter = build_policy(read_hf_config(checkpoint))
     model.load_state_dict(adapter.from_hf(dict(hf_weights or load_hf_weights(checkpoint))))
+    model._skip_lm_head = True
     return model, adapter
 
 

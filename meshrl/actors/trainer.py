@@ -10,7 +10,8 @@ from monarch.actor import Actor, endpoint
 
 from meshrl.actors import pin_cpus
 from meshrl.configs import TrainerConfig, WeightSyncConfig
-from meshrl.losses import check, policy_logprobs, policy_loss, token_entropy, token_logprobs
+from meshrl.losses import (check, on_positions, policy_logprobs, policy_loss, response_logits, token_entropy,
+                           token_logprobs)
 from meshrl.model import load_hf_weights, load_policy, save_checkpoint
 from meshrl.types import TrainBatch
 from meshrl.weight_sync import WeightLayout
@@ -36,11 +37,13 @@ class TitanTrainer(Actor):
     @endpoint
     async def forward_backward(self, batch: TrainBatch) -> dict:
         """Accumulate the loss's gradient over one micro-batch; returns the loss's metric sums."""
+        mask = batch.loss_mask
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16_autocast):
-            logits = self.model(batch.input_ids)
+            logits = response_logits(self.model, batch)
         with torch.set_grad_enabled(self.config.loss.entropy_coef > 0):  # else the entropy is a metric only
-            entropy = token_entropy(logits)
-        loss, metrics = policy_loss(token_logprobs(logits, batch.target_ids), batch, self.config.loss, entropy)
+            entropy = on_positions(token_entropy(logits), mask)
+        logprobs = on_positions(token_logprobs(logits, batch.target_ids[mask]), mask)
+        loss, metrics = policy_loss(logprobs, batch, self.config.loss, entropy)
         loss.backward()
         return metrics
 
