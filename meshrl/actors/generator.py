@@ -1,5 +1,6 @@
 """The generator: vLLM in process, producing Completions with per-token logprobs and their policy version."""
 
+import asyncio
 import os
 
 from monarch.actor import Actor, endpoint
@@ -32,6 +33,7 @@ class VLLMGenerator(Actor):
         self.layout = WeightLayout.of_tensors(load_hf_weights(checkpoint))
         self.transport = weight_sync.transport
         self.ring: RingReader | None = None
+        self.pulling = asyncio.Lock()  # one pull at a time: they share the reader's buffer
         self.policy_version = 0
 
     @endpoint
@@ -70,13 +72,14 @@ class VLLMGenerator(Actor):
         """Load the ring's newest version in place, if newer than ours; return the version now served."""
         if self.ring is None:
             raise RuntimeError("pull_weights before attach_weights: no weight ring to pull from")
-        latest = await self.ring.pull_latest(newer_than=self.policy_version)
-        if latest is not None:
-            version, weights = latest
-            self.llm.llm_engine.model_executor.driver_worker.worker.reload_weights(weights_iterator=iter(weights))
-            self.llm.llm_engine.reset_prefix_cache()
-            self.policy_version = version
-        return self.policy_version
+        async with self.pulling:
+            latest = await self.ring.pull_latest(newer_than=self.policy_version)
+            if latest is not None:
+                version, weights = latest
+                self.llm.llm_engine.model_executor.driver_worker.worker.reload_weights(weights_iterator=iter(weights))
+                self.llm.llm_engine.reset_prefix_cache()
+                self.policy_version = version
+            return self.policy_version
 
     @endpoint
     async def weight_sync_stats(self) -> dict:
