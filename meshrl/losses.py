@@ -35,27 +35,24 @@ def _truncate(ratio: torch.Tensor, cap: float) -> torch.Tensor:
     return ratio.clamp(max=cap) if cap > 0 else ratio
 
 
-def _clipped_surrogate(weight, advantages, low, high):
-    """PPO's pessimistic surrogate -min(w A, clip(w) A) and where the clip decided it."""
+def _clipped_surrogate(ratio: torch.Tensor, batch: TrainBatch, tis_cap: float, low: float, high: float):
+    """PPO's pessimistic surrogate -min(w A, clip(w) A) on the truncated ratio w: the per-token loss,
+    the ratio, and where the clip decided it."""
+    weight = _truncate(ratio, tis_cap)
+    advantages = batch.advantages.unsqueeze(-1)
     unclipped = weight * advantages
     clipped = weight.clamp(1 - low, 1 + high) * advantages
-    return -torch.minimum(unclipped, clipped), clipped < unclipped
+    return -torch.minimum(unclipped, clipped), ratio, clipped < unclipped
 
 
 def ppo_clip(logprobs, batch, cfg: LossConfig):
     """PPO-clip (Schulman et al. 2017) per token, symmetric epsilon."""
-    _, ratio = _ratio(logprobs, batch)
-    per_token, clip_active = _clipped_surrogate(_truncate(ratio, cfg.tis_cap), batch.advantages.unsqueeze(-1),
-                                                cfg.clip_eps, cfg.clip_eps)
-    return per_token, ratio, clip_active
+    return _clipped_surrogate(_ratio(logprobs, batch)[1], batch, cfg.tis_cap, cfg.clip_eps, cfg.clip_eps)
 
 
 def dapo(logprobs, batch, cfg: LossConfig):
     """DAPO (Yu et al. 2025): clip-higher, a wider upper than lower clip range (use token_mean)."""
-    _, ratio = _ratio(logprobs, batch)
-    per_token, clip_active = _clipped_surrogate(_truncate(ratio, cfg.tis_cap), batch.advantages.unsqueeze(-1),
-                                                cfg.clip_eps_low, cfg.clip_eps_high)
-    return per_token, ratio, clip_active
+    return _clipped_surrogate(_ratio(logprobs, batch)[1], batch, cfg.tis_cap, cfg.clip_eps_low, cfg.clip_eps_high)
 
 
 def gspo(logprobs, batch, cfg: LossConfig):
@@ -63,12 +60,10 @@ def gspo(logprobs, batch, cfg: LossConfig):
 
     The sequence's ratio exp(mean_t log r_t) is given to each of its tokens, and seq_mean then
     averages per-sequence losses, as the paper does."""
-    log_ratio, ratio = _ratio(logprobs, batch)
+    log_ratio, _ = _ratio(logprobs, batch)
     lengths = batch.loss_mask.sum(-1, keepdim=True).clamp(min=1)
-    seq_ratio = torch.exp(log_ratio.sum(-1, keepdim=True) / lengths).expand_as(ratio)
-    per_token, clip_active = _clipped_surrogate(_truncate(seq_ratio, cfg.tis_cap), batch.advantages.unsqueeze(-1),
-                                                cfg.gspo_clip_eps_low, cfg.gspo_clip_eps_high)
-    return per_token, seq_ratio, clip_active
+    seq_ratio = torch.exp(log_ratio.sum(-1, keepdim=True) / lengths).expand_as(log_ratio)
+    return _clipped_surrogate(seq_ratio, batch, cfg.tis_cap, cfg.gspo_clip_eps_low, cfg.gspo_clip_eps_high)
 
 
 def cispo(logprobs, batch, cfg: LossConfig):
