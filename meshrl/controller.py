@@ -15,10 +15,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from monarch.actor import this_host
 from tqdm import tqdm
 
-from meshrl.actors import load_actor_class
+from meshrl.actors import load_actor_class, spawn
 from meshrl.advantages import all_equal, estimator
 from meshrl.configs import Config, to_dict
 from meshrl.losses import check as check_loss
@@ -77,9 +76,8 @@ def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Path) -> 
     }
     actors, procs = {}, []
     for role, cls in classes.items():
-        mesh = this_host().spawn_procs(per_host={"procs": 1}, name=role)
+        mesh, actors[role] = spawn(role, cls, *args[role])
         procs.append(mesh)
-        actors[role] = mesh.spawn(role, cls, *args[role])
     return Actors(**actors, procs=procs)
 
 

@@ -2,15 +2,8 @@
 
 import dataclasses
 
-from monarch.actor import this_host
-
 from meshrl.controller import build_episodes
 from meshrl.types import Completion, Episode, ScoredCompletion, TrainBatch
-
-
-def spawn(name, cls, *args):
-    procs = this_host().spawn_procs(per_host={"procs": 1}, name=name)
-    return procs, procs.spawn(name, cls, *args)
 
 
 def episode(completion: Completion, advantage: float) -> Episode:

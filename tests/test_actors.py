@@ -3,8 +3,9 @@
 import asyncio
 
 import pytest
-from actor_helpers import episode, mismatch, spawn
+from actor_helpers import episode, mismatch
 
+from meshrl.actors import spawn
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.grader import Grader
 from meshrl.actors.replay_buffer import ReplayBuffer

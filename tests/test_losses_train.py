@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 import torch
-from actor_helpers import spawn
 
+from meshrl.actors import spawn
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import LossConfig, TrainerConfig, WeightSyncConfig
 from meshrl.losses import LOSSES

@@ -6,8 +6,8 @@ runs the full 30-second version.
 
 import asyncio
 
-from actor_helpers import spawn
 
+from meshrl.actors import spawn
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig

@@ -4,6 +4,7 @@ import importlib
 import os
 
 import torch
+from monarch.actor import this_host
 
 
 def load_actor_class(impl: str):
@@ -12,6 +13,12 @@ def load_actor_class(impl: str):
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as e:
         raise ValueError(f"cannot load actor implementation {impl!r}: {e}") from None
+
+
+def spawn(name: str, cls, *args):
+    """`cls` on a proc mesh of its own (one process here): (the mesh, to stop it; the actor)."""
+    procs = this_host().spawn_procs(per_host={"procs": 1}, name=name)
+    return procs, procs.spawn(name, cls, *args)
 
 
 def parse_cpus(cpus: str) -> set[int]:

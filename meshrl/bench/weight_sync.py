@@ -11,8 +11,9 @@ import statistics
 import time
 
 import torch
-from monarch.actor import Actor, endpoint, this_host
+from monarch.actor import Actor, endpoint
 
+from meshrl.actors import spawn
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
@@ -44,11 +45,6 @@ async def _median_seconds(repeats: int, fn) -> float:
     return statistics.median(times)
 
 
-def _spawn(name, cls, *args):
-    procs = this_host().spawn_procs(per_host={"procs": 1}, name=name)
-    return procs, procs.spawn(name, cls, *args)
-
-
 async def bench_weight_sync(model: str = "smollm2", repeats: int = 5, stress_seconds: float = 10.0) -> dict:
     from monarch.rdma import get_rdma_backend
 
@@ -65,7 +61,7 @@ async def bench_weight_sync(model: str = "smollm2", repeats: int = 5, stress_sec
 
     result["memcpy_gbps"] = gbps(await _median_seconds(repeats, memcpy))
 
-    source_procs, source = _spawn("byte_source", ByteSource, nbytes)
+    source_procs, source = spawn("byte_source", ByteSource, nbytes)
     raw = await source.buffer.call_one()
     result["raw_rdma_gbps"] = gbps(await _median_seconds(repeats, lambda: raw.read_into(dst)))
     await source_procs.stop()
@@ -74,9 +70,9 @@ async def bench_weight_sync(model: str = "smollm2", repeats: int = 5, stress_sec
     procs = []
     try:
         sync = WeightSyncConfig()
-        trainer_procs, trainer = _spawn("trainer", TitanTrainer, TrainerConfig(num_threads=1), sync, checkpoint)
-        generator_procs, generator = _spawn("generator", VLLMGenerator, GeneratorConfig(num_threads=1), sync,
-                                                  checkpoint)
+        trainer_procs, trainer = spawn("trainer", TitanTrainer, TrainerConfig(num_threads=1), sync, checkpoint)
+        generator_procs, generator = spawn("generator", VLLMGenerator, GeneratorConfig(num_threads=1), sync,
+                                           checkpoint)
         procs += [trainer_procs, generator_procs]
         ring = await trainer.weight_ring.call_one()
         await trainer.publish_weights.call_one()
@@ -102,12 +98,12 @@ async def bench_weight_sync(model: str = "smollm2", repeats: int = 5, stress_sec
     procs = []
     try:
         sync = WeightSyncConfig(checksums=True)
-        trainer_procs, trainer = _spawn("stress_trainer", TitanTrainer, TrainerConfig(lr=1e-4, num_threads=1),
-                                              sync, checkpoint)
+        trainer_procs, trainer = spawn("stress_trainer", TitanTrainer, TrainerConfig(lr=1e-4, num_threads=1),
+                                       sync, checkpoint)
         procs.append(trainer_procs)
         generators = []
         for i in range(2):
-            p, g = _spawn(f"stress_generator{i}", VLLMGenerator, GeneratorConfig(num_threads=1), sync, checkpoint)
+            p, g = spawn(f"stress_generator{i}", VLLMGenerator, GeneratorConfig(num_threads=1), sync, checkpoint)
             procs.append(p)
             generators.append(g)
         ring = await trainer.weight_ring.call_one()
