@@ -92,7 +92,8 @@ def _train(name: str, overrides: list[str], run_dir: Path | None) -> int:
     config = load_config(name, overrides)
     run_dir = run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     summary = asyncio.run(Controller(config, run_dir).run())
-    print(f"eval accuracy: step 0 {summary['eval_accuracy_initial']:.3f} -> "
-          f"step {summary['steps']} {summary['eval_accuracy_final']:.3f}")
+    for key in (k.removesuffix("_initial") for k in summary if k.endswith("_initial")):
+        print(f"{key.replace('_', ' ')}: step 0 {summary[key + '_initial']:.3f} -> "
+              f"step {summary['steps']} {summary[key + '_final']:.3f}")
     print(f"run directory: {run_dir} (metrics.jsonl, curves.png, final/)")
     return 0

@@ -24,7 +24,8 @@ from meshrl.losses import check as check_loss
 from meshrl.model import ChatTokenizer, resolve_checkpoint
 from meshrl.plot import plot_curves
 from meshrl.tasks import Sample, make_task
-from meshrl.types import Episode, Prompt, Sampling, ScoredCompletion, TrainBatch
+from meshrl.train_step import train_step
+from meshrl.types import Episode, Prompt, Sampling, ScoredCompletion
 
 
 def build_episodes(group: list[ScoredCompletion], group_id: int, advantage: str = "grpo",
@@ -44,6 +45,14 @@ def build_episodes(group: list[ScoredCompletion], group_id: int, advantage: str 
             group_id=group_id,
         ))
     return episodes
+
+
+def check_rates(scored: list[ScoredCompletion], total: int, prefix: str) -> dict[str, float]:
+    """The mean of each reward check over `total` completions (those not in `scored` count as 0):
+    `correct` as `{prefix}accuracy`, the others under their own names."""
+    names = dict.fromkeys(["correct", *(k for s in scored for k in s.reward_components)])
+    return {prefix + ("accuracy" if k == "correct" else k):
+            sum(s.reward_components.get(k, 0.0) for s in scored) / total if total else math.nan for k in names}
 
 
 @dataclass
@@ -89,7 +98,7 @@ class Rollout:
     equal_reward_groups: int  # groups whose completions all got the same reward: no learning signal
     groups_dropped: int
     rewards: list[float]
-    correct: list[float]
+    checks: dict[str, float]  # the reward's checks, averaged over the batch's scored completions
     reward_errors: int
     tokens_generated: int
     gen_time_s: float
@@ -107,6 +116,8 @@ class Controller:
             raise ValueError("controller.steps, prompts_per_step and eval_samples must be at least 1")
         if cfg.group_size < 2:
             raise ValueError("controller.group_size must be at least 2: a group of one has no advantage to learn from")
+        if config.trainer.mini_batches < 1 or config.trainer.micro_batch_size < 1:
+            raise ValueError("trainer.mini_batches and trainer.micro_batch_size must be at least 1")
         if config.replay_buffer.max_policy_age < 0:
             raise ValueError("replay_buffer.max_policy_age must be at least 0")
         estimator(cfg.advantage)
@@ -125,7 +136,7 @@ class Controller:
         self.busy = {"generator": 0.0, "trainer": 0.0}  # seconds each has spent working
 
     async def run(self) -> dict:
-        """Train for `controller.steps` steps; return (and write to summary.json) the eval accuracy before and after."""
+        """Train for `controller.steps` steps; return (and write to summary.json) the eval rates before and after."""
         cfg = self.config.controller
         start = time.perf_counter()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -134,7 +145,7 @@ class Controller:
         try:
             ring = await self.actors.trainer.weight_ring.call_one()
             await self.actors.generator.attach_weights.call_one(ring)
-            initial = await self.evaluate()
+            initial = await self.evaluate(step=0)
             rows = []
             self.rollout_task = asyncio.create_task(self._rollout_loop())
             with open(self.run_dir / "metrics.jsonl", "w") as log, tqdm(range(1, cfg.steps + 1), unit="step") as bar:
@@ -146,13 +157,13 @@ class Controller:
                     for role in self.busy:
                         row[f"{role}_busy"] = (self.busy[role] - busy[role]) / row["step_time_s"]
                     if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
-                        row["eval_accuracy"] = await self.evaluate()
+                        row |= await self.evaluate(step)
                     last, busy = time.perf_counter(), dict(self.busy)
                     rows.append(row)
                     log.write(json.dumps(row) + "\n")
                     log.flush()
                     bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=f"{row['accuracy']:.2f}")
-            final = rows[-1]["eval_accuracy"]
+            final = {k: v for k, v in rows[-1].items() if k.startswith("eval_")}
             await self.actors.trainer.save.call_one(str(self.run_dir / "final"))
         finally:
             if self.rollout_task:
@@ -161,7 +172,8 @@ class Controller:
             for mesh in self.actors.procs:
                 await mesh.stop()
         plot_curves(rows, initial, self.run_dir / "curves.png")
-        summary = {"eval_accuracy_initial": initial, "eval_accuracy_final": final, "steps": len(rows),
+        summary = {**{f"{k}_initial": v for k, v in initial.items()}, **{f"{k}_final": v for k, v in final.items()},
+                   "steps": len(rows),
                    "wall_time_s": time.perf_counter() - start}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
@@ -211,7 +223,7 @@ class Controller:
             await self.rollouts.put(Rollout(
                 num_episodes=len(episodes), equal_reward_groups=equal,
                 groups_dropped=equal if cfg.drop_equal_reward_groups else 0,
-                rewards=[s.reward for s in scored], correct=[s.reward_components.get("correct", 0.0) for s in scored],
+                rewards=[s.reward for s in scored], checks=check_rates(scored, len(scored), prefix=""),
                 reward_errors=len(completions) - len(scored),
                 tokens_generated=sum(len(c.token_ids) for c in completions),
                 gen_time_s=gen_time, pull_time_s=pull_time, rollout_time_s=time.perf_counter() - t0))
@@ -235,7 +247,7 @@ class Controller:
         while (episodes := await a.replay_buffer.sample.call_one(trained_version, rollout.num_episodes)) is None:
             rollout = await self._next_rollout()
         t1 = time.perf_counter()
-        train = await self._train(episodes)
+        train = await train_step(a.trainer, a.reference, episodes, self.config.trainer, self.tokenizer.pad_id)
         t2 = time.perf_counter()
         published = await a.trainer.publish_weights.call_one()
         t3 = time.perf_counter()
@@ -250,7 +262,7 @@ class Controller:
             "policy_version": published,
             "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
             "reward_std": statistics.pstdev(rewards) if rewards else math.nan,
-            "accuracy": statistics.fmean(rollout.correct) if rewards else math.nan,
+            **rollout.checks,
             "reward_errors": rollout.reward_errors,
             "equal_reward_groups": rollout.equal_reward_groups,
             "groups_dropped": rollout.groups_dropped,
@@ -266,17 +278,23 @@ class Controller:
             **await a.replay_buffer.stats.call_one(),
         }
 
-    async def evaluate(self) -> float:
-        """Mean accuracy of the newest policy on the task's fixed eval split (mean@k, `eval_samples` per prompt)."""
+    async def evaluate(self, step: int) -> dict[str, float]:
+        """The newest policy on the task's fixed eval split (`eval_samples` per prompt at `eval_temperature`;
+        greedy by default): each reward check's mean as `eval_<check>` (`correct` as `eval_accuracy`).
+        Prints the rates and three example completions."""
         cfg = self.config.controller
         await self.actors.generator.pull_weights.call_one()
         samples = dict(enumerate(self.task.eval_samples()))
         sampling = Sampling(n=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=self.config.generator.top_p,
                             max_tokens=self.config.generator.max_tokens)
         completions = await self.actors.generator.generate.call_one(self._prompts(samples), sampling=sampling)
-        groups = await self._score(completions, samples)
-        correct = [s.reward_components.get("correct", 0.0) for group in groups.values() for s in group]
-        return sum(correct) / len(completions)
+        scored = [s for group in (await self._score(completions, samples)).values() for s in group]
+        rates = check_rates(scored, len(completions), prefix="eval_")  # a failed reward counts as 0
+        lines = [f"eval at step {step}: " + "  ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in rates.items())]
+        for c in completions[:3 * cfg.eval_samples:cfg.eval_samples]:
+            lines += [f"  prompt: {samples[c.prompt_index].prompt}", f"  reply:  {c.text.strip()!r}"]
+        tqdm.write("\n".join(lines))
+        return rates
 
     def _prompts(self, samples: dict[int, Sample]) -> list[Prompt]:
         return [Prompt(i, self.tokenizer.encode_chat(s.prompt)) for i, s in samples.items()]
@@ -290,33 +308,3 @@ class Controller:
         scored = await asyncio.gather(*(
             self.actors.grader.score.call_one(by_prompt[i], samples[i].answer) for i in indices))
         return dict(zip(indices, scored))
-
-    async def _train(self, episodes: list[Episode]) -> dict:
-        """One optimizer step over `episodes`, in micro-batches whose losses add up to a token mean."""
-        trainer, reference = self.actors.trainer, self.actors.reference
-        size = self.config.trainer.micro_batch_size
-        loss_tokens = sum(e.num_response_tokens for e in episodes)
-        sums = defaultdict(float)
-        for i in range(0, len(episodes), size):
-            batch = TrainBatch.collate(episodes[i:i + size], loss_tokens, len(episodes), self.tokenizer.pad_id)
-            if reference:
-                batch.ref_logprobs = await reference.logprobs.call_one(batch)
-            metrics = await trainer.forward_backward.call_one(batch)
-            sums["ratio_max"] = max(sums["ratio_max"], metrics.pop("ratio_max"))
-            for k, v in metrics.items():
-                sums[k] += v
-        step = await trainer.optim_step.call_one()
-        tokens = max(sums["tokens"], 1)
-        return {
-            "loss": sums["loss"],
-            "tokens_trained": int(sum(len(e.tokens) for e in episodes)),
-            "logprob_mismatch": sums["logprob_mismatch"] / tokens,
-            "ratio_mean": sums["ratio"] / tokens,
-            "ratio_max": sums["ratio_max"],
-            "clip_fraction_low": sums["clip_low"] / tokens,
-            "clip_fraction_high": sums["clip_high"] / tokens,
-            "tis_fraction": sums["tis_truncated"] / tokens,
-            "entropy": sums["entropy"] / tokens,
-            **({"kl": sums["kl"] / tokens} if reference else {}),
-            "grad_norm": step["grad_norm"],
-        }

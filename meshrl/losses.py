@@ -1,10 +1,14 @@
 """Policy losses, chosen by name (`trainer.loss`), and how per-token terms become one number.
 
-All of them weigh tokens by the importance ratio r = pi_theta / pi_behaviour against the
-generator's logprobs, truncated at `tis_cap` when it is set (truncated importance sampling), so
-stale (off-policy) episodes are corrected the same way whichever loss is chosen. Every loss is a
-sum over a micro-batch divided by a normaliser of the whole optimizer step, so micro-batches add
-up to the step's loss. Metrics are sums over loss tokens (the controller divides).
+Two ratios, two jobs (decoupled PPO, as verl's old_log_prob + rollout correction and AReaL do):
+- the policy ratio r = pi_theta / pi_old, where pi_old is the trainer's own policy at the start of
+  the step's first update. Each loss clips (CISPO: bounds) r only, so the clip limits how far this
+  step moves the policy; with one update per step r is exactly 1 and nothing clips.
+- the behaviour weight w = pi_old / pi_behaviour against the generator's logprobs, per token or
+  per sequence, truncated at `tis_cap` and detached: it corrects the generator's numerics and
+  staleness, and multiplies each loss's per-token term.
+Every loss is a sum over a micro-batch divided by a normaliser of the whole update, so micro-batches
+add up to the update's loss. Metrics are sums over loss tokens (the caller divides).
 """
 
 import torch
@@ -14,9 +18,9 @@ from meshrl.types import TrainBatch
 
 
 def aggregate(per_token: torch.Tensor, batch: TrainBatch, how: str, constant_norm: int) -> torch.Tensor:
-    """Reduce masked per-token terms [B, T] to this micro-batch's share of the step's loss."""
+    """Reduce masked per-token terms [B, T] to this micro-batch's share of the update's loss."""
     mask = batch.loss_mask
-    if how == "token_mean":  # every token of the step weighs the same (DAPO's token-level loss)
+    if how == "token_mean":  # every token of the update weighs the same (DAPO's token-level loss)
         return (per_token * mask).sum() / batch.loss_tokens
     if how == "seq_mean":  # every sequence weighs the same: GRPO's original mean of per-sequence means
         lengths = mask.sum(-1).clamp(min=1)
@@ -26,76 +30,89 @@ def aggregate(per_token: torch.Tensor, batch: TrainBatch, how: str, constant_nor
     raise ValueError(f"unknown loss aggregation {how!r}: token_mean, seq_mean or constant")
 
 
-def _ratio(logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    log_ratio = torch.where(batch.loss_mask, logprobs - batch.behaviour_logprobs, 0.0)
-    return log_ratio, torch.exp(log_ratio)
+def log_ratios(logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """log(pi_theta / pi_old) with its gradient, and the detached log(pi_old / pi_behaviour); 0 off the mask.
+
+    Without `batch.old_logprobs` this is the step's first update: pi_old is pi_theta itself, detached."""
+    mask = batch.loss_mask
+    old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs
+    return (torch.where(mask, logprobs - old, 0.0),
+            torch.where(mask, old - batch.behaviour_logprobs, 0.0))
 
 
-def _truncate(ratio: torch.Tensor, cap: float) -> torch.Tensor:
-    return ratio.clamp(max=cap) if cap > 0 else ratio
+def behaviour_weight(log_w: torch.Tensor, mask: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The behaviour weight per token [B, T] before truncation, and after it (what the loss applies).
+
+    "token": each token's own pi_old / pi_behaviour. "sequence": the product over the sequence's
+    tokens, given to each of them (the sequence's likelihood ratio; truncated as one number)."""
+    if cfg.tis_level == "sequence":
+        log_w = torch.where(mask, log_w.sum(-1, keepdim=True), 0.0)
+    weight = torch.exp(log_w)
+    return weight, (weight.clamp(max=cfg.tis_cap) if cfg.tis_cap > 0 else weight)
 
 
-def _clipped_surrogate(ratio: torch.Tensor, batch: TrainBatch, tis_cap: float, low: float, high: float):
-    """PPO's pessimistic surrogate -min(w A, clip(w) A) on the truncated ratio w: the per-token loss,
-    the ratio, and where the clip decided it."""
-    weight = _truncate(ratio, tis_cap)
+def _clipped_surrogate(ratio: torch.Tensor, batch: TrainBatch, low: float, high: float):
+    """PPO's pessimistic surrogate -min(r A, clip(r) A): the per-token loss, the ratio, and where the
+    clip decided it."""
     advantages = batch.advantages.unsqueeze(-1)
-    unclipped = weight * advantages
-    clipped = weight.clamp(1 - low, 1 + high) * advantages
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - low, 1 + high) * advantages
     return -torch.minimum(unclipped, clipped), ratio, clipped < unclipped
 
 
-def ppo_clip(logprobs, batch, cfg: LossConfig):
+def ppo_clip(logprobs, log_ratio, batch, cfg: LossConfig):
     """PPO-clip (Schulman et al. 2017) per token, symmetric epsilon."""
-    return _clipped_surrogate(_ratio(logprobs, batch)[1], batch, cfg.tis_cap, cfg.clip_eps, cfg.clip_eps)
+    return _clipped_surrogate(torch.exp(log_ratio), batch, cfg.clip_eps, cfg.clip_eps)
 
 
-def dapo(logprobs, batch, cfg: LossConfig):
+def dapo(logprobs, log_ratio, batch, cfg: LossConfig):
     """DAPO (Yu et al. 2025): clip-higher, a wider upper than lower clip range (use token_mean)."""
-    return _clipped_surrogate(_ratio(logprobs, batch)[1], batch, cfg.tis_cap, cfg.clip_eps_low, cfg.clip_eps_high)
+    return _clipped_surrogate(torch.exp(log_ratio), batch, cfg.clip_eps_low, cfg.clip_eps_high)
 
 
-def gspo(logprobs, batch, cfg: LossConfig):
+def gspo(logprobs, log_ratio, batch, cfg: LossConfig):
     """GSPO (Zheng et al. 2025): one length-normalised ratio per sequence, clipped per sequence.
 
     The sequence's ratio exp(mean_t log r_t) is given to each of its tokens, and seq_mean then
     averages per-sequence losses, as the paper does."""
-    log_ratio, _ = _ratio(logprobs, batch)
     lengths = batch.loss_mask.sum(-1, keepdim=True).clamp(min=1)
     seq_ratio = torch.exp(log_ratio.sum(-1, keepdim=True) / lengths).expand_as(log_ratio)
-    return _clipped_surrogate(seq_ratio, batch, cfg.tis_cap, cfg.gspo_clip_eps_low, cfg.gspo_clip_eps_high)
+    return _clipped_surrogate(seq_ratio, batch, cfg.gspo_clip_eps_low, cfg.gspo_clip_eps_high)
 
 
-def cispo(logprobs, batch, cfg: LossConfig):
-    """CISPO (MiniMax 2025): a clipped, stop-gradient importance weight times the logprob, so every
-    token keeps a gradient (PPO's clip drops clipped tokens' gradients entirely)."""
-    _, ratio = _ratio(logprobs, batch)
-    weight = _truncate(ratio.clamp(max=1 + cfg.clip_eps_high), cfg.tis_cap).detach()
-    per_token = -weight * batch.advantages.unsqueeze(-1) * logprobs
-    return per_token, ratio, (ratio > 1 + cfg.clip_eps_high)
+def cispo(logprobs, log_ratio, batch, cfg: LossConfig):
+    """CISPO (MiniMax 2025): a bounded, stop-gradient ratio times the logprob, so every token keeps a
+    gradient (PPO's clip drops clipped tokens' gradients entirely)."""
+    ratio = torch.exp(log_ratio)
+    per_token = -ratio.clamp(max=1 + cfg.clip_eps_high).detach() * batch.advantages.unsqueeze(-1) * logprobs
+    return per_token, ratio, ratio > 1 + cfg.clip_eps_high
 
 
 LOSSES = {"ppo_clip": ppo_clip, "dapo": dapo, "gspo": gspo, "cispo": cispo}
 AGGREGATIONS = ("token_mean", "seq_mean", "constant")
+TIS_LEVELS = ("token", "sequence")
 
 
 def check(cfg: LossConfig) -> None:
     """Unknown names fail before any actor starts."""
-    if cfg.name not in LOSSES:
-        raise ValueError(f"unknown loss {cfg.name!r}; known: {', '.join(LOSSES)}")
-    if cfg.aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown loss aggregation {cfg.aggregation!r}; known: {', '.join(AGGREGATIONS)}")
+    for what, value, known in (("loss", cfg.name, LOSSES), ("loss aggregation", cfg.aggregation, AGGREGATIONS),
+                               ("trainer.loss.tis_level", cfg.tis_level, TIS_LEVELS)):
+        if value not in known:
+            raise ValueError(f"unknown {what} {value!r}; known: {', '.join(known)}")
 
 
 def policy_loss(logprobs: torch.Tensor, batch: TrainBatch, cfg: LossConfig,
                 entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """The loss `cfg.name` plus the optional KL penalty and entropy bonus, with its metrics.
+    """The loss `cfg.name`, weighted by the truncated behaviour weight, plus the optional KL penalty and
+    entropy bonus, with its metrics.
 
     `entropy` is the per-token entropy of the policy (with its gradient when entropy_coef > 0)."""
     mask = batch.loss_mask
-    per_token, ratio, clip_active = LOSSES[cfg.name](logprobs, batch, cfg)
+    log_ratio, log_w = log_ratios(logprobs, batch)
+    per_token, ratio, clip_active = LOSSES[cfg.name](logprobs, log_ratio, batch, cfg)
+    raw_weight, weight = behaviour_weight(log_w, mask, cfg)
     how = "seq_mean" if cfg.name == "gspo" else cfg.aggregation
-    loss = aggregate(per_token, batch, how, cfg.constant_norm)
+    loss = aggregate(per_token * weight, batch, how, cfg.constant_norm)
     metrics = {}
     if cfg.kl_coef > 0:
         if batch.ref_logprobs is None:
@@ -109,16 +126,20 @@ def policy_loss(logprobs: torch.Tensor, batch: TrainBatch, cfg: LossConfig,
             loss = loss - cfg.entropy_coef * aggregate(entropy, batch, how, cfg.constant_norm)
         metrics["entropy"] = float((entropy.detach() * mask).sum())
     with torch.no_grad():
-        log_ratio = torch.where(mask, logprobs - batch.behaviour_logprobs, 0.0)
+        ratio = ratio.detach()
+        token_w = torch.exp(log_w)
         metrics |= {
             "loss": loss.item(),
             "tokens": int(mask.sum()),
-            "logprob_mismatch": float((log_ratio.abs() * mask).sum()),
+            "logprob_mismatch": float((log_w.abs() * mask).sum()),
             "ratio": float((ratio * mask).sum()),
             "ratio_max": float(ratio[mask].max()) if mask.any() else 0.0,
             "clip_low": int((clip_active & mask & (ratio < 1)).sum()),
             "clip_high": int((clip_active & mask & (ratio > 1)).sum()),
-            "tis_truncated": int(((ratio > cfg.tis_cap) & mask).sum()) if cfg.tis_cap > 0 else 0,
+            "behaviour_weight": float((raw_weight * mask).sum()),
+            "tis_truncated": int(((raw_weight > cfg.tis_cap) & mask).sum()) if cfg.tis_cap > 0 else 0,
+            # k3 estimate of KL(pi_behaviour || pi_old) from the behaviour policy's own samples
+            "behaviour_kl": float(((token_w - 1 - log_w) * mask).sum()),
         }
     return loss, metrics
 

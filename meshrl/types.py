@@ -68,7 +68,8 @@ class TrainBatch:
     Position t holds the target token t+1 of each sequence, so `target_ids`, `loss_mask`,
     `behaviour_logprobs` line up with the logits the model emits at position t.
     `loss_tokens` and `loss_sequences` count the whole optimizer step, so micro-batches accumulate
-    to one mean. `ref_logprobs` are the reference model's, when a KL penalty needs them.
+    to one mean. `ref_logprobs` are the reference model's, when a KL penalty needs them;
+    `old_logprobs` the trainer's own at the start of the step, for every update but the step's first.
     """
 
     input_ids: torch.Tensor  # [B, T] int64
@@ -79,6 +80,7 @@ class TrainBatch:
     loss_tokens: int
     loss_sequences: int
     ref_logprobs: torch.Tensor | None = None  # [B, T] float32
+    old_logprobs: torch.Tensor | None = None  # [B, T] float32
 
     @staticmethod
     def collate(episodes: list[Episode], loss_tokens: int, loss_sequences: int, pad_id: int = 0) -> "TrainBatch":

@@ -36,8 +36,8 @@ def test_trainer_weights_reach_vllm_and_change_its_output(tiny_checkpoint):
             # one large step pushing down the tokens vLLM chose
             e = episode(before, -1.0)
             await trainer.forward_backward.call_one(TrainBatch.collate([e], e.num_response_tokens, 1))
-            assert (await trainer.optim_step.call_one())["policy_version"] == 1
-            assert await trainer.publish_weights.call_one() == 1
+            assert (await trainer.optim_step.call_one())["updates"] == 1
+            assert await trainer.publish_weights.call_one() == 1  # versions count publishes
             stale = await mismatch(trainer, before)
             assert stale > 0.5  # the new policy scores the old tokens very differently
 

@@ -46,6 +46,8 @@ def run_cli(*args):
     (["train", "--config", "smoke", "--replay_buffer.max_policy_age", "-1"], "max_policy_age must be at least 0"),
     (["train", "--config", "smoke", "--controller.group_size", "1"], "group_size must be at least 2"),
     (["train", "--config", "smoke", "--generator.impl", "no_module:Gen"], "cannot load actor implementation"),
+    (["train", "--config", "smoke", "--trainer.mini_batches", "0"], "trainer.mini_batches and"),
+    (["train", "--config", "smoke", "--trainer.loss.tis_level", "batch"], "unknown trainer.loss.tis_level 'batch'"),
 ])
 def test_cli_bad_input_is_one_error_line_and_nonzero_exit(args, message, tmp_path):
     result = run_cli(*args, "--run-dir", str(tmp_path / "run"))

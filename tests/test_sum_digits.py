@@ -1,39 +1,54 @@
+import re
+
 import pytest
 
 from meshrl.tasks import make_task
-from meshrl.tasks.sum_digits import SumDigitsConfig
+from meshrl.tasks.sum_digits import PHRASINGS, SumDigitsConfig
 
 
 @pytest.fixture
 def task():
-    return make_task("sum_digits", SumDigitsConfig(num_terms=2, digits=1, format_bonus=0.1, eval_size=16))
+    return make_task("sum_digits", SumDigitsConfig(num_terms=2, digits=1, format_weight=0.5, eval_size=16))
 
 
-def test_reward_judges_tagged_answer_and_format(task):
-    assert task.reward("3 + 4 = 7. Answer: 7", "7") == {"correct": 1.0, "format": 0.1}
-    assert task.reward("Answer: 8", "7") == {"correct": 0.0, "format": 0.1}
-    # untagged: the last number is the answer, with no format bonus
-    assert task.reward("3 + 4 is 7", "7") == {"correct": 1.0, "format": 0.0}
-    assert task.reward("7 is not 3 + 4", "7") == {"correct": 0.0, "format": 0.0}
-    assert task.reward("no idea", "7") == {"correct": 0.0, "format": 0.0}
-    # the last "Answer:" wins over earlier ones and over later untagged numbers
-    assert task.reward("Answer: 5. Answer: 7, not 9", "7")["correct"] == 1.0
+def test_reward_pays_for_the_tagged_answer_not_a_bare_number(task):
+    assert task.reward("3 + 4 = 7. Answer: 7", "7") == (1.5, {"correct": 1.0, "format": 1.0, "last_number": 1.0})
+    assert task.reward("**Answer:** 7", "7") == (1.5, {"correct": 1.0, "format": 1.0, "last_number": 1.0})
+    # the format alone earns format_weight; a wrong tagged number is not correct
+    assert task.reward("Answer: 8", "7") == (0.5, {"correct": 0.0, "format": 1.0, "last_number": 0.0})
+    # untagged: a right last number is checked, but earns nothing
+    assert task.reward("3 + 4 is 7", "7") == (0.0, {"correct": 0.0, "format": 0.0, "last_number": 1.0})
+    assert task.reward("7 is not 3 + 4", "7") == (0.0, {"correct": 0.0, "format": 0.0, "last_number": 0.0})
+    assert task.reward("no idea", "7") == (0.0, {"correct": 0.0, "format": 0.0, "last_number": 0.0})
+    # the last "Answer:" wins over earlier ones; the last number need not be the tagged one
+    assert task.reward("Answer: 5. Answer: 7, not 9", "7") == (1.5, {"correct": 1.0, "format": 1.0,
+                                                                     "last_number": 0.0})
 
 
-def test_samples_are_deterministic_and_answers_are_sums(task):
+def terms_of(prompt: str) -> list[int]:
+    return [int(t) for t in re.findall(r"\d+", prompt)]
+
+
+def test_samples_are_deterministic_phrased_several_ways_and_answers_are_sums(task):
     assert task.train_sample(3) == task.train_sample(3)
     assert [task.train_sample(i) for i in range(20)] != [task.train_sample(i) for i in range(1, 21)]
     assert task.eval_samples() == task.eval_samples() and len(task.eval_samples()) == 16
-    for sample in task.eval_samples() + [task.train_sample(i) for i in range(50)]:
-        terms = sample.prompt.removeprefix("What is ").split("?")[0].split(" + ")
-        assert len(terms) == 2 and all(0 <= int(t) <= 9 for t in terms)
-        assert sum(map(int, terms)) == int(sample.answer)
+    samples = task.eval_samples() + [task.train_sample(i) for i in range(100)]
+    wordings = [re.compile(re.escape(p).replace(r"\{sum\}", ".+").replace(r"\{terms\}", ".+")) for p in PHRASINGS]
+    used = [next(i for i, w in enumerate(wordings) if w.fullmatch(s.prompt)) for s in samples]
+    assert set(used) == set(range(len(PHRASINGS)))  # every wording appears
+    for sample in samples:
+        assert "Answer:" in sample.prompt
+        terms = terms_of(sample.prompt)
+        assert len(terms) == 2 and all(0 <= t <= 9 for t in terms)
+        assert sum(terms) == int(sample.answer)
 
 
 def test_difficulty_is_configurable():
     task = make_task("sum_digits", SumDigitsConfig(num_terms=4, digits=2))
-    terms = task.train_sample(0).prompt.removeprefix("What is ").split("?")[0].split(" + ")
-    assert len(terms) == 4 and all(0 <= int(t) <= 99 for t in terms)
+    for i in range(10):
+        terms = terms_of(task.train_sample(i).prompt)
+        assert len(terms) == 4 and all(0 <= t <= 99 for t in terms)
 
 
 def test_unknown_task_and_bad_difficulty_are_errors():

@@ -9,25 +9,36 @@ import pytest
 
 from meshrl.model import load_hf_weights
 
-KEYS = {"step", "policy_version", "reward_mean", "reward_std", "accuracy", "loss", "tokens_generated",
-        "tokens_trained", "step_time_s", "gen_time_s", "train_time_s", "weight_sync_s", "logprob_mismatch"}
+KEYS = {"step", "policy_version", "reward_mean", "reward_std", "accuracy", "format", "last_number", "loss",
+        "updates", "tokens_generated", "tokens_trained", "step_time_s", "gen_time_s", "train_time_s", "weight_sync_s",
+        "logprob_mismatch", "clip_fraction_low", "clip_fraction_high", "clip_fraction_by_update",
+        "behaviour_weight_mean", "tis_fraction", "behaviour_kl"}
+EVAL_KEYS = {"eval_accuracy", "eval_format", "eval_last_number"}
 
 
 def test_smoke_run_writes_metrics_plot_and_a_final_policy_vllm_loads(tmp_path, tiny_checkpoint):
     run_dir = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(run_dir),
-                             "--controller.steps", "3"], capture_output=True, text=True, timeout=600)
+                             "--controller.steps", "3", "--trainer.mini_batches", "2"],
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "eval accuracy: step 0" in result.stdout
+    for what in ("accuracy", "format", "last number"):
+        assert f"eval {what}: step 0" in result.stdout
+    # each eval (before training and after the last step) prints three example prompts and replies
+    assert result.stdout.count("eval at step ") == 2
+    assert result.stdout.count("  prompt: ") == result.stdout.count("  reply: ") == 6
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(KEYS <= r.keys() for r in rows)
+    # versions count published steps, not optimizer updates (two per step here)
     assert [r["policy_version"] for r in rows] == [1, 2, 3]
+    assert all(r["updates"] == 2 and len(r["clip_fraction_by_update"]) == 2 for r in rows)
     assert all(r["tokens_generated"] > 0 and r["tokens_trained"] > r["tokens_generated"] for r in rows)
-    assert "eval_accuracy" in rows[-1]
+    assert EVAL_KEYS <= rows[-1].keys() and not EVAL_KEYS & rows[0].keys()
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["eval_accuracy_final"] == rows[-1]["eval_accuracy"]
+    assert summary["steps"] == 3
+    assert all(summary[f"{k}_final"] == rows[-1][k] and 0 <= summary[f"{k}_initial"] <= 1 for k in EVAL_KEYS)
     assert json.loads((run_dir / "config.json").read_text())["controller"]["steps"] == 3
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

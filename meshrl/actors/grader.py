@@ -20,9 +20,9 @@ class Grader(Actor):
         scored = []
         for completion in completions:
             try:
-                components = self.task.reward(completion.text, expected_answer)
+                reward, components = self.task.reward(completion.text, expected_answer)
             except Exception:
                 logger.exception("reward function failed on %r", completion.text)
                 continue
-            scored.append(ScoredCompletion(completion, float(sum(components.values())), components))
+            scored.append(ScoredCompletion(completion, float(reward), components))
         return scored

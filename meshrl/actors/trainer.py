@@ -1,6 +1,7 @@
 """The trainer: the policy as torchtitan's Llama3 model, trained with the loss its config names.
 
-It trains only: advantages arrive in the batch, computed by the controller.
+It trains only: advantages arrive in the batch, computed by the controller. A step may take several
+optimizer updates (`optim_step`); `policy_version` counts published versions, one per step.
 """
 
 from pathlib import Path
@@ -32,7 +33,8 @@ class TitanTrainer(Actor):
         # Publish in the checkpoint's own layout (HF names and dtype): what the generator loads.
         self.ring = WeightRing(WeightLayout.of_tensors(hf_weights), weight_sync.slots, weight_sync.chunk_mb,
                                weight_sync.checksums)
-        self.policy_version = 0
+        self.policy_version = 0  # versions published
+        self.updates = 0  # optimizer updates taken
 
     @endpoint
     async def forward_backward(self, batch: TrainBatch) -> dict:
@@ -54,11 +56,12 @@ class TitanTrainer(Actor):
 
     @endpoint
     async def optim_step(self) -> dict:
+        """One optimizer update from the accumulated gradients (it publishes nothing)."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.policy_version += 1
-        return {"policy_version": self.policy_version, "grad_norm": float(grad_norm)}
+        self.updates += 1
+        return {"updates": self.updates, "grad_norm": float(grad_norm)}
 
     @endpoint
     async def weight_ring(self) -> RingHandle:
@@ -67,7 +70,9 @@ class TitanTrainer(Actor):
 
     @endpoint
     async def publish_weights(self) -> int:
-        """Put the current policy into the weight ring (no waiting for readers); return its version."""
+        """Put the current policy into the weight ring as the next version (no waiting for readers);
+        return that version."""
+        self.policy_version += 1
         self.ring.publish(self._hf_weights(), self.policy_version)
         return self.policy_version
 

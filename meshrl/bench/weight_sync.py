@@ -83,7 +83,6 @@ async def bench_weight_sync(model: str = "smollm2", repeats: int = 5, stress_sec
         result["generator_transport"] = await generator.attach_weights.call_one(ring)
         publish_times = []
         for _ in range(repeats):
-            await trainer.optim_step.call_one()  # a new version (no gradients: the weights stay)
             start = time.perf_counter()
             version = await trainer.publish_weights.call_one()
             if await generator.pull_weights.call_one() != version:

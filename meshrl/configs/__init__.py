@@ -55,7 +55,10 @@ class LossConfig:
     clip_eps_high: float = 0.28  # dapo (clip-higher) and cispo (upper bound of the IS weight)
     gspo_clip_eps_low: float = 3e-4  # gspo clips the sequence ratio, which stays close to 1
     gspo_clip_eps_high: float = 4e-4
-    tis_cap: float = 2.0  # truncate the importance ratio against the behaviour policy here (0: off)
+    # The behaviour weight pi_old / pi_behaviour corrects for the generator's numerics and staleness:
+    # per "token" or per "sequence" (the product over its tokens), truncated at tis_cap (0: not truncated).
+    tis_cap: float = 2.0
+    tis_level: str = "token"
     aggregation: str = "token_mean"  # token_mean | seq_mean | constant (Dr. GRPO); gspo is always seq_mean
     constant_norm: int = 48  # aggregation=constant: the tokens per sequence to divide by
     kl_coef: float = 0.0  # k3 KL penalty to the frozen reference model (starts a ReferenceModel actor)
@@ -69,7 +72,10 @@ class TrainerConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     loss: LossConfig = field(default_factory=LossConfig)
-    micro_batch_size: int = 16
+    micro_batch_size: int = 16  # sequences per forward/backward pass (gradients accumulate)
+    # Optimizer updates per step: the step's episodes are split into this many mini-batches, each its
+    # own update, all clipped against the policy that started the step (verl's PPO mini-batches).
+    mini_batches: int = 1
     bf16_autocast: bool = True
     num_threads: int = 2
     cpus: str = ""  # pin to these cores ("1", "2-3"); "" leaves placement to the OS
@@ -112,10 +118,10 @@ class ControllerConfig:
     drop_equal_reward_groups: bool = False  # DAPO's dynamic sampling: groups without signal are not trained
     max_sample_rounds: int = 4  # with drop_equal_reward_groups: prompt blocks sampled at most to fill a batch
     eval_every: int = 0  # 0: evaluate only before the first and after the last step
-    # Eval accuracy is the mean over `eval_samples` completions per eval prompt at `eval_temperature`
-    # (the training temperature by default; 0 with eval_samples=1 is greedy).
-    eval_temperature: float = 1.0
-    eval_samples: int = 4
+    # Eval rates are means over `eval_samples` completions per eval prompt at `eval_temperature`
+    # (greedy by default; e.g. 1.0 and 4 for the mean@4 of sampled answers).
+    eval_temperature: float = 0.0
+    eval_samples: int = 1
     advantage_eps: float = 1e-6
 
 

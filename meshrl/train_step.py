@@ -1,0 +1,79 @@
+"""One training step: the episodes of one batch become optimizer updates on the trainer.
+
+The step's episodes are split into `trainer.mini_batches` mini-batches, each one optimizer update,
+each fed to the trainer in micro-batches of `trainer.micro_batch_size` whose losses add up to the
+mini-batch's. Every update clips its ratio against pi_old, the trainer's policy at the start of the
+step: the first update takes it from its own forward pass (detached), the later ones get it from one
+no-grad pass over their micro-batches before the first update.
+"""
+
+from collections import defaultdict
+
+from meshrl.configs import TrainerConfig
+from meshrl.types import Episode, TrainBatch
+
+
+def split(episodes: list, parts: int) -> list[list]:
+    """`episodes` in at most `parts` consecutive chunks of nearly equal size; one empty chunk if none."""
+    if not episodes:
+        return [[]]
+    size, extra = divmod(len(episodes), min(parts, len(episodes)))
+    chunks, start = [], 0
+    for i in range(min(parts, len(episodes))):
+        end = start + size + (i < extra)
+        chunks.append(episodes[start:end])
+        start = end
+    return chunks
+
+
+def micro_batches(episodes: list[Episode], size: int, pad_id: int) -> list[TrainBatch]:
+    """One mini-batch's micro-batches; their normalisers count the whole mini-batch."""
+    loss_tokens = sum(e.num_response_tokens for e in episodes)
+    return [TrainBatch.collate(episodes[i:i + size], loss_tokens, len(episodes), pad_id)
+            for i in range(0, len(episodes), size)]
+
+
+async def train_step(trainer, reference, episodes: list[Episode], config: TrainerConfig, pad_id: int) -> dict:
+    """Train on `episodes` with `config.mini_batches` updates; return the step's metrics.
+
+    Ratio, clip, behaviour-weight and KL figures are means over all loss tokens of the step;
+    `clip_fraction_by_update` gives each update's clipped share, `loss` and `grad_norm` the mean
+    over updates."""
+    updates = [micro_batches(chunk, config.micro_batch_size, pad_id)
+               for chunk in split(episodes, config.mini_batches)]
+    for batches in updates[1:]:  # pi_old before the first update changes the weights
+        for batch in batches:
+            batch.old_logprobs = await trainer.logprobs.call_one(batch)
+    sums, clip_by_update, losses, grad_norms = defaultdict(float), [], [], []
+    for batches in updates:
+        update = defaultdict(float)
+        for batch in batches:
+            if reference:
+                batch.ref_logprobs = await reference.logprobs.call_one(batch)
+            metrics = await trainer.forward_backward.call_one(batch)
+            sums["ratio_max"] = max(sums["ratio_max"], metrics.pop("ratio_max"))
+            for k, v in metrics.items():
+                update[k] += v
+        grad_norms.append((await trainer.optim_step.call_one())["grad_norm"])
+        losses.append(update.pop("loss", 0.0))
+        clip_by_update.append((update["clip_low"] + update["clip_high"]) / max(update["tokens"], 1))
+        for k, v in update.items():
+            sums[k] += v
+    tokens = max(sums["tokens"], 1)
+    return {
+        "loss": sum(losses) / len(losses),
+        "updates": len(updates),
+        "tokens_trained": int(sum(len(e.tokens) for e in episodes)),
+        "logprob_mismatch": sums["logprob_mismatch"] / tokens,
+        "ratio_mean": sums["ratio"] / tokens,
+        "ratio_max": sums["ratio_max"],
+        "clip_fraction_low": sums["clip_low"] / tokens,
+        "clip_fraction_high": sums["clip_high"] / tokens,
+        "clip_fraction_by_update": clip_by_update,
+        "behaviour_weight_mean": sums["behaviour_weight"] / tokens,
+        "tis_fraction": sums["tis_truncated"] / tokens,
+        "behaviour_kl": sums["behaviour_kl"] / tokens,
+        "entropy": sums["entropy"] / tokens,
+        **({"kl": sums["kl"] / tokens} if reference else {}),
+        "grad_norm": sum(grad_norms) / len(grad_norms),
+    }

@@ -1,0 +1,69 @@
+"""The decoupled ratio on real parts: vLLM's behaviour logprobs, the torchtitan trainer (tiny model),
+every loss, through `train_step` as the controller calls it.
+
+With one update per step the clip sees pi_theta / pi_old = 1 exactly, so nothing clips, however far
+the generator's logprobs are from the trainer's (numerics, or staleness); that distance shows up in
+the behaviour weight and its KL instead. With two updates, the second one clips.
+"""
+
+import asyncio
+import dataclasses
+
+from meshrl.actors import spawn
+from meshrl.actors.generator import VLLMGenerator
+from meshrl.actors.trainer import TitanTrainer
+from meshrl.configs import GeneratorConfig, LossConfig, TrainerConfig, WeightSyncConfig
+from meshrl.controller import build_episodes
+from meshrl.losses import LOSSES
+from meshrl.model import ChatTokenizer
+from meshrl.train_step import train_step
+from meshrl.types import Prompt, Sampling, ScoredCompletion
+
+
+def test_one_update_clips_nothing_even_on_stale_episodes_and_a_second_update_clips(tiny_checkpoint):
+    tokenizer = ChatTokenizer(tiny_checkpoint)
+    prompts = [Prompt(i, tokenizer.encode_chat(f"What is {i} + 2?")) for i in range(4)]
+    sampling = Sampling(n=4, temperature=1.0, max_tokens=12)
+
+    async def episodes(generator):
+        """A batch sampled by vLLM, with GRPO advantages of +-1 (alternate completions rewarded)."""
+        completions = await generator.generate.call_one(prompts, sampling=sampling)
+        groups = [[ScoredCompletion(c, float(j % 2)) for j, c in enumerate(completions[i:i + 4])]
+                  for i in range(0, len(completions), 4)]
+        return [e for gid, group in enumerate(groups) for e in build_episodes(group, gid)]
+
+    async def run():
+        sync = WeightSyncConfig()
+        configs = {name: TrainerConfig(lr=1e-2, num_threads=1, micro_batch_size=4, loss=LossConfig(name=name))
+                   for name in LOSSES}
+        spawned = [spawn("generator", VLLMGenerator, GeneratorConfig(num_threads=1), sync, str(tiny_checkpoint))]
+        try:
+            spawned += [spawn(f"trainer-{name}", TitanTrainer, config, sync, str(tiny_checkpoint))
+                        for name, config in configs.items()]
+            generator = spawned[0][1]
+            fresh, stale = await episodes(generator), await episodes(generator)  # both from version 0
+            results = {}
+            for (name, config), (_, trainer) in zip(configs.items(), spawned[1:]):
+                on_policy = await train_step(trainer, None, fresh, config, tokenizer.pad_id)
+                # the trainer has moved a large step: episodes from version 0 are now one step stale
+                behind = await train_step(trainer, None, stale, config, tokenizer.pad_id)
+                two = await train_step(trainer, None, fresh, dataclasses.replace(config, mini_batches=2),
+                                       tokenizer.pad_id)
+                results[name] = on_policy, behind, two
+            return results
+        finally:
+            for procs, _ in spawned:
+                await procs.stop()
+
+    for name, (on_policy, behind, two) in asyncio.run(run()).items():
+        for step in (on_policy, behind):
+            assert step["updates"] == 1 and step["clip_fraction_by_update"] == [0.0], name
+            assert step["clip_fraction_low"] == step["clip_fraction_high"] == 0.0, name
+            assert step["ratio_mean"] == step["ratio_max"] == 1.0, name
+        # vLLM's numerics differ a little from the trainer's; staleness a lot: both go to the weight
+        assert 0 < on_policy["logprob_mismatch"] < 0.05, name
+        assert behind["logprob_mismatch"] > 0.3 and behind["behaviour_kl"] > 10 * on_policy["behaviour_kl"], name
+        assert behind["tis_fraction"] > 0, name  # some stale tokens' weights hit tis_cap
+        assert two["updates"] == 2, name
+        first, second = two["clip_fraction_by_update"]
+        assert first == 0.0 and second > 0.0, f"{name}: clip fraction by update {first}, {second}"
