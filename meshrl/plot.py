@@ -17,7 +17,7 @@ def plot_curves(rows: list[dict], initial_eval: dict[str, float], path: Path) ->
     for key in initial_eval:
         evals = [(0, initial_eval[key])] + [(r["step"], r[key]) for r in rows if key in r]
         ax.plot(*zip(*evals), "o--", label=f"{key.removeprefix('eval_').replace('_', ' ')} (eval, held out)")
-    ax.set_xlabel("optimizer step")
+    ax.set_xlabel("step (= policy version)")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -31,3 +31,14 @@ def test_collate_shifts_targets_and_pads():
     assert batch.loss_mask.tolist() == [[False, True, True], [False, True, False]]
     assert torch.equal(batch.behaviour_logprobs, torch.tensor([[0.0, -0.5, -0.25], [0.0, -2.0, 0.0]]))
     assert batch.advantages.tolist() == [1.0, -1.0] and (batch.loss_tokens, batch.loss_sequences) == (3, 2)
+
+
+def test_check_rates_average_each_check_and_count_unscored_completions_as_zero():
+    from meshrl.controller import check_rates
+
+    a = ScoredCompletion(scored(1.5).completion, 1.5, {"correct": 1.0, "format": 1.0})
+    b = ScoredCompletion(scored(0.0).completion, 0.0, {"correct": 0.0, "format": 1.0})
+    assert check_rates([a, b], 2, prefix="eval_") == {"eval_accuracy": 0.5, "eval_format": 1.0}
+    assert check_rates([a, b], 4, prefix="") == {"accuracy": 0.25, "format": 0.5}  # two whose reward raised
+    rates = check_rates([], 0, prefix="")
+    assert list(rates) == ["accuracy"] and rates["accuracy"] != rates["accuracy"]  # NaN: nothing scored

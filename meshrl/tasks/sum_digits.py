@@ -32,8 +32,8 @@ PHRASINGS = (
 class SumDigitsConfig:
     num_terms: int = 2
     digits: int = 1  # each term has 1..digits digits
-    format_weight: float = 0.5  # reward for a tagged answer of any value; a right tagged answer adds 1
-    eval_size: int = 64
+    format_weight: float = 0.2  # reward for a tagged answer of any value; a right tagged answer adds 1
+    eval_size: int = 128
     seed: int = 0
 
 
