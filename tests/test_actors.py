@@ -77,7 +77,7 @@ def test_replay_buffer_evicts_episodes_older_than_max_policy_age():
 
 def test_grader_scores_a_group_and_skips_malformed_completions():
     async def run():
-        procs, grader = spawn("grader", Grader, "sum_digits", SumDigitsConfig(format_bonus=0.1))
+        procs, grader = spawn("grader", Grader, "sum_digits", SumDigitsConfig(format_weight=0.1))
         try:
             def c(text):
                 return Completion(0, [1], [2], [-0.1], text, 0, "stop")
@@ -85,7 +85,7 @@ def test_grader_scores_a_group_and_skips_malformed_completions():
             scored = await grader.score.call_one([c("Answer: 7"), c(None), c("8")], "7")
             assert [s.completion.text for s in scored] == ["Answer: 7", "8"]
             assert [s.reward for s in scored] == pytest.approx([1.1, 0.0])
-            assert scored[0].reward_components == {"correct": 1.0, "format": 0.1}
+            assert scored[0].reward_components == {"correct": 1.0, "format": 1.0, "last_number": 1.0}
         finally:
             await procs.stop()
 
