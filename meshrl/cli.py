@@ -1,4 +1,4 @@
-"""`meshrl` command line: train, bench, prepare-model, configs."""
+"""`meshrl` command line: train, report, bench, prepare-model, configs."""
 
 import argparse
 import asyncio
@@ -9,20 +9,24 @@ import time
 from pathlib import Path
 
 from meshrl.configs import CONFIGS, ConfigError, load_config
+from meshrl.configs.overrides import help_text
 from meshrl.model import ModelError, resolve_checkpoint
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="run RL training",
-                           epilog="Any config field can be overridden: --trainer.lr 1e-5 --controller.steps=5")
-    train.add_argument("--config", required=True, help=f"one of: {', '.join(sorted(CONFIGS))}")
+    train = sub.add_parser("train", help="run RL training", add_help=False,
+                           epilog="Any config field can be overridden: --trainer.lr 1e-5 --controller.steps=5; "
+                                  "`meshrl train --config NAME --help` lists every field.")
+    train.add_argument("--config", help=f"one of: {', '.join(sorted(CONFIGS))}")
     train.add_argument("--run-dir", type=Path, help="where metrics, plots and the final policy go "
                                                     "(default: runs/CONFIG-TIME)")
     prepare = sub.add_parser("prepare-model", help="convert the embedded model once (cached) and print its path")
     prepare.add_argument("--source", default="smollm2", help="smollm2, tiny, or an HF checkpoint directory")
     sub.add_parser("configs", help="list the named configs")
+    report = sub.add_parser("report", help="summarize runs side by side and redraw their plots")
+    report.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
     bench = sub.add_parser("bench", help="run a benchmark").add_subparsers(dest="bench", required=True)
     weight_sync = bench.add_parser("weight-sync", help="the weight ring against memcpy and raw RDMA")
     weight_sync.add_argument("--json", type=Path, required=True, help="where to write the figures")
@@ -36,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     sync_async.add_argument("--json", type=Path, required=True, help="where to write the figures")
     sync_async.add_argument("--plot", type=Path, required=True, help="where to write the PNG")
     sync_async.add_argument("--run-dir", type=Path, help="where both runs go (default: runs/bench-CONFIG-TIME)")
+    parser.train = train  # its help, when no config is named
     return parser
 
 
@@ -45,10 +50,22 @@ def main(argv: list[str] | None = None) -> int:
     if rest and args.command != "train" and getattr(args, "bench", None) != "sync-vs-async":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "train" and {"-h", "--help"} & set(rest):
+        if not args.config:
+            print(parser.train.format_help())
+        elif args.config in CONFIGS:
+            print(help_text(CONFIGS[args.config](), prog=f"meshrl train --config {args.config} [--run-dir DIR]"))
+        return 0 if args.config in CONFIGS or not args.config else _error(f"unknown config {args.config!r}")
+    if args.command == "train" and not args.config:
+        return _error(f"train needs --config NAME, one of: {', '.join(sorted(CONFIGS))}")
     try:
         if args.command == "configs":
             for name, fn in sorted(CONFIGS.items()):
                 print(f"{name:24s} {fn.__doc__.strip().splitlines()[0]}")
+        elif args.command == "report":
+            from meshrl.report import report
+
+            print(report(args.run_dirs))
         elif args.command == "prepare-model":
             print(resolve_checkpoint(args.source))
         elif args.command == "bench" and args.bench == "weight-sync":
@@ -58,9 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             return _train(args.config, rest, args.run_dir)
     except (ConfigError, ModelError, ValueError) as e:
-        print(f"meshrl: error: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
     return 0
+
+
+def _error(message: str) -> int:
+    print(f"meshrl: error: {message}", file=sys.stderr)
+    return 2
 
 
 def _bench_weight_sync(args) -> None:

@@ -20,10 +20,12 @@ from tqdm import tqdm
 from meshrl.actors import load_actor_class, spawn
 from meshrl.advantages import all_equal, estimator
 from meshrl.configs import Config, to_dict
+from meshrl.loggers import MetricLoggers, RolloutRecorder
 from meshrl.losses import check as check_loss
 from meshrl.model import ChatTokenizer, resolve_checkpoint
 from meshrl.plot import plot_curves
 from meshrl.tasks import Sample, make_task
+from meshrl.trace import Tracer
 from meshrl.train_step import train_step
 from meshrl.types import Episode, Prompt, Sampling, ScoredCompletion
 
@@ -53,6 +55,14 @@ def check_rates(scored: list[ScoredCompletion], total: int, prefix: str) -> dict
     names = dict.fromkeys(["correct", *(k for s in scored for k in s.reward_components)])
     return {prefix + ("accuracy" if k == "correct" else k):
             sum(s.reward_components.get(k, 0.0) for s in scored) / total if total else math.nan for k in names}
+
+
+def rollout_record(scored: ScoredCompletion, group_id: int, prompt: str) -> dict:
+    """One completion as rollouts.jsonl keeps it (the recorder adds the step and the staleness)."""
+    c = scored.completion
+    return {"prompt_index": c.prompt_index, "group": group_id, "prompt": prompt, "completion": c.text,
+            "reward": scored.reward, "reward_components": scored.reward_components,
+            "policy_version": c.policy_version, "finish_reason": c.finish_reason}
 
 
 @dataclass
@@ -104,6 +114,7 @@ class Rollout:
     gen_time_s: float
     pull_time_s: float
     rollout_time_s: float
+    records: list[dict]  # one per completion of the kept groups, for rollouts.jsonl
 
 
 class Controller:
@@ -118,6 +129,8 @@ class Controller:
             raise ValueError("controller.group_size must be at least 2: a group of one has no advantage to learn from")
         if config.trainer.mini_batches < 1 or config.trainer.micro_batch_size < 1:
             raise ValueError("trainer.mini_batches and trainer.micro_batch_size must be at least 1")
+        if config.logging.wandb_mode not in ("auto", "online", "offline"):
+            raise ValueError(f"unknown logging.wandb_mode {config.logging.wandb_mode!r}; known: auto, online, offline")
         if config.replay_buffer.max_policy_age < 0:
             raise ValueError("replay_buffer.max_policy_age must be at least 0")
         estimator(cfg.advantage)
@@ -130,6 +143,7 @@ class Controller:
         self.tokenizer = ChatTokenizer(self.checkpoint)
         self.actors: Actors | None = None
         self.trainer_version = 0  # the newest version the trainer published
+        self.generator_version = 0  # the version the generator serves
         self.published = asyncio.Condition()
         self.rollouts: asyncio.Queue[Rollout] = asyncio.Queue()
         self.rollout_task: asyncio.Task | None = None
@@ -141,14 +155,20 @@ class Controller:
         start = time.perf_counter()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.config), indent=2))
+        metrics = MetricLoggers(self.run_dir, self.config, name=self.run_dir.name)
+        self.recorder = RolloutRecorder(self.run_dir, self.config.logging.rollouts_fraction)
+        self.tracer = Tracer(self.run_dir)
         self.actors = spawn_actors(self.config, self.classes, self.checkpoint)
         try:
-            ring = await self.actors.trainer.weight_ring.call_one()
-            await self.actors.generator.attach_weights.call_one(ring)
+            span = self.tracer.span
+            async with span("trainer", "attach"):
+                ring = await self.actors.trainer.weight_ring.call_one()
+            async with span("generator", "attach"):
+                await self.actors.generator.attach_weights.call_one(ring)
             initial = await self.evaluate(step=0)
             rows = []
             self.rollout_task = asyncio.create_task(self._rollout_loop())
-            with open(self.run_dir / "metrics.jsonl", "w") as log, tqdm(range(1, cfg.steps + 1), unit="step") as bar:
+            with tqdm(range(1, cfg.steps + 1), unit="step") as bar:
                 last, busy = time.perf_counter(), dict(self.busy)
                 for step in bar:
                     row = await self.train_step(step)
@@ -160,17 +180,20 @@ class Controller:
                         row |= await self.evaluate(step)
                     last, busy = time.perf_counter(), dict(self.busy)
                     rows.append(row)
-                    log.write(json.dumps(row) + "\n")
-                    log.flush()
+                    metrics.log(row)
                     bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=f"{row['accuracy']:.2f}")
             final = {k: v for k, v in rows[-1].items() if k.startswith("eval_")}
-            await self.actors.trainer.save.call_one(str(self.run_dir / "final"))
+            async with span("trainer", "save", self.trainer_version):
+                await self.actors.trainer.save.call_one(str(self.run_dir / "final"))
         finally:
+            metrics.close()
+            self.recorder.close()
             if self.rollout_task:
                 self.rollout_task.cancel()
                 await asyncio.gather(self.rollout_task, return_exceptions=True)
             for mesh in self.actors.procs:
                 await mesh.stop()
+            self.tracer.close()
         plot_curves(rows, initial, self.run_dir / "curves.png")
         summary = {**{f"{k}_initial": v for k, v in initial.items()}, **{f"{k}_final": v for k, v in final.items()},
                    "steps": len(rows),
@@ -194,16 +217,17 @@ class Controller:
             async with self.published:
                 await self.published.wait_for(lambda: self.trainer_version >= batch - max_age)
             t0 = time.perf_counter()
-            await a.generator.pull_weights.call_one()  # the newest version, between batches
+            await self._pull()  # the newest version, between batches
             pull_time, gen_time = time.perf_counter() - t0, 0.0
-            kept, scored, equal, completions = {}, [], 0, []
+            kept, scored, equal, completions, records = {}, [], 0, [], []
             # DAPO's dynamic sampling: with drop_equal_reward_groups, groups without signal are left out
             # and more prompts are sampled, up to max_sample_rounds blocks, to fill the batch.
             for _ in range(rounds):
                 samples = {i: self.task.train_sample(i) for i in range(next_prompt, next_prompt + cfg.prompts_per_step)}
                 next_prompt += cfg.prompts_per_step
                 t1 = time.perf_counter()
-                block = await a.generator.generate.call_one(self._prompts(samples), sampling=sampling)
+                async with self.tracer.span("generator", "generate", self.generator_version):
+                    block = await a.generator.generate.call_one(self._prompts(samples), sampling=sampling)
                 gen_time += time.perf_counter() - t1
                 completions += block
                 for gid, group in (await self._score(block, samples)).items():
@@ -214,19 +238,22 @@ class Controller:
                     equal += no_signal
                     if not (cfg.drop_equal_reward_groups and no_signal):
                         kept[gid] = group
+                        records += [rollout_record(s, gid, samples[gid].prompt) for s in group]
                 if len(kept) >= cfg.prompts_per_step:
                     break
             self.busy["generator"] += pull_time + gen_time
             episodes = [e for gid, group in kept.items()
                         for e in build_episodes(group, gid, cfg.advantage, cfg.advantage_eps)]
-            await a.replay_buffer.add.call_one(episodes)
+            async with self.tracer.span("replay_buffer", "add"):
+                await a.replay_buffer.add.call_one(episodes)
             await self.rollouts.put(Rollout(
                 num_episodes=len(episodes), equal_reward_groups=equal,
                 groups_dropped=equal if cfg.drop_equal_reward_groups else 0,
                 rewards=[s.reward for s in scored], checks=check_rates(scored, len(scored), prefix=""),
                 reward_errors=len(completions) - len(scored),
                 tokens_generated=sum(len(c.token_ids) for c in completions),
-                gen_time_s=gen_time, pull_time_s=pull_time, rollout_time_s=time.perf_counter() - t0))
+                gen_time_s=gen_time, pull_time_s=pull_time, rollout_time_s=time.perf_counter() - t0,
+                records=records))
 
     async def _next_rollout(self) -> Rollout:
         """The next buffered batch; re-raises if the rollout loop died instead of waiting forever."""
@@ -244,17 +271,20 @@ class Controller:
         trained_version = self.trainer_version
         rollout = await self._next_rollout()
         # A batch that went stale waiting is evicted by the buffer (and counted); train on the next.
-        while (episodes := await a.replay_buffer.sample.call_one(trained_version, rollout.num_episodes)) is None:
+        while (episodes := await self._sample(trained_version, rollout.num_episodes)) is None:
             rollout = await self._next_rollout()
         t1 = time.perf_counter()
-        train = await train_step(a.trainer, a.reference, episodes, self.config.trainer, self.tokenizer.pad_id)
+        train = await train_step(a.trainer, a.reference, episodes, self.config.trainer, self.tokenizer.pad_id,
+                                 self.tracer.span, trained_version)
         t2 = time.perf_counter()
-        published = await a.trainer.publish_weights.call_one()
+        async with self.tracer.span("trainer", "publish", trained_version + 1) as span:
+            published = span["policy_version"] = await a.trainer.publish_weights.call_one()
         t3 = time.perf_counter()
         self.busy["trainer"] += t3 - t1
         async with self.published:
             self.trainer_version = published
             self.published.notify_all()
+        self.recorder.write(step, trained_version, rollout.records)
         staleness = [trained_version - e.policy_version for e in episodes] or [0]  # [0]: nothing to train
         rewards = rollout.rewards
         return {
@@ -275,7 +305,7 @@ class Controller:
             "wait_time_s": t1 - t0,
             "staleness_mean": statistics.fmean(staleness),
             "staleness_max": max(staleness),
-            **await a.replay_buffer.stats.call_one(),
+            **await self._buffer_stats(),
         }
 
     async def evaluate(self, step: int) -> dict[str, float]:
@@ -283,11 +313,12 @@ class Controller:
         greedy by default): each reward check's mean as `eval_<check>` (`correct` as `eval_accuracy`).
         Prints the rates and three example completions."""
         cfg = self.config.controller
-        await self.actors.generator.pull_weights.call_one()
+        await self._pull()
         samples = dict(enumerate(self.task.eval_samples()))
         sampling = Sampling(n=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=self.config.generator.top_p,
                             max_tokens=self.config.generator.max_tokens)
-        completions = await self.actors.generator.generate.call_one(self._prompts(samples), sampling=sampling)
+        async with self.tracer.span("generator", "evaluate", self.generator_version):
+            completions = await self.actors.generator.generate.call_one(self._prompts(samples), sampling=sampling)
         scored = [s for group in (await self._score(completions, samples)).values() for s in group]
         rates = check_rates(scored, len(completions), prefix="eval_")  # a failed reward counts as 0
         lines = [f"eval at step {step}: " + "  ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in rates.items())]
@@ -295,6 +326,20 @@ class Controller:
             lines += [f"  prompt: {samples[c.prompt_index].prompt}", f"  reply:  {c.text.strip()!r}"]
         tqdm.write("\n".join(lines))
         return rates
+
+    async def _pull(self) -> int:
+        """The generator loads the newest published weights (if newer than its own)."""
+        async with self.tracer.span("generator", "pull") as span:
+            self.generator_version = span["policy_version"] = await self.actors.generator.pull_weights.call_one()
+        return self.generator_version
+
+    async def _sample(self, trained_version: int, n: int):
+        async with self.tracer.span("replay_buffer", "sample", trained_version):
+            return await self.actors.replay_buffer.sample.call_one(trained_version, n)
+
+    async def _buffer_stats(self) -> dict:
+        async with self.tracer.span("replay_buffer", "stats"):
+            return await self.actors.replay_buffer.stats.call_one()
 
     def _prompts(self, samples: dict[int, Sample]) -> list[Prompt]:
         return [Prompt(i, self.tokenizer.encode_chat(s.prompt)) for i, s in samples.items()]
@@ -305,6 +350,7 @@ class Controller:
         for c in completions:
             by_prompt[c.prompt_index].append(c)
         indices = list(by_prompt)
-        scored = await asyncio.gather(*(
-            self.actors.grader.score.call_one(by_prompt[i], samples[i].answer) for i in indices))
+        async with self.tracer.span("grader", "grade"):  # one span: the grader serves them one by one
+            scored = await asyncio.gather(*(
+                self.actors.grader.score.call_one(by_prompt[i], samples[i].answer) for i in indices))
         return dict(zip(indices, scored))

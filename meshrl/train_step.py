@@ -10,6 +10,7 @@ no-grad pass over their micro-batches before the first update.
 from collections import defaultdict
 
 from meshrl.configs import TrainerConfig
+from meshrl.trace import no_span
 from meshrl.types import Episode, TrainBatch
 
 
@@ -33,28 +34,33 @@ def micro_batches(episodes: list[Episode], size: int, pad_id: int) -> list[Train
             for i in range(0, len(episodes), size)]
 
 
-async def train_step(trainer, reference, episodes: list[Episode], config: TrainerConfig, pad_id: int) -> dict:
+async def train_step(trainer, reference, episodes: list[Episode], config: TrainerConfig, pad_id: int,
+                     span=no_span, version: int | None = None) -> dict:
     """Train on `episodes` with `config.mini_batches` updates; return the step's metrics.
 
     Ratio, clip, behaviour-weight and KL figures are means over all loss tokens of the step;
     `clip_fraction_by_update` gives each update's clipped share, `loss` and `grad_norm` the mean
-    over updates."""
+    over updates. Each actor call is timed by `span` (a `Tracer.span`) with the trained `version`."""
     updates = [micro_batches(chunk, config.micro_batch_size, pad_id)
                for chunk in split(episodes, config.mini_batches)]
     for batches in updates[1:]:  # pi_old before the first update changes the weights
         for batch in batches:
-            batch.old_logprobs = await trainer.logprobs.call_one(batch)
+            async with span("trainer", "pi_old", version):
+                batch.old_logprobs = await trainer.logprobs.call_one(batch)
     sums, clip_by_update, losses, grad_norms = defaultdict(float), [], [], []
     for batches in updates:
         update = defaultdict(float)
         for batch in batches:
             if reference:
-                batch.ref_logprobs = await reference.logprobs.call_one(batch)
-            metrics = await trainer.forward_backward.call_one(batch)
+                async with span("reference", "reference", version):
+                    batch.ref_logprobs = await reference.logprobs.call_one(batch)
+            async with span("trainer", "train", version):
+                metrics = await trainer.forward_backward.call_one(batch)
             sums["ratio_max"] = max(sums["ratio_max"], metrics.pop("ratio_max"))
             for k, v in metrics.items():
                 update[k] += v
-        grad_norms.append((await trainer.optim_step.call_one())["grad_norm"])
+        async with span("trainer", "train", version):
+            grad_norms.append((await trainer.optim_step.call_one())["grad_norm"])
         losses.append(update.pop("loss", 0.0))
         clip_by_update.append((update["clip_low"] + update["clip_high"]) / max(update["tokens"], 1))
         for k, v in update.items():

@@ -40,3 +40,26 @@ def test_bench_runs_both_modes_with_bounded_staleness(tmp_path):
         assert len(f["reward_vs_time"]) == 4
     assert figures["speedup"] == figures["async"]["trained_tokens_per_s"] / figures["sync"]["trained_tokens_per_s"]
     assert 1.0 <= figures["ideal_speedup"] <= 2.0
+
+    # the timeline: every role's calls, one at a time per actor; async overlaps generation with
+    # training, sync never does
+    from meshrl.trace import read_spans
+
+    def overlap(a, b):
+        return a["start"] < b["end"] and b["start"] < a["end"]
+
+    for mode, overlaps in (("sync", False), ("async", True)):
+        spans = read_spans(runs / mode)
+        assert {s["role"] for s in spans} == {"generator", "grader", "trainer", "replay_buffer"}
+        assert {"generate", "pull", "evaluate", "grade", "train", "publish", "sample"} <= {s["what"] for s in spans}
+        for role in ("generator", "grader", "trainer", "replay_buffer"):
+            mine = sorted((s for s in spans if s["role"] == role), key=lambda s: s["start"])
+            assert all(a["end"] <= b["start"] for a, b in zip(mine, mine[1:])), f"{mode}: {role} spans overlap"
+        generating = [s for s in spans if s["what"] == "generate"]
+        training = [s for s in spans if s["what"] == "train"]
+        assert any(overlap(g, t) for g in generating for t in training) == overlaps, mode
+        assert all(s["policy_version"] is not None for s in generating + training)
+        chrome = json.loads((runs / mode / "trace.json").read_text())
+        complete = [e for e in chrome["traceEvents"] if e["ph"] == "X"]
+        assert len(complete) == len(spans) and all(e["dur"] >= 0 and "ts" in e for e in complete)
+        assert (runs / mode / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,19 +1,22 @@
 """`meshrl train --config smoke` end to end: real actors, real vLLM, real torchtitan, tiny model."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from meshrl.model import load_hf_weights
+from meshrl.model import cache_dir, load_hf_weights
 
 KEYS = {"step", "policy_version", "reward_mean", "reward_std", "accuracy", "format", "last_number", "loss",
         "updates", "tokens_generated", "tokens_trained", "step_time_s", "gen_time_s", "train_time_s", "weight_sync_s",
         "logprob_mismatch", "clip_fraction_low", "clip_fraction_high", "clip_fraction_by_update",
         "behaviour_weight_mean", "tis_fraction", "behaviour_kl"}
 EVAL_KEYS = {"eval_accuracy", "eval_format", "eval_last_number"}
+ROLLOUT_FIELDS = {"step", "prompt_index", "group", "prompt", "completion", "reward", "reward_components",
+                  "policy_version", "staleness", "finish_reason"}
 
 
 def test_smoke_run_writes_metrics_plot_and_a_final_policy_vllm_loads(tmp_path, tiny_checkpoint):
@@ -41,6 +44,29 @@ def test_smoke_run_writes_metrics_plot_and_a_final_policy_vllm_loads(tmp_path, t
     assert all(summary[f"{k}_final"] == rows[-1][k] and 0 <= summary[f"{k}_initial"] <= 1 for k in EVAL_KEYS)
     assert json.loads((run_dir / "config.json").read_text())["controller"]["steps"] == 3
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # TensorBoard reads back what metrics.jsonl says, key for key, step for step (lists as key/i)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from meshrl.loggers import scalars
+
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    logged = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    expected = [(tag, r["step"], v) for r in rows for tag, v in scalars(r).items() if tag != "step" and v == v]
+    assert {tag for tag, _, _ in expected} == set(logged)
+    assert "clip_fraction_by_update/1" in logged and "eval_format" in logged
+    for tag, step, value in expected:
+        assert logged[tag][step] == pytest.approx(value, rel=1e-6, abs=1e-12), (tag, step)
+
+    # one record per trained completion: 2 prompts x 4 samples a step, nothing dropped in smoke
+    records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [step for step in (1, 2, 3) for _ in range(8)]
+    assert all(ROLLOUT_FIELDS <= r.keys() and r["staleness"] == 0 and r["finish_reason"] in ("stop", "length")
+               and "Answer:" in r["prompt"] and set(r["reward_components"]) == {"correct", "format", "last_number"}
+               for r in records)
+    assert len({(r["step"], r["prompt_index"]) for r in records}) == 6  # each step trains its own prompts
+    assert [r["policy_version"] for r in records] == [v for v in (0, 1, 2) for _ in range(8)]
 
     final = run_dir / "final"
     assert load_hf_weights(final).keys() == load_hf_weights(tiny_checkpoint).keys()
@@ -76,3 +102,19 @@ def test_smoke_runs_with_other_losses_and_estimators(tmp_path, overrides, check)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in rows] == [1, 2]
     assert check(rows)
+
+
+def test_wandb_without_network_or_key_logs_offline_into_the_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    # no API key (a fresh HOME: no ~/.netrc), the model cache where it was
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {
+        "HOME": str(tmp_path), "MESHRL_CACHE": str(cache_dir())}
+    result = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(run_dir),
+                             "--logging.wandb", "true", "--logging.rollouts_fraction", "0.5"],
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    offline = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1 and list(offline[0].glob("*.wandb")), list((run_dir / "wandb").iterdir())
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    kept = (run_dir / "rollouts.jsonl").read_text().splitlines()
+    assert 0 < len(kept) < 16  # about half of the 2 x 8 trained completions

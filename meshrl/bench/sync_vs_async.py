@@ -7,37 +7,34 @@ from the phase times the sync run measured.
 """
 
 import asyncio
-import json
 import statistics
 from pathlib import Path
 
 from meshrl.configs import load_config
 from meshrl.controller import Controller
+from meshrl.report import read_rows, summarize
 
 
 def mode_figures(rows: list[dict], summary: dict) -> dict:
-    wall = sum(r["step_time_s"] for r in rows)
+    """`meshrl report`'s figures of a run, plus what the comparison needs: busy shares, phase times
+    and reward against wall-clock time."""
+    figures = summarize(rows, summary)
+    wall = figures["wall_time_s"]
     elapsed, curve = 0.0, []
     for r in rows:
         elapsed += r["step_time_s"]
         curve.append([elapsed, r["reward_mean"]])
     return {
-        "steps": len(rows),
-        "wall_time_s": wall,
-        "trained_tokens_per_s": sum(r["tokens_trained"] for r in rows) / wall,
-        "generated_tokens_per_s": sum(r["tokens_generated"] for r in rows) / wall,
+        **figures,
         "mean_step_time_s": wall / len(rows),
         "generator_busy": sum(r["generator_busy"] * r["step_time_s"] for r in rows) / wall,
         "trainer_busy": sum(r["trainer_busy"] * r["step_time_s"] for r in rows) / wall,
         "mean_rollout_time_s": statistics.fmean(r["rollout_time_s"] for r in rows),
         # everything a step does besides waiting for its batch: train, publish, bookkeeping
         "mean_train_phase_s": statistics.fmean(r["step_time_s"] - r["wait_time_s"] for r in rows),
-        "staleness_max": max(r["staleness_max"] for r in rows),
         "episodes_evicted": rows[-1]["episodes_evicted"],
         "reward_vs_time": curve,
         "reward_per_step": [r["reward_mean"] for r in rows],
-        "eval_accuracy_initial": summary["eval_accuracy_initial"],
-        "eval_accuracy_final": summary["eval_accuracy_final"],
     }
 
 
@@ -48,8 +45,7 @@ def run(config_name: str, steps: int, run_dir: Path, overrides: list[str]) -> di
         age = 0 if mode == "sync" else max(config.replay_buffer.max_policy_age, 1)
         config.replay_buffer.max_policy_age = age
         summary = asyncio.run(Controller(config, run_dir / mode).run())
-        rows = [json.loads(line) for line in (run_dir / mode / "metrics.jsonl").read_text().splitlines()]
-        result[mode] = {"max_policy_age": age, **mode_figures(rows, summary)}
+        result[mode] = {"max_policy_age": age, **mode_figures(read_rows(run_dir / mode), summary)}
     sync = result["sync"]
     t_gen, t_train = sync["mean_rollout_time_s"], sync["mean_train_phase_s"]
     result["speedup"] = result["async"]["trained_tokens_per_s"] / sync["trained_tokens_per_s"]

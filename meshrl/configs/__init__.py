@@ -1,64 +1,65 @@
 """Named training configs: nested dataclasses, chosen by name and overridden with dotted flags.
 
-`meshrl train --config smoke --trainer.lr 1e-5 --controller.steps=3`
+`meshrl train --config smoke --trainer.lr 1e-5 --controller.steps=3` (parsed by tyro, overrides.py);
+`meshrl train --config smoke --help` lists every field with the comment beside it here.
 Each actor role names its implementation ("module:Class"), so one can be swapped from the
 command line without touching the controller.
 """
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Callable
 
+from meshrl.configs.overrides import ConfigError, apply_overrides
 from meshrl.tasks.sum_digits import SumDigitsConfig
 
-
-class ConfigError(ValueError):
-    pass
+__all__ = ["CONFIGS", "Config", "ConfigError", "load_config", "register", "to_dict"]
 
 
 @dataclass
 class ModelConfig:
-    # "smollm2": the embedded SmolLM2-135M-Instruct; "tiny": a small random Llama with the same
-    # tokenizer (for tests); anything else: a local HF checkpoint directory.
-    source: str = "smollm2"
+    """The policy's starting checkpoint."""
+
+    source: str = "smollm2"  # smollm2 (embedded SmolLM2-135M-Instruct) | tiny (random, tests) | an HF checkpoint dir
 
 
 @dataclass
 class GeneratorConfig:
-    impl: str = "meshrl.actors.generator:VLLMGenerator"
-    max_tokens: int = 48
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_model_len: int = 512
-    dtype: str = "bfloat16"
+    """The rollout generator (vLLM in process)."""
+
+    impl: str = "meshrl.actors.generator:VLLMGenerator"  # the actor class, module:Class
+    max_tokens: int = 48  # tokens per completion at most
+    temperature: float = 1.0  # sampling temperature of training rollouts
+    top_p: float = 1.0  # nucleus sampling
+    max_model_len: int = 512  # vLLM's context length
+    dtype: str = "bfloat16"  # vLLM's weight dtype
     memory_fraction: float = 0.2  # vLLM's gpu_memory_utilization; on CPU a share of host memory
-    kv_cache_gib: int = 1
-    num_threads: int = 2
+    kv_cache_gib: int = 1  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
+    num_threads: int = 2  # torch/OpenMP threads
     cpus: str = ""  # pin to these cores ("0", "0-1", "0,2"); "" leaves placement to the OS
-    seed: int = 0
+    seed: int = 0  # vLLM's engine seed
 
 
 @dataclass
 class GraderConfig:
-    impl: str = "meshrl.actors.grader:Grader"
+    """Scores completions with the task's reward function."""
+
+    impl: str = "meshrl.actors.grader:Grader"  # the actor class, module:Class
 
 
 @dataclass
 class LossConfig:
-    """The policy loss (see meshrl/losses.py and the README's table)."""
+    """The policy loss (meshrl/losses.py, the README's table). Each loss clips the ratio to the
+    trainer's own pi_old and is weighted by pi_old / pi_behaviour, truncated at tis_cap."""
 
     name: str = "ppo_clip"  # ppo_clip | dapo | gspo | cispo
     clip_eps: float = 0.2  # ppo_clip: symmetric clip range of the ratio
     clip_eps_low: float = 0.2  # dapo: lower clip range
-    clip_eps_high: float = 0.28  # dapo (clip-higher) and cispo (upper bound of the IS weight)
+    clip_eps_high: float = 0.28  # dapo (clip-higher) and cispo (upper bound of the ratio)
     gspo_clip_eps_low: float = 3e-4  # gspo clips the sequence ratio, which stays close to 1
-    gspo_clip_eps_high: float = 4e-4
-    # The behaviour weight pi_old / pi_behaviour corrects for the generator's numerics and staleness:
-    # per "token" or per "sequence" (the product over its tokens), truncated at tis_cap (0: not truncated).
-    tis_cap: float = 2.0
-    tis_level: str = "token"
+    gspo_clip_eps_high: float = 4e-4  # gspo: upper clip range of the sequence ratio
+    tis_cap: float = 2.0  # truncate the behaviour weight pi_old / pi_behaviour here (0: not truncated)
+    tis_level: str = "token"  # the behaviour weight per token | sequence (the product over its tokens)
     aggregation: str = "token_mean"  # token_mean | seq_mean | constant (Dr. GRPO); gspo is always seq_mean
     constant_norm: int = 48  # aggregation=constant: the tokens per sequence to divide by
     kl_coef: float = 0.0  # k3 KL penalty to the frozen reference model (starts a ReferenceModel actor)
@@ -67,25 +68,27 @@ class LossConfig:
 
 @dataclass
 class TrainerConfig:
-    impl: str = "meshrl.actors.trainer:TitanTrainer"
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
+    """The trainer (torchtitan's Llama3, AdamW)."""
+
+    impl: str = "meshrl.actors.trainer:TitanTrainer"  # the actor class, module:Class
+    lr: float = 1e-5  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    max_grad_norm: float = 1.0  # gradient clipping by global norm
     loss: LossConfig = field(default_factory=LossConfig)
     micro_batch_size: int = 16  # sequences per forward/backward pass (gradients accumulate)
-    # Optimizer updates per step: the step's episodes are split into this many mini-batches, each its
-    # own update, all clipped against the policy that started the step (verl's PPO mini-batches).
-    mini_batches: int = 1
-    bf16_autocast: bool = True
-    num_threads: int = 2
+    mini_batches: int = 1  # optimizer updates per step: the step's episodes split in this many mini-batches
+    bf16_autocast: bool = True  # forward in bf16 autocast (master weights stay fp32)
+    num_threads: int = 2  # torch threads
     cpus: str = ""  # pin to these cores ("1", "2-3"); "" leaves placement to the OS
-    seed: int = 0
+    seed: int = 0  # torch seed
 
 
 @dataclass
 class WeightSyncConfig:
+    """The versioned weight ring from the trainer to the generators."""
+
     slots: int = 2  # versions the trainer's ring holds; readers of the newest never race the writer
-    transport: str = "auto"  # "auto": shared memory on the trainer's host, else "rdma"
+    transport: str = "auto"  # auto (shared memory on the trainer's host, else rdma) | shm | rdma
     chunk_mb: int = 16  # RDMA reads a slot in chunks of this size, concurrently
     checksums: bool = False  # CRC32 every published version and verify it on load (stress tests)
 
@@ -94,41 +97,56 @@ class WeightSyncConfig:
 class ReferenceConfig:
     """The frozen initial policy that the KL penalty pulls toward (used when trainer.loss.kl_coef > 0)."""
 
-    impl: str = "meshrl.actors.reference:ReferenceModel"
-    bf16_autocast: bool = True
-    num_threads: int = 2
-    cpus: str = ""
+    impl: str = "meshrl.actors.reference:ReferenceModel"  # the actor class, module:Class
+    bf16_autocast: bool = True  # forward in bf16 autocast
+    num_threads: int = 2  # torch threads
+    cpus: str = ""  # pin to these cores; "" leaves placement to the OS
 
 
 @dataclass
 class ReplayBufferConfig:
-    impl: str = "meshrl.actors.replay_buffer:ReplayBuffer"
-    # The staleness bound, in optimizer steps: episodes sampled from a policy more than this many
-    # versions behind the trainer are evicted, never trained on. 0 is synchronous training; 1 lets
-    # the generators sample the next batch while the trainer trains on this one.
-    max_policy_age: int = 0
+    """Holds episodes until trained. Episodes sampled from a policy more than max_policy_age versions
+    behind the trainer are evicted, never trained on: 0 is synchronous training; 1 lets the generator
+    sample the next batch while the trainer trains on this one."""
+
+    impl: str = "meshrl.actors.replay_buffer:ReplayBuffer"  # the actor class, module:Class
+    max_policy_age: int = 0  # the staleness bound, in steps (published versions)
 
 
 @dataclass
 class ControllerConfig:
-    steps: int = 20
-    prompts_per_step: int = 8
-    group_size: int = 8
+    """The training loop. Eval rates are means over eval_samples completions per held-out prompt."""
+
+    steps: int = 20  # steps (each publishes one policy version)
+    prompts_per_step: int = 8  # prompts (groups) per step
+    group_size: int = 8  # completions per prompt
     advantage: str = "grpo"  # grpo | dr_grpo | rloo (meshrl/advantages.py)
     drop_equal_reward_groups: bool = False  # DAPO's dynamic sampling: groups without signal are not trained
     max_sample_rounds: int = 4  # with drop_equal_reward_groups: prompt blocks sampled at most to fill a batch
     eval_every: int = 0  # 0: evaluate only before the first and after the last step
-    # Eval rates are means over `eval_samples` completions per eval prompt at `eval_temperature`
-    # (greedy by default; e.g. 1.0 and 4 for the mean@4 of sampled answers).
-    eval_temperature: float = 0.0
-    eval_samples: int = 1
-    advantage_eps: float = 1e-6
+    eval_temperature: float = 0.0  # 0: greedy; e.g. 1.0 with eval_samples 4 for the mean@4 of sampled answers
+    eval_samples: int = 1  # completions per eval prompt
+    advantage_eps: float = 1e-6  # added to the group std (grpo)
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go besides metrics.jsonl (meshrl/loggers.py)."""
+
+    tensorboard: bool = True  # event files in the run directory: tensorboard --logdir runs
+    wandb: bool = False  # Weights & Biases, opt-in
+    wandb_project: str = "meshrl"  # W&B project
+    wandb_run_name: str = ""  # W&B run name; "": the run directory's name
+    wandb_mode: str = "auto"  # auto (online with an API key and a reachable server, else offline) | online | offline
+    rollouts_fraction: float = 1.0  # share of trained completions written to rollouts.jsonl (0: none)
 
 
 @dataclass
 class Config:
+    """A whole run: one section per role, the task and its own section, logging."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
-    task: str = "sum_digits"
+    task: str = "sum_digits"  # the task; its settings are the section of the same name
     sum_digits: SumDigitsConfig = field(default_factory=SumDigitsConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     grader: GraderConfig = field(default_factory=GraderConfig)
@@ -137,6 +155,7 @@ class Config:
     replay_buffer: ReplayBufferConfig = field(default_factory=ReplayBufferConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property
     def task_config(self):
@@ -188,55 +207,10 @@ def smoke() -> Config:
 
 
 def load_config(name: str, overrides: list[str]) -> Config:
+    """The named config with `--section.key VALUE` overrides applied (tyro: see overrides.py)."""
     if name not in CONFIGS:
         raise ConfigError(f"unknown config {name!r}; known: {', '.join(sorted(CONFIGS))}")
-    config = CONFIGS[name]()
-    apply_overrides(config, overrides)
-    return config
-
-
-def apply_overrides(config: Config, args: list[str]) -> None:
-    """Apply `--a.b value` / `--a.b=value` pairs in order."""
-    args = list(args)
-    while args:
-        arg = args.pop(0)
-        if not arg.startswith("--"):
-            raise ConfigError(f"bad override {arg!r}: expected --section.key VALUE")
-        key, has_value, value = arg[2:].partition("=")
-        if not has_value:
-            if not args or args[0].startswith("--"):
-                raise ConfigError(f"override --{key} has no value")
-            value = args.pop(0)
-        set_value(config, key, value)
-
-
-def set_value(config, dotted: str, text: str) -> None:
-    *path, name = dotted.split(".")
-    target = config
-    for part in path:
-        target = getattr(target, part, None)
-        if not dataclasses.is_dataclass(target):
-            raise ConfigError(f"unknown config key {dotted!r}")
-    fields = {f.name: f for f in dataclasses.fields(target)}
-    if name not in fields or dataclasses.is_dataclass(getattr(target, name)):
-        raise ConfigError(f"unknown config key {dotted!r}")
-    kind = typing.get_type_hints(type(target))[name]
-    setattr(target, name, _parse(dotted, text, kind))
-
-
-def _parse(key: str, text: str, kind: type):
-    if isinstance(kind, types.UnionType) or kind not in (bool, int, float, str):
-        raise ConfigError(f"config key {key!r} cannot be set from the command line")
-    if kind is bool:
-        if text.lower() in ("1", "true", "yes"):
-            return True
-        if text.lower() in ("0", "false", "no"):
-            return False
-        raise ConfigError(f"bad value for {key}: {text!r} is not a boolean")
-    try:
-        return kind(text)
-    except ValueError:
-        raise ConfigError(f"bad value for {key}: {text!r} is not {kind.__name__}") from None
+    return apply_overrides(CONFIGS[name](), overrides)
 
 
 def to_dict(config: Config) -> dict:

@@ -30,11 +30,13 @@ PHRASINGS = (
 
 @dataclass
 class SumDigitsConfig:
-    num_terms: int = 2
+    """Sums of random numbers, answered after "Answer:"."""
+
+    num_terms: int = 2  # numbers to add
     digits: int = 1  # each term has 1..digits digits
     format_weight: float = 0.2  # reward for a tagged answer of any value; a right tagged answer adds 1
-    eval_size: int = 128
-    seed: int = 0
+    eval_size: int = 128  # held-out eval prompts
+    seed: int = 0  # which prompts
 
 
 class SumDigits:

@@ -1,0 +1,107 @@
+"""A timeline of every actor call the controller makes, to see whether generation and training
+overlap and which role a step waits for.
+
+Each call is a span: role, replica, what (generate, grade, train, publish, pull, evaluate, ...),
+start and end (seconds since the run started) and the policy version it concerns. Spans stream to
+`trace.jsonl`; at the end they are also written as a Chrome/Perfetto trace (`trace.json`, open it
+at ui.perfetto.dev) and drawn as `timeline.png`, one lane per actor.
+
+An actor serves one call at a time, so the tracer sends an actor one call at a time too (a lock per
+actor): a span then covers the actor's own work, not time spent queued behind another call.
+"""
+
+import asyncio
+import json
+import time
+from collections import defaultdict
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+
+class Tracer:
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.file = open(run_dir / "trace.jsonl", "w")
+        self.origin = time.perf_counter()
+        self.locks: dict[tuple[str, int], asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.spans: list[dict] = []
+
+    @asynccontextmanager
+    async def span(self, role: str, what: str, policy_version: int | None = None, replica: int = 0):
+        """Times the calls made inside; yields the span, whose `policy_version` the caller may set
+        once the call has told it (a pull learns its version from the call's result)."""
+        async with self.locks[(role, replica)]:
+            span = {"role": role, "replica": replica, "what": what, "start": time.perf_counter() - self.origin,
+                    "end": None, "policy_version": policy_version}
+            try:
+                yield span
+            finally:
+                span["end"] = time.perf_counter() - self.origin
+                self.spans.append(span)
+                self.file.write(json.dumps(span) + "\n")
+
+    def close(self) -> None:
+        """Flush trace.jsonl and write trace.json and timeline.png from the spans."""
+        self.file.close()
+        (self.run_dir / "trace.json").write_text(json.dumps(chrome_trace(self.spans)))
+        if self.spans:
+            plot_timeline(self.spans, self.run_dir / "timeline.png")
+
+
+@asynccontextmanager
+async def no_span(role: str, what: str, policy_version: int | None = None, replica: int = 0):
+    """Tracer.span's stand-in where nothing is traced."""
+    yield {}
+
+
+def lane(span: dict) -> str:
+    return f"{span['role']} {span['replica']}"
+
+
+def chrome_trace(spans: list[dict]) -> dict:
+    """The spans as Chrome trace events ("X": complete events, microseconds), one thread per actor."""
+    lanes = sorted({lane(s) for s in spans})
+    events = [{"ph": "M", "name": "thread_name", "pid": 1, "tid": i, "args": {"name": name}}
+              for i, name in enumerate(lanes)]
+    events += [{"ph": "X", "name": s["what"], "cat": s["role"], "pid": 1, "tid": lanes.index(lane(s)),
+                "ts": s["start"] * 1e6, "dur": (s["end"] - s["start"]) * 1e6,
+                "args": {"policy_version": s["policy_version"]}} for s in spans]
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def read_spans(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "trace.jsonl").read_text().splitlines()]
+
+
+COLOURS = {"generate": "#1f77b4", "evaluate": "#17becf", "pull": "#ff7f0e", "grade": "#2ca02c",
+           "train": "#d62728", "pi_old": "#e377c2", "reference": "#8c564b", "publish": "#9467bd"}
+
+
+def plot_timeline(spans: list[dict], path: Path, title: str = "") -> None:
+    """One lane per actor, time on the x axis, one colour per kind of call."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lanes = sorted({lane(s) for s in spans}, key=lambda name: ("generator grader replay_buffer reference trainer"
+                                                                .find(name.split()[0]), name))
+    kinds = sorted({s["what"] for s in spans}, key=lambda what: (what not in COLOURS, list(COLOURS).index(what)
+                                                                  if what in COLOURS else 0, what))
+    colours = {what: COLOURS.get(what, "#b0b0b0") for what in kinds}  # bookkeeping calls in grey
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(lanes) + 1.2))
+    for row, name in enumerate(lanes):
+        for what in kinds:
+            bars = [(s["start"], s["end"] - s["start"]) for s in spans if lane(s) == name and s["what"] == what]
+            if bars:
+                ax.broken_barh(bars, (row - 0.4, 0.8), color=colours[what],
+                               label=what if what not in ax.get_legend_handles_labels()[1] else None)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the run started")
+    ax.set_title(title or "actor calls")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
