@@ -4,6 +4,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -113,6 +114,10 @@ def _train(name: str, overrides: list[str], run_dir: Path | None) -> int:
     config = load_config(name, overrides)
     run_dir = run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     summary = asyncio.run(Controller(config, run_dir).run())
+    if "stopped_by" in summary:
+        print(f"meshrl: stopped by {summary['stopped_by']} after {summary['steps']} steps; "
+              f"metrics, rollouts, trace and the policy (final/) are in {run_dir}", file=sys.stderr)
+        return 128 + getattr(signal, summary["stopped_by"])
     for key in (k.removesuffix("_initial") for k in summary if k.endswith("_initial")):
         print(f"{key.replace('_', ' ')}: step 0 {summary[key + '_initial']:.3f} -> "
               f"step {summary['steps']} {summary[key + '_final']:.3f}")

@@ -9,6 +9,7 @@ run ahead, and 0 makes the two alternate: synchronous training on the same code 
 import asyncio
 import json
 import math
+import signal
 import statistics
 import time
 from collections import defaultdict
@@ -150,7 +151,9 @@ class Controller:
         self.busy = {"generator": 0.0, "trainer": 0.0}  # seconds each has spent working
 
     async def run(self) -> dict:
-        """Train for `controller.steps` steps; return (and write to summary.json) the eval rates before and after."""
+        """Train for `controller.steps` steps; return (and write to summary.json) the eval rates before
+        and after. Ctrl-C or SIGTERM stops it within one actor call: the policy trained so far is
+        saved to final/ and everything written so far is kept (`stopped_by` in the summary)."""
         cfg = self.config.controller
         start = time.perf_counter()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -159,33 +162,43 @@ class Controller:
         self.recorder = RolloutRecorder(self.run_dir, self.config.logging.rollouts_fraction)
         self.tracer = Tracer(self.run_dir)
         self.actors = spawn_actors(self.config, self.classes, self.checkpoint)
+        self._catch_stop_signals()
+        rows, initial, final = [], {}, {}
         try:
             span = self.tracer.span
-            async with span("trainer", "attach"):
-                ring = await self.actors.trainer.weight_ring.call_one()
-            async with span("generator", "attach"):
-                await self.actors.generator.attach_weights.call_one(ring)
-            initial = await self.evaluate(step=0)
-            rows = []
-            self.rollout_task = asyncio.create_task(self._rollout_loop())
-            with tqdm(range(1, cfg.steps + 1), unit="step") as bar:
-                last, busy = time.perf_counter(), dict(self.busy)
-                for step in bar:
-                    row = await self.train_step(step)
-                    now = time.perf_counter()
-                    row["step_time_s"] = now - last
-                    for role in self.busy:
-                        row[f"{role}_busy"] = (self.busy[role] - busy[role]) / row["step_time_s"]
-                    if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
-                        row |= await self.evaluate(step)
+            try:
+                self.cancellable = True
+                async with span("trainer", "attach"):
+                    ring = await self.actors.trainer.weight_ring.call_one()
+                async with span("generator", "attach"):
+                    await self.actors.generator.attach_weights.call_one(ring)
+                initial = await self.evaluate(step=0)
+                self.rollout_task = asyncio.create_task(self._rollout_loop())
+                with tqdm(range(1, cfg.steps + 1), unit="step") as bar:
                     last, busy = time.perf_counter(), dict(self.busy)
-                    rows.append(row)
-                    metrics.log(row)
-                    bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=f"{row['accuracy']:.2f}")
-            final = {k: v for k, v in rows[-1].items() if k.startswith("eval_")}
+                    for step in bar:
+                        row = await self.train_step(step)
+                        now = time.perf_counter()
+                        row["step_time_s"] = now - last
+                        for role in self.busy:
+                            row[f"{role}_busy"] = (self.busy[role] - busy[role]) / row["step_time_s"]
+                        if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+                            row |= await self.evaluate(step)
+                        last, busy = time.perf_counter(), dict(self.busy)
+                        rows.append(row)
+                        metrics.log(row)
+                        bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=f"{row['accuracy']:.2f}")
+                final = {k: v for k, v in rows[-1].items() if k.startswith("eval_")}
+            except asyncio.CancelledError:
+                if self.stopped_by is None:
+                    raise
+                asyncio.current_task().uncancel()  # a requested stop: save and write what there is
+            finally:
+                self.cancellable = False
             async with span("trainer", "save", self.trainer_version):
                 await self.actors.trainer.save.call_one(str(self.run_dir / "final"))
         finally:
+            self._release_stop_signals()
             metrics.close()
             self.recorder.close()
             if self.rollout_task:
@@ -194,12 +207,37 @@ class Controller:
             for mesh in self.actors.procs:
                 await mesh.stop()
             self.tracer.close()
-        plot_curves(rows, initial, self.run_dir / "curves.png")
+        if rows:
+            plot_curves(rows, initial, self.run_dir / "curves.png")
         summary = {**{f"{k}_initial": v for k, v in initial.items()}, **{f"{k}_final": v for k, v in final.items()},
-                   "steps": len(rows),
-                   "wall_time_s": time.perf_counter() - start}
+                   "steps": len(rows), "wall_time_s": time.perf_counter() - start,
+                   **({"stopped_by": self.stopped_by} if self.stopped_by else {})}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+    def _catch_stop_signals(self) -> None:
+        """Ctrl-C (SIGINT) or SIGTERM cancels the training; `run` then saves and writes what it has.
+
+        Installed once the actors run: Monarch's runtime replaces the process's SIGINT handler beneath
+        Python's, so asyncio's own Ctrl-C handling never fires. A second signal while stopping is
+        ignored: stopping takes one actor call and the save."""
+        self.stopped_by, self.cancellable = None, False
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+
+        def stop(sig: signal.Signals) -> None:
+            if self.stopped_by is None:
+                self.stopped_by = sig.name
+                tqdm.write(f"{sig.name}: stopping; saving the policy trained so far")
+                if self.cancellable:
+                    task.cancel()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop, sig)
+
+    def _release_stop_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
 
     async def _rollout_loop(self) -> None:
         """Generate, score and buffer one batch per train step, never more than max_policy_age ahead.
