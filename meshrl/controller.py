@@ -1,9 +1,10 @@
-"""The controller: spawns one proc mesh per role and routes data between the actors.
+"""The controller: spawns one proc mesh per role and runs the two loops.
 
-Completions (generator) -> ScoredCompletions (grader) -> Episodes with group advantages (here)
--> ReplayBuffer -> TrainBatches (trainer) -> weight ring -> generator. A rollout loop and a
-training loop run concurrently; `replay_buffer.max_policy_age` bounds how far the rollouts may
-run ahead, and 0 makes the two alternate: synchronous training on the same code path.
+Completions (generator) -> ScoredCompletions (grader) -> Episodes with group advantages
+(meshrl/rollout.py) -> ReplayBuffer -> TrainBatches (trainer, meshrl/train_step.py) -> weight ring
+-> generator. A rollout loop and a training loop run concurrently; `replay_buffer.max_policy_age`
+bounds how far the rollouts may run ahead (the staleness gate), and 0 makes the two alternate:
+synchronous training on the same code path.
 """
 
 import asyncio
@@ -12,68 +13,41 @@ import math
 import signal
 import statistics
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from meshrl.actors import load_actor_class, spawn
-from meshrl.advantages import all_equal, estimator
+from meshrl.actors.roles import ROLES, missing_endpoints
+from meshrl.advantages import estimator
 from meshrl.configs import Config, to_dict
 from meshrl.loggers import MetricLoggers, RolloutRecorder
 from meshrl.losses import check as check_loss
 from meshrl.model import ChatTokenizer, resolve_checkpoint
 from meshrl.plot import plot_curves
-from meshrl.tasks import Sample, make_task
+from meshrl.rollout import Rollout, RolloutCollector
+from meshrl.tasks import make_task
 from meshrl.trace import Tracer
 from meshrl.train_step import train_step
-from meshrl.types import Episode, Prompt, Sampling, ScoredCompletion
 
+if TYPE_CHECKING:
+    from monarch._src.actor.actor_mesh import ActorMesh
 
-def build_episodes(group: list[ScoredCompletion], group_id: int, advantage: str = "grpo",
-                   eps: float = 1e-6) -> list[Episode]:
-    """One prompt's scored completions -> flat Episodes carrying the group advantage."""
-    advantages = estimator(advantage)([s.reward for s in group], eps)
-    episodes = []
-    for scored, adv in zip(group, advantages):
-        c = scored.completion
-        n_prompt = len(c.prompt_token_ids)
-        episodes.append(Episode(
-            tokens=c.prompt_token_ids + c.token_ids,
-            loss_mask=[False] * n_prompt + [True] * len(c.token_ids),
-            behaviour_logprobs=[0.0] * n_prompt + c.logprobs,
-            advantage=adv,
-            policy_version=c.policy_version,
-            group_id=group_id,
-        ))
-    return episodes
-
-
-def check_rates(scored: list[ScoredCompletion], total: int, prefix: str) -> dict[str, float]:
-    """The mean of each reward check over `total` completions (those not in `scored` count as 0):
-    `correct` as `{prefix}accuracy`, the others under their own names."""
-    names = dict.fromkeys(["correct", *(k for s in scored for k in s.reward_components)])
-    return {prefix + ("accuracy" if k == "correct" else k):
-            sum(s.reward_components.get(k, 0.0) for s in scored) / total if total else math.nan for k in names}
-
-
-def rollout_record(scored: ScoredCompletion, group_id: int, prompt: str) -> dict:
-    """One completion as rollouts.jsonl keeps it (the recorder adds the step and the staleness)."""
-    c = scored.completion
-    return {"prompt_index": c.prompt_index, "group": group_id, "prompt": prompt, "completion": c.text,
-            "reward": scored.reward, "reward_components": scored.reward_components,
-            "policy_version": c.policy_version, "finish_reason": c.finish_reason}
+    from meshrl.actors import roles
 
 
 @dataclass
 class Actors:
-    generator: object
-    grader: object
-    trainer: object
-    replay_buffer: object
-    procs: list
-    reference: object | None = None
+    """Handles to each role's actor mesh; meshrl/actors/roles.py says what each must answer."""
+
+    generator: "ActorMesh[roles.Generator]"
+    grader: "ActorMesh[roles.Grader]"
+    trainer: "ActorMesh[roles.Trainer]"
+    replay_buffer: "ActorMesh[roles.ReplayBuffer]"
+    procs: list  # the proc meshes, to stop
+    reference: "ActorMesh[roles.Reference] | None" = None
 
 
 def actor_classes(config: Config) -> dict[str, type]:
@@ -82,7 +56,12 @@ def actor_classes(config: Config) -> dict[str, type]:
              "replay_buffer": config.replay_buffer}
     if config.trainer.loss.kl_coef > 0:
         roles["reference"] = config.reference
-    return {role: load_actor_class(role_config.impl) for role, role_config in roles.items()}
+    classes = {role: load_actor_class(role_config.impl) for role, role_config in roles.items()}
+    for role, cls in classes.items():
+        if missing := missing_endpoints(role, cls):
+            raise ValueError(f"{roles[role].impl} cannot be the {role}: it has no {', '.join(missing)} endpoint "
+                             f"(the contract is meshrl.actors.roles.{ROLES[role].__name__})")
+    return classes
 
 
 def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Path) -> Actors:
@@ -99,23 +78,6 @@ def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Path) -> 
         mesh, actors[role] = spawn(role, cls, *args[role])
         procs.append(mesh)
     return Actors(**actors, procs=procs)
-
-
-@dataclass
-class Rollout:
-    """One generated, scored batch: its episodes wait in the replay buffer for the step that trains them."""
-
-    num_episodes: int
-    equal_reward_groups: int  # groups whose completions all got the same reward: no learning signal
-    groups_dropped: int
-    rewards: list[float]
-    checks: dict[str, float]  # the reward's checks, averaged over the batch's scored completions
-    reward_errors: int
-    tokens_generated: int
-    gen_time_s: float
-    pull_time_s: float
-    rollout_time_s: float
-    records: list[dict]  # one per completion of the kept groups, for rollouts.jsonl
 
 
 class Controller:
@@ -144,7 +106,6 @@ class Controller:
         self.tokenizer = ChatTokenizer(self.checkpoint)
         self.actors: Actors | None = None
         self.trainer_version = 0  # the newest version the trainer published
-        self.generator_version = 0  # the version the generator serves
         self.published = asyncio.Condition()
         self.rollouts: asyncio.Queue[Rollout] = asyncio.Queue()
         self.rollout_task: asyncio.Task | None = None
@@ -162,6 +123,7 @@ class Controller:
         self.recorder = RolloutRecorder(self.run_dir, self.config.logging.rollouts_fraction)
         self.tracer = Tracer(self.run_dir)
         self.actors = spawn_actors(self.config, self.classes, self.checkpoint)
+        self.collector = RolloutCollector(self.config, self.task, self.tokenizer, self.actors, self.tracer)
         self._catch_stop_signals()
         rows, initial, final = [], {}, {}
         try:
@@ -172,7 +134,7 @@ class Controller:
                     ring = await self.actors.trainer.weight_ring.call_one()
                 async with span("generator", "attach"):
                     await self.actors.generator.attach_weights.call_one(ring)
-                initial = await self.evaluate(step=0)
+                initial = await self.collector.evaluate(step=0)
                 self.rollout_task = asyncio.create_task(self._rollout_loop())
                 with tqdm(range(1, cfg.steps + 1), unit="step") as bar:
                     last, busy = time.perf_counter(), dict(self.busy)
@@ -183,7 +145,7 @@ class Controller:
                         for role in self.busy:
                             row[f"{role}_busy"] = (self.busy[role] - busy[role]) / row["step_time_s"]
                         if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
-                            row |= await self.evaluate(step)
+                            row |= await self.collector.evaluate(step)
                         last, busy = time.perf_counter(), dict(self.busy)
                         rows.append(row)
                         metrics.log(row)
@@ -240,58 +202,18 @@ class Controller:
             loop.remove_signal_handler(sig)
 
     async def _rollout_loop(self) -> None:
-        """Generate, score and buffer one batch per train step, never more than max_policy_age ahead.
+        """Collect one batch per train step, never more than max_policy_age ahead of the trainer.
 
         Batch i feeds step i + 1, which trains at trainer version i, so it may only be sampled with
         a policy no older than version i - max_policy_age: wait until the trainer has published it.
         """
-        cfg, gen_cfg, a = self.config.controller, self.config.generator, self.actors
         max_age = self.config.replay_buffer.max_policy_age
-        sampling = Sampling(n=cfg.group_size, temperature=gen_cfg.temperature, top_p=gen_cfg.top_p,
-                            max_tokens=gen_cfg.max_tokens)
-        rounds = cfg.max_sample_rounds if cfg.drop_equal_reward_groups else 1
-        next_prompt = 0
-        for batch in range(cfg.steps):
+        for batch in range(self.config.controller.steps):
             async with self.published:
                 await self.published.wait_for(lambda: self.trainer_version >= batch - max_age)
-            t0 = time.perf_counter()
-            await self._pull()  # the newest version, between batches
-            pull_time, gen_time = time.perf_counter() - t0, 0.0
-            kept, scored, equal, completions, records = {}, [], 0, [], []
-            # DAPO's dynamic sampling: with drop_equal_reward_groups, groups without signal are left out
-            # and more prompts are sampled, up to max_sample_rounds blocks, to fill the batch.
-            for _ in range(rounds):
-                samples = {i: self.task.train_sample(i) for i in range(next_prompt, next_prompt + cfg.prompts_per_step)}
-                next_prompt += cfg.prompts_per_step
-                t1 = time.perf_counter()
-                async with self.tracer.span("generator", "generate", self.generator_version):
-                    block = await a.generator.generate.call_one(self._prompts(samples), sampling=sampling)
-                gen_time += time.perf_counter() - t1
-                completions += block
-                for gid, group in (await self._score(block, samples)).items():
-                    if not group:  # every completion's reward function failed
-                        continue
-                    scored += group
-                    no_signal = all_equal([s.reward for s in group])
-                    equal += no_signal
-                    if not (cfg.drop_equal_reward_groups and no_signal):
-                        kept[gid] = group
-                        records += [rollout_record(s, gid, samples[gid].prompt) for s in group]
-                if len(kept) >= cfg.prompts_per_step:
-                    break
-            self.busy["generator"] += pull_time + gen_time
-            episodes = [e for gid, group in kept.items()
-                        for e in build_episodes(group, gid, cfg.advantage, cfg.advantage_eps)]
-            async with self.tracer.span("replay_buffer", "add"):
-                await a.replay_buffer.add.call_one(episodes)
-            await self.rollouts.put(Rollout(
-                num_episodes=len(episodes), equal_reward_groups=equal,
-                groups_dropped=equal if cfg.drop_equal_reward_groups else 0,
-                rewards=[s.reward for s in scored], checks=check_rates(scored, len(scored), prefix=""),
-                reward_errors=len(completions) - len(scored),
-                tokens_generated=sum(len(c.token_ids) for c in completions),
-                gen_time_s=gen_time, pull_time_s=pull_time, rollout_time_s=time.perf_counter() - t0,
-                records=records))
+            rollout = await self.collector.collect()
+            self.busy["generator"] += rollout.pull_time_s + rollout.gen_time_s
+            await self.rollouts.put(rollout)
 
     async def _next_rollout(self) -> Rollout:
         """The next buffered batch; re-raises if the rollout loop died instead of waiting forever."""
@@ -346,31 +268,6 @@ class Controller:
             **await self._buffer_stats(),
         }
 
-    async def evaluate(self, step: int) -> dict[str, float]:
-        """The newest policy on the task's fixed eval split (`eval_samples` per prompt at `eval_temperature`;
-        greedy by default): each reward check's mean as `eval_<check>` (`correct` as `eval_accuracy`).
-        Prints the rates and three example completions."""
-        cfg = self.config.controller
-        await self._pull()
-        samples = dict(enumerate(self.task.eval_samples()))
-        sampling = Sampling(n=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=self.config.generator.top_p,
-                            max_tokens=self.config.generator.max_tokens)
-        async with self.tracer.span("generator", "evaluate", self.generator_version):
-            completions = await self.actors.generator.generate.call_one(self._prompts(samples), sampling=sampling)
-        scored = [s for group in (await self._score(completions, samples)).values() for s in group]
-        rates = check_rates(scored, len(completions), prefix="eval_")  # a failed reward counts as 0
-        lines = [f"eval at step {step}: " + "  ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in rates.items())]
-        for c in completions[:3 * cfg.eval_samples:cfg.eval_samples]:
-            lines += [f"  prompt: {samples[c.prompt_index].prompt}", f"  reply:  {c.text.strip()!r}"]
-        tqdm.write("\n".join(lines))
-        return rates
-
-    async def _pull(self) -> int:
-        """The generator loads the newest published weights (if newer than its own)."""
-        async with self.tracer.span("generator", "pull") as span:
-            self.generator_version = span["policy_version"] = await self.actors.generator.pull_weights.call_one()
-        return self.generator_version
-
     async def _sample(self, trained_version: int, n: int):
         async with self.tracer.span("replay_buffer", "sample", trained_version):
             return await self.actors.replay_buffer.sample.call_one(trained_version, n)
@@ -378,17 +275,3 @@ class Controller:
     async def _buffer_stats(self) -> dict:
         async with self.tracer.span("replay_buffer", "stats"):
             return await self.actors.replay_buffer.stats.call_one()
-
-    def _prompts(self, samples: dict[int, Sample]) -> list[Prompt]:
-        return [Prompt(i, self.tokenizer.encode_chat(s.prompt)) for i, s in samples.items()]
-
-    async def _score(self, completions, samples: dict[int, Sample]) -> dict[int, list[ScoredCompletion]]:
-        """Grade each prompt's completions as one group, all groups concurrently."""
-        by_prompt = defaultdict(list)
-        for c in completions:
-            by_prompt[c.prompt_index].append(c)
-        indices = list(by_prompt)
-        async with self.tracer.span("grader", "grade"):  # one span: the grader serves them one by one
-            scored = await asyncio.gather(*(
-                self.actors.grader.score.call_one(by_prompt[i], samples[i].answer) for i in indices))
-        return dict(zip(indices, scored))

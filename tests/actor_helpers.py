@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from meshrl.controller import build_episodes
+from meshrl.rollout import build_episodes
 from meshrl.types import Completion, Episode, ScoredCompletion, TrainBatch
 
 

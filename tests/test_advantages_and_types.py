@@ -2,7 +2,7 @@
 
 import torch
 
-from meshrl.controller import build_episodes
+from meshrl.rollout import build_episodes
 from meshrl.types import Completion, ScoredCompletion, TrainBatch
 
 
@@ -34,7 +34,7 @@ def test_collate_shifts_targets_and_pads():
 
 
 def test_check_rates_average_each_check_and_count_unscored_completions_as_zero():
-    from meshrl.controller import check_rates
+    from meshrl.rollout import check_rates
 
     a = ScoredCompletion(scored(1.5).completion, 1.5, {"correct": 1.0, "format": 1.0})
     b = ScoredCompletion(scored(0.0).completion, 0.0, {"correct": 0.0, "format": 1.0})

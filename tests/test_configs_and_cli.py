@@ -59,6 +59,9 @@ def run_cli(*args):
     (["train", "--config", "smoke", "--replay_buffer.max_policy_age", "-1"], "max_policy_age must be at least 0"),
     (["train", "--config", "smoke", "--controller.group_size", "1"], "group_size must be at least 2"),
     (["train", "--config", "smoke", "--generator.impl", "no_module:Gen"], "cannot load actor implementation"),
+    (["train", "--config", "smoke", "--generator.impl", "meshrl.actors.grader:Grader"],
+     "meshrl.actors.grader:Grader cannot be the generator: it has no generate, attach_weights, pull_weights, "
+     "weight_sync_stats endpoint (the contract is meshrl.actors.roles.Generator)"),
     (["train", "--config", "smoke", "--trainer.mini_batches", "0"], "trainer.mini_batches and"),
     (["train", "--config", "smoke", "--trainer.loss.tis_level", "batch"], "unknown trainer.loss.tis_level 'batch'"),
 ])

@@ -3,7 +3,6 @@ positive advantage becomes more likely, one with a negative advantage less likel
 
 import asyncio
 
-import pytest
 import torch
 
 from meshrl.actors import spawn

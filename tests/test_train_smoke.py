@@ -1,6 +1,7 @@
 """`meshrl train --config smoke` end to end: real actors, real vLLM, real torchtitan, tiny model."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -88,11 +89,11 @@ def test_smoke_run_writes_metrics_plot_and_a_final_policy_vllm_loads(tmp_path, t
     (["--trainer.loss.name", "gspo", "--trainer.loss.kl_coef", "0.05", "--controller.advantage", "rloo"],
      lambda rows: all(r["kl"] >= 0 and r["entropy"] > 0 and r["tokens_trained"] > 0 for r in rows)),
     # the tiny random model never earns a reward: DAPO's dynamic sampling drops every group, and
-    # the trainer still steps (on nothing) so the loop goes on
+    # the trainer still steps (on nothing) so the loop goes on; the batch trained has no rewards
     (["--trainer.loss.name", "dapo", "--controller.drop_equal_reward_groups", "true",
       "--controller.max_sample_rounds", "2"],
      lambda rows: all(r["groups_dropped"] == r["equal_reward_groups"] == 4 and r["tokens_trained"] == 0
-                      for r in rows)),
+                      and math.isnan(r["reward_mean"]) and math.isnan(r["accuracy"]) for r in rows)),
 ])
 def test_smoke_runs_with_other_losses_and_estimators(tmp_path, overrides, check):
     run_dir = tmp_path / "run"

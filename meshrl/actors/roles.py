@@ -1,0 +1,90 @@
+"""What each role must offer: the endpoints the controller calls and what they return.
+
+A second implementation of a role (`--generator.impl mypkg.gen:MyGenerator`) is a Monarch `Actor`
+whose endpoints (all `async`, decorated with `@endpoint`) match its role's Protocol here; the
+controller checks the names before it spawns anything. The constructor takes the arguments that
+`meshrl.controller.spawn_actors` passes to that role.
+"""
+
+from typing import Protocol
+
+import torch
+
+from meshrl.types import Completion, Episode, Prompt, Sampling, ScoredCompletion, TrainBatch
+
+
+class Generator(Protocol):
+    """Makes Completions (tokens, behaviour logprobs, policy version); knows nothing of rewards.
+    Constructed with (GeneratorConfig, WeightSyncConfig, checkpoint path)."""
+
+    async def generate(self, prompts: list[Prompt], *, sampling: Sampling | None = None) -> list[Completion]:
+        """`sampling.n` completions per prompt, each stamped with the policy version it sampled from."""
+
+    async def attach_weights(self, ring) -> str:
+        """Pull weights from the trainer's ring (a `RingHandle`) from now on; returns the transport."""
+
+    async def pull_weights(self) -> int:
+        """Load the newest published version if newer than the one served; returns the version served."""
+
+    async def weight_sync_stats(self) -> dict:
+        """{"transport", "torn_reads", "corrupt_reads"}."""
+
+
+class Grader(Protocol):
+    """Scores one prompt's group. Constructed with (task name, task config)."""
+
+    async def score(self, completions: list[Completion], expected_answer: str) -> list[ScoredCompletion]:
+        """Completions whose reward function raises are left out (the caller counts them)."""
+
+
+class Trainer(Protocol):
+    """Trains on TrainBatches and publishes weights; computes no advantages.
+    Constructed with (TrainerConfig, WeightSyncConfig, checkpoint path)."""
+
+    async def forward_backward(self, batch: TrainBatch) -> dict:
+        """Accumulate the loss's gradient over one micro-batch; returns its metric sums (meshrl/losses.py)."""
+
+    async def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """The current policy's logprob of every target token [B, T], without training."""
+
+    async def optim_step(self) -> dict:
+        """One optimizer update: {"updates", "grad_norm"}."""
+
+    async def weight_ring(self):
+        """The `RingHandle` generators pull from."""
+
+    async def publish_weights(self) -> int:
+        """Publish the current weights as the next policy version; returns it."""
+
+    async def save(self, path: str) -> None:
+        """Write the current policy as an HF checkpoint."""
+
+
+class ReplayBuffer(Protocol):
+    """Holds Episodes; never hands out one older than its staleness bound.
+    Constructed with (ReplayBufferConfig,)."""
+
+    async def add(self, episodes: list[Episode]) -> None: ...
+
+    async def sample(self, policy_version: int, num_episodes: int) -> list[Episode] | None:
+        """The oldest `num_episodes` fresh enough for `policy_version`, or None if too few."""
+
+    async def stats(self) -> dict[str, int]:
+        """{"buffer_depth", "episodes_evicted"}."""
+
+
+class Reference(Protocol):
+    """The frozen initial policy for the KL penalty. Constructed with (ReferenceConfig, checkpoint path)."""
+
+    async def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """log p_ref of every target token [B, T]."""
+
+
+ROLES: dict[str, type] = {"generator": Generator, "grader": Grader, "trainer": Trainer,
+                          "replay_buffer": ReplayBuffer, "reference": Reference}
+
+
+def missing_endpoints(role: str, cls: type) -> list[str]:
+    """The endpoints of `role`'s contract that `cls` does not define."""
+    wanted = [name for name in vars(ROLES[role]) if not name.startswith("_")]
+    return [name for name in wanted if not hasattr(cls, name)]
