@@ -73,11 +73,11 @@ def main(argv: list[str] | None = None) -> int:
             _bench_weight_sync(args)
         elif args.command == "bench":
             _bench_sync_vs_async(args, rest)
-        else:
-            return _train(args.config, rest, args.run_dir)
+        else:  # bad input fails here, before anything starts; a failure during the run keeps its traceback
+            controller = _prepare_train(args.config, rest, args.run_dir)
     except (ConfigError, ModelError, ValueError) as e:
         return _error(str(e))
-    return 0
+    return _train(controller) if args.command == "train" else 0
 
 
 def _error(message: str) -> int:
@@ -108,12 +108,17 @@ def _bench_sync_vs_async(args, overrides: list[str]) -> None:
     print(f"runs: {run_dir}/sync, {run_dir}/async")
 
 
-def _train(name: str, overrides: list[str], run_dir: Path | None) -> int:
+def _prepare_train(name: str, overrides: list[str], run_dir: Path | None):
+    """The run's Controller: the config, the model and every role's implementation checked."""
     from meshrl.controller import Controller
 
     config = load_config(name, overrides)
-    run_dir = run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    summary = asyncio.run(Controller(config, run_dir).run())
+    return Controller(config, run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def _train(controller) -> int:
+    run_dir = controller.run_dir
+    summary = asyncio.run(controller.run())
     if "stopped_by" in summary:
         print(f"meshrl: stopped by {summary['stopped_by']} after {summary['steps']} steps; "
               f"metrics, rollouts, trace and the policy (final/) are in {run_dir}", file=sys.stderr)

@@ -256,6 +256,7 @@ class Controller:
             "reward_errors": rollout.reward_errors,
             "equal_reward_groups": rollout.equal_reward_groups,
             "groups_dropped": rollout.groups_dropped,
+            "groups_surplus": rollout.groups_surplus,
             **train,
             "tokens_generated": rollout.tokens_generated,
             "gen_time_s": rollout.gen_time_s,

@@ -46,6 +46,27 @@ def check_rates(scored: list[ScoredCompletion], total: int, prefix: str) -> dict
             sum(s.reward_components.get(k, 0.0) for s in scored) / total if total else math.nan for k in names}
 
 
+def keep_groups(groups: dict[int, list[ScoredCompletion]], kept: dict[int, list[ScoredCompletion]], need: int,
+                drop_equal: bool) -> tuple[int, int]:
+    """Add graded groups to `kept` (in order) until it holds `need`. Groups whose rewards are all
+    equal are left out when `drop_equal` (DAPO's dynamic sampling); groups whose every reward
+    function failed are empty and left out. Returns (groups with equal rewards, groups with
+    signal that found the batch full)."""
+    equal = surplus = 0
+    for gid, group in groups.items():
+        if not group:
+            continue
+        no_signal = all_equal([s.reward for s in group])
+        equal += no_signal
+        if drop_equal and no_signal:
+            continue
+        if len(kept) >= need:
+            surplus += 1
+            continue
+        kept[gid] = group
+    return equal, surplus
+
+
 def rollout_record(scored: ScoredCompletion, group_id: int, prompt: str) -> dict:
     """One completion as rollouts.jsonl keeps it (the recorder adds the step and the staleness)."""
     c = scored.completion
@@ -61,6 +82,7 @@ class Rollout:
     num_episodes: int
     equal_reward_groups: int  # groups whose completions all got the same reward: no learning signal
     groups_dropped: int
+    groups_surplus: int  # groups with signal sampled after the batch was full: graded, not trained
     rewards: list[float]
     checks: dict[str, float]  # the reward's checks, averaged over the batch's scored completions
     reward_errors: int
@@ -91,25 +113,23 @@ class RolloutCollector:
         t0 = time.perf_counter()
         pull_time = await self.pull()  # the newest version, between batches
         gen_time = 0.0
-        kept, scored, equal, completions, records = {}, [], 0, [], []
+        kept, scored, completions, prompts = {}, [], [], {}
+        equal = surplus = 0
         for _ in range(cfg.max_sample_rounds if cfg.drop_equal_reward_groups else 1):
             samples = {i: self.task.train_sample(i) for i in range(self.next_prompt,
                                                                     self.next_prompt + cfg.prompts_per_step)}
             self.next_prompt += cfg.prompts_per_step
+            prompts |= {i: sample.prompt for i, sample in samples.items()}
             block, seconds = await self.generate(samples, sampling, "generate")
             gen_time += seconds
             completions += block
-            for gid, group in (await self.score(block, samples)).items():
-                if not group:  # every completion's reward function failed
-                    continue
-                scored += group
-                no_signal = all_equal([s.reward for s in group])
-                equal += no_signal
-                if not (cfg.drop_equal_reward_groups and no_signal):
-                    kept[gid] = group
-                    records += [rollout_record(s, gid, samples[gid].prompt) for s in group]
+            groups = await self.score(block, samples)
+            scored += [s for group in groups.values() for s in group]
+            block_equal, block_surplus = keep_groups(groups, kept, cfg.prompts_per_step, cfg.drop_equal_reward_groups)
+            equal, surplus = equal + block_equal, surplus + block_surplus
             if len(kept) >= cfg.prompts_per_step:
                 break
+        records = [rollout_record(s, gid, prompts[gid]) for gid, group in kept.items() for s in group]
         episodes = [e for gid, group in kept.items()
                     for e in build_episodes(group, gid, cfg.advantage, cfg.advantage_eps)]
         trained = [s for group in kept.values() for s in group]  # the rewards of the batch trained
@@ -117,7 +137,7 @@ class RolloutCollector:
             await self.actors.replay_buffer.add.call_one(episodes)
         return Rollout(
             num_episodes=len(episodes), equal_reward_groups=equal,
-            groups_dropped=equal if cfg.drop_equal_reward_groups else 0,
+            groups_dropped=equal if cfg.drop_equal_reward_groups else 0, groups_surplus=surplus,
             rewards=[s.reward for s in trained], checks=check_rates(trained, len(trained), prefix=""),
             reward_errors=len(completions) - len(scored),
             tokens_generated=sum(len(c.token_ids) for c in completions),

@@ -42,3 +42,24 @@ def test_check_rates_average_each_check_and_count_unscored_completions_as_zero()
     assert check_rates([a, b], 4, prefix="") == {"accuracy": 0.25, "format": 0.5}  # two whose reward raised
     rates = check_rates([], 0, prefix="")
     assert list(rates) == ["accuracy"] and rates["accuracy"] != rates["accuracy"]  # NaN: nothing scored
+
+
+def test_keep_groups_fills_the_batch_and_never_overfills_it():
+    from meshrl.rollout import keep_groups
+
+    def group(*rewards):
+        return [scored(r) for r in rewards]
+
+    kept = {}
+    # block 1: two groups with signal, one without, one whose every reward failed (empty)
+    first = {0: group(1.0, 0.0), 1: group(0.0, 0.0), 2: [], 3: group(0.5, 0.0)}
+    assert keep_groups(first, kept, need=3, drop_equal=True) == (1, 0)
+    assert list(kept) == [0, 3]
+    # block 2: three more with signal, one without; the batch takes one, two are surplus
+    second = {4: group(1.0, 1.0), 5: group(0.0, 1.0), 6: group(1.0, 0.0), 7: group(0.2, 0.0)}
+    assert keep_groups(second, kept, need=3, drop_equal=True) == (1, 2)
+    assert list(kept) == [0, 3, 5]
+    # without dynamic sampling an equal-reward group is trained (and still counted)
+    plain = {}
+    assert keep_groups(first, plain, need=4, drop_equal=False) == (1, 0)
+    assert list(plain) == [0, 1, 3]
