@@ -34,6 +34,14 @@ def _parser() -> argparse.ArgumentParser:
     weight_sync.add_argument("--model", default="smollm2", help="smollm2, tiny, or an HF checkpoint directory")
     weight_sync.add_argument("--repeats", type=int, default=5, help="timings per figure (the median is reported)")
     weight_sync.add_argument("--stress-seconds", type=float, default=10.0, help="length of the torn-read stress")
+    generation = bench.add_parser("generation", help="raw vLLM against one generator replica and against N")
+    generation.add_argument("--json", type=Path, required=True, help="where to write the figures")
+    generation.add_argument("--model", default="smollm2", help="smollm2, tiny, or an HF checkpoint directory")
+    generation.add_argument("--prompts", type=int, default=32, help="prompts (groups) per run")
+    generation.add_argument("--group-size", type=int, default=8, help="completions per prompt")
+    generation.add_argument("--max-tokens", type=int, default=48, help="tokens per completion at most")
+    generation.add_argument("--replicas", type=int, default=2, help="replicas of the last figure")
+    generation.add_argument("--repeats", type=int, default=2, help="warm runs per figure (the best is reported)")
     sync_async = bench.add_parser("sync-vs-async", help="one workload trained sync, then async",
                                   epilog="Config overrides apply to both runs: --generator.max_tokens 32")
     sync_async.add_argument("--config", required=True, help="e.g. bench_smoke or bench_smollm2")
@@ -71,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             print(resolve_checkpoint(args.source))
         elif args.command == "bench" and args.bench == "weight-sync":
             _bench_weight_sync(args)
+        elif args.command == "bench" and args.bench == "generation":
+            _bench_generation(args)
         elif args.command == "bench":
             _bench_sync_vs_async(args, rest)
         else:  # bad input fails here, before anything starts; a failure during the run keeps its traceback
@@ -92,6 +102,15 @@ def _bench_weight_sync(args) -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(weight_sync.report(result))
+
+
+def _bench_generation(args) -> None:
+    from meshrl.bench import generation
+
+    result = generation.run(args.model, args.prompts, args.group_size, args.max_tokens, args.replicas, args.repeats)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print(generation.report(result))
 
 
 def _bench_sync_vs_async(args, overrides: list[str]) -> None:
@@ -117,8 +136,14 @@ def _prepare_train(name: str, overrides: list[str], run_dir: Path | None):
 
 
 def _train(controller) -> int:
+    from meshrl.replicas import RoleFailed
+
     run_dir = controller.run_dir
-    summary = asyncio.run(controller.run())
+    try:
+        summary = asyncio.run(controller.run())
+    except RoleFailed as e:  # a role could no longer work: what there is was written; one line says what
+        print(f"meshrl: error: {e}", file=sys.stderr)
+        return 1
     if "stopped_by" in summary:
         print(f"meshrl: stopped by {summary['stopped_by']} after {summary['steps']} steps; "
               f"metrics, rollouts, trace and the policy (final/) are in {run_dir}", file=sys.stderr)

@@ -1,14 +1,18 @@
-"""The controller: spawns one proc mesh per role and runs the two loops.
+"""The controller: spawns one proc mesh per actor and runs the two loops.
 
-Completions (generator) -> ScoredCompletions (grader) -> Episodes with group advantages
-(meshrl/rollout.py) -> ReplayBuffer -> TrainBatches (trainer, meshrl/train_step.py) -> weight ring
--> generator. A rollout loop and a training loop run concurrently; `replay_buffer.max_policy_age`
-bounds how far the rollouts may run ahead (the staleness gate), and 0 makes the two alternate:
-synchronous training on the same code path.
+Completions (generator replicas) -> ScoredCompletions (grader replicas) -> Episodes with group
+advantages (meshrl/rollout.py) -> ReplayBuffer -> TrainBatches (trainer, meshrl/train_step.py) ->
+weight ring -> generators. A rollout loop (one prompt's group at a time, across the replicas) and a
+training loop run concurrently; `replay_buffer.max_policy_age` bounds how far the rollouts may run
+ahead (the staleness gate), and 0 makes the two alternate: synchronous training on the same code path.
+A generator or grader replica that dies is replaced (meshrl/replicas.py); the trainer, the replay
+buffer or the reference dying ends the run with one line, after writing what there is.
 """
 
 import asyncio
+import dataclasses
 import json
+import logging
 import math
 import signal
 import statistics
@@ -17,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import monarch.actor
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from tqdm import tqdm
 
 from meshrl.actors import load_actor_class, spawn
@@ -27,6 +33,7 @@ from meshrl.loggers import MetricLoggers, RolloutRecorder
 from meshrl.losses import check as check_loss
 from meshrl.model import ChatTokenizer, resolve_checkpoint
 from meshrl.plot import plot_curves
+from meshrl.replicas import Replica, ReplicaPool, RoleFailed, describe, process_id
 from meshrl.rollout import Rollout, RolloutCollector
 from meshrl.tasks import make_task
 from meshrl.trace import Tracer
@@ -37,13 +44,14 @@ if TYPE_CHECKING:
 
     from meshrl.actors import roles
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class Actors:
-    """Handles to each role's actor mesh; meshrl/actors/roles.py says what each must answer."""
+    """Handles to the single actors' meshes (the generators and graders are pools of replicas, whose
+    actors follow roles.Generator and roles.Grader); meshrl/actors/roles.py says what each must answer."""
 
-    generator: "ActorMesh[roles.Generator]"
-    grader: "ActorMesh[roles.Grader]"
     trainer: "ActorMesh[roles.Trainer]"
     replay_buffer: "ActorMesh[roles.ReplayBuffer]"
     procs: list  # the proc meshes, to stop
@@ -65,19 +73,26 @@ def actor_classes(config: Config) -> dict[str, type]:
 
 
 def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Path) -> Actors:
-    """One proc mesh per role."""
+    """One proc mesh per single actor: the trainer, the replay buffer and the reference."""
     args = {
-        "generator": (config.generator, config.weight_sync, str(checkpoint)),
-        "grader": (config.task, config.task_config),
         "trainer": (config.trainer, config.weight_sync, str(checkpoint)),
         "replay_buffer": (config.replay_buffer,),
         "reference": (config.reference, str(checkpoint)),
     }
     actors, procs = {}, []
-    for role, cls in classes.items():
-        mesh, actors[role] = spawn(role, cls, *args[role])
-        procs.append(mesh)
+    for role in ("trainer", "replay_buffer", "reference"):
+        if role in classes:
+            mesh, actors[role] = spawn(role, classes[role], *args[role])
+            procs.append(mesh)
     return Actors(**actors, procs=procs)
+
+
+def generator_args(config: Config, index: int, checkpoint: Path) -> tuple:
+    """Replica `index`'s constructor arguments: its own cores ("0;1": one set per replica) and seed."""
+    placements = config.generator.cpus.split(";")
+    cpus = placements[index] if len(placements) > 1 else placements[0]
+    replica = dataclasses.replace(config.generator, cpus=cpus, seed=config.generator.seed + index)
+    return replica, config.weight_sync, str(checkpoint)
 
 
 class Controller:
@@ -96,6 +111,11 @@ class Controller:
             raise ValueError(f"unknown logging.wandb_mode {config.logging.wandb_mode!r}; known: auto, online, offline")
         if config.replay_buffer.max_policy_age < 0:
             raise ValueError("replay_buffer.max_policy_age must be at least 0")
+        if config.generator.replicas < 1 or config.grader.replicas < 1:
+            raise ValueError("generator.replicas and grader.replicas must be at least 1")
+        if ";" in config.generator.cpus and len(config.generator.cpus.split(";")) != config.generator.replicas:
+            raise ValueError(f"generator.cpus {config.generator.cpus!r} names one set of cores per replica: "
+                             f"it needs {config.generator.replicas} sets separated by ';'")
         estimator(cfg.advantage)
         check_loss(config.trainer.loss)
         self.config = config
@@ -106,76 +126,129 @@ class Controller:
         self.tokenizer = ChatTokenizer(self.checkpoint)
         self.actors: Actors | None = None
         self.trainer_version = 0  # the newest version the trainer published
-        self.published = asyncio.Condition()
         self.rollouts: asyncio.Queue[Rollout] = asyncio.Queue()
         self.rollout_task: asyncio.Task | None = None
-        self.busy = {"generator": 0.0, "trainer": 0.0}  # seconds each has spent working
+        self.trainer_busy = 0.0  # seconds the trainer has spent working
+        self.generators: ReplicaPool | None = None
+        self.graders: ReplicaPool | None = None
 
     async def run(self) -> dict:
         """Train for `controller.steps` steps; return (and write to summary.json) the eval rates before
         and after. Ctrl-C or SIGTERM stops it within one actor call: the policy trained so far is
-        saved to final/ and everything written so far is kept (`stopped_by` in the summary)."""
-        cfg = self.config.controller
+        saved to final/ and everything written so far is kept (`stopped_by` in the summary). A role
+        that can no longer work (replicas out of restarts, the trainer's process dead) stops it the
+        same way, then raises RoleFailed with one line."""
         start = time.perf_counter()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.config), indent=2))
         metrics = MetricLoggers(self.run_dir, self.config, name=self.run_dir.name)
         self.recorder = RolloutRecorder(self.run_dir, self.config.logging.rollouts_fraction)
         self.tracer = Tracer(self.run_dir)
+        monarch.actor.unhandled_fault_hook = _note_fault  # failures reach us as errors of the calls
         self.actors = spawn_actors(self.config, self.classes, self.checkpoint)
-        self.collector = RolloutCollector(self.config, self.task, self.tokenizer, self.actors, self.tracer)
         self._catch_stop_signals()
-        rows, initial, final = [], {}, {}
+        rows, initial, failure, saved = [], {}, None, False
         try:
-            span = self.tracer.span
             try:
                 self.cancellable = True
-                async with span("trainer", "attach"):
-                    ring = await self.actors.trainer.weight_ring.call_one()
-                async with span("generator", "attach"):
-                    await self.actors.generator.attach_weights.call_one(ring)
+                await self._start_pools()
                 initial = await self.collector.evaluate(step=0)
                 self.rollout_task = asyncio.create_task(self._rollout_loop())
-                with tqdm(range(1, cfg.steps + 1), unit="step") as bar:
-                    last, busy = time.perf_counter(), dict(self.busy)
-                    for step in bar:
-                        row = await self.train_step(step)
-                        now = time.perf_counter()
-                        row["step_time_s"] = now - last
-                        for role in self.busy:
-                            row[f"{role}_busy"] = (self.busy[role] - busy[role]) / row["step_time_s"]
-                        if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
-                            row |= await self.collector.evaluate(step)
-                        last, busy = time.perf_counter(), dict(self.busy)
-                        rows.append(row)
-                        metrics.log(row)
-                        bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=f"{row['accuracy']:.2f}")
-                final = {k: v for k, v in rows[-1].items() if k.startswith("eval_")}
+                await self._train(metrics, rows)
             except asyncio.CancelledError:
                 if self.stopped_by is None:
                     raise
                 asyncio.current_task().uncancel()  # a requested stop: save and write what there is
+            except (RoleFailed, SupervisionError) as e:  # a role died: save and write what there is, then say so
+                failure = str(e) if isinstance(e, RoleFailed) else describe(e)
             finally:
                 self.cancellable = False
-            async with span("trainer", "save", self.trainer_version):
-                await self.actors.trainer.save.call_one(str(self.run_dir / "final"))
+            saved = await self._save()
         finally:
             self._release_stop_signals()
             metrics.close()
             self.recorder.close()
-            if self.rollout_task:
-                self.rollout_task.cancel()
-                await asyncio.gather(self.rollout_task, return_exceptions=True)
-            for mesh in self.actors.procs:
-                await mesh.stop()
+            await self._stop_actors()
             self.tracer.close()
         if rows:
             plot_curves(rows, initial, self.run_dir / "curves.png")
+        final = {k: v for k, v in rows[-1].items() if k.startswith("eval_")} if rows else {}
         summary = {**{f"{k}_initial": v for k, v in initial.items()}, **{f"{k}_final": v for k, v in final.items()},
                    "steps": len(rows), "wall_time_s": time.perf_counter() - start,
-                   **({"stopped_by": self.stopped_by} if self.stopped_by else {})}
+                   **({"stopped_by": self.stopped_by} if self.stopped_by else {}),
+                   **({"failed": failure} if failure else {})}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if failure:
+            kept = "metrics, rollouts, trace" + (" and the policy (final/)" if saved else "")
+            raise RoleFailed(f"{failure} (after {len(rows)} steps; {kept} are in {self.run_dir})")
         return summary
+
+    async def _start_pools(self) -> None:
+        """The generator and grader replicas, each generator attached to the trainer's weight ring."""
+        async with self.tracer.span("trainer", "attach"):
+            ring = await self.actors.trainer.weight_ring.call_one()
+
+        async def attach(replica: Replica) -> None:
+            async with self.tracer.span("generator", "attach", replica=replica.index):
+                await replica.actor.attach_weights.call_one(ring)
+
+        cfg = self.config
+        self.generators = ReplicaPool("generator", self.classes["generator"],
+                                      lambda i: generator_args(cfg, i, self.checkpoint),
+                                      cfg.generator.replicas, cfg.generator.max_restarts, setup=attach)
+        self.graders = ReplicaPool("grader", self.classes["grader"], lambda i: (cfg.task, cfg.task_config),
+                                   cfg.grader.replicas, cfg.grader.max_restarts)
+        await asyncio.gather(self.generators.start(), self.graders.start())
+        self.collector = RolloutCollector(cfg, self.task, self.tokenizer, self.generators, self.graders,
+                                          self.actors.replay_buffer, self.tracer)
+        pids = {**self.generators.pids(), **self.graders.pids()}
+        for role, procs in zip(("trainer", "replay_buffer", "reference"), self.actors.procs):
+            pids[role] = await process_id(procs, role)
+        (self.run_dir / "processes.json").write_text(json.dumps(pids, indent=2))
+
+    async def _train(self, metrics: MetricLoggers, rows: list[dict]) -> None:
+        cfg = self.config.controller
+        with tqdm(range(1, cfg.steps + 1), unit="step") as bar:
+            last, busy = time.perf_counter(), self._busy()
+            for step in bar:
+                row = await self.train_step(step)
+                now = time.perf_counter()
+                row["step_time_s"] = now - last
+                row["generator_busy"], row["trainer_busy"] = (
+                    (b - a) / row["step_time_s"] for a, b in zip(busy, self._busy()))
+                if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+                    row |= await self.collector.evaluate(step)
+                last, busy = time.perf_counter(), self._busy()
+                rows.append(row)
+                metrics.log(row)
+                bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=f"{row['accuracy']:.2f}")
+
+    def _busy(self) -> tuple[float, float]:
+        """Seconds worked so far: by the average generator replica, by the trainer."""
+        return self.generators.busy_seconds() / self.config.generator.replicas, self.trainer_busy
+
+    async def _save(self) -> bool:
+        """The current policy to final/; False (and a log line) if the trainer cannot."""
+        try:
+            async with self.tracer.span("trainer", "save", self.trainer_version):
+                await self.actors.trainer.save.call_one(str(self.run_dir / "final"))
+            return True
+        except Exception as e:
+            logger.error("the policy could not be saved: %s", str(e).strip().splitlines()[0])
+            return False
+
+    async def _stop_actors(self) -> None:
+        if self.rollout_task:
+            self.rollout_task.cancel()
+            await asyncio.gather(self.rollout_task, return_exceptions=True)
+        for pool in (self.generators, self.graders):
+            if pool:
+                await pool.stop()
+        for mesh in self.actors.procs:
+            try:
+                await mesh.stop()
+            except Exception:  # a dead process's mesh; the others still stop
+                pass
 
     def _catch_stop_signals(self) -> None:
         """Ctrl-C (SIGINT) or SIGTERM cancels the training; `run` then saves and writes what it has.
@@ -202,18 +275,20 @@ class Controller:
             loop.remove_signal_handler(sig)
 
     async def _rollout_loop(self) -> None:
-        """Collect one batch per train step, never more than max_policy_age ahead of the trainer.
+        """Keep groups in flight across the generator replicas, never more than max_policy_age ahead.
 
-        Batch i feeds step i + 1, which trains at trainer version i, so it may only be sampled with
-        a policy no older than version i - max_policy_age: wait until the trainer has published it.
-        """
-        max_age = self.config.replay_buffer.max_policy_age
-        for batch in range(self.config.controller.steps):
-            async with self.published:
-                await self.published.wait_for(lambda: self.trainer_version >= batch - max_age)
-            rollout = await self.collector.collect()
-            self.busy["generator"] += rollout.pull_time_s + rollout.gen_time_s
-            await self.rollouts.put(rollout)
+        A group started now helps fill batch b (`collector.next_batch()`); batch b feeds step b + 1,
+        which trains at trainer version b, so the group may start only once version b - max_policy_age
+        is published (its replica loads the newest version before generating)."""
+        max_age, c = self.config.replay_buffer.max_policy_age, self.collector
+        try:
+            while c.batches_done < self.config.controller.steps:
+                while (batch := c.next_batch()) is not None and self.trainer_version >= batch - max_age:
+                    c.launch()
+                if rollout := await c.next_rollout():
+                    await self.rollouts.put(rollout)
+        finally:
+            await c.stop()
 
     async def _next_rollout(self) -> Rollout:
         """The next buffered batch; re-raises if the rollout loop died instead of waiting forever."""
@@ -240,10 +315,9 @@ class Controller:
         async with self.tracer.span("trainer", "publish", trained_version + 1) as span:
             published = span["policy_version"] = await a.trainer.publish_weights.call_one()
         t3 = time.perf_counter()
-        self.busy["trainer"] += t3 - t1
-        async with self.published:
-            self.trainer_version = published
-            self.published.notify_all()
+        self.trainer_busy += t3 - t1
+        self.trainer_version = published
+        self.collector.published(published)
         self.recorder.write(step, trained_version, rollout.records)
         staleness = [trained_version - e.policy_version for e in episodes] or [0]  # [0]: nothing to train
         rewards = rollout.rewards
@@ -256,7 +330,10 @@ class Controller:
             "reward_errors": rollout.reward_errors,
             "equal_reward_groups": rollout.equal_reward_groups,
             "groups_dropped": rollout.groups_dropped,
-            "groups_surplus": rollout.groups_surplus,
+            "groups_stale": rollout.groups_stale,
+            "generator_restarts": self.generators.restarts,
+            "groups_requeued": self.generators.requeued,
+            "grader_restarts": self.graders.restarts,
             **train,
             "tokens_generated": rollout.tokens_generated,
             "gen_time_s": rollout.gen_time_s,
@@ -276,3 +353,9 @@ class Controller:
     async def _buffer_stats(self) -> dict:
         async with self.tracer.span("replay_buffer", "stats"):
             return await self.actors.replay_buffer.stats.call_one()
+
+
+def _note_fault(failure) -> None:
+    """Monarch's hook for a dead actor process that no one supervises: its default exits the whole
+    program. Here the failed calls raise instead, and the pools replace replicas."""
+    logger.debug("actor failure: %s", failure)

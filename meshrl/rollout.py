@@ -1,22 +1,23 @@
-"""Rollout collection: prompts to the generator, completions to the grader, scored groups to
-trainer-ready Episodes with their group advantages, and the same on the eval split.
+"""Rollout collection, one prompt's group at a time: each group is generated on the least-loaded
+generator replica, graded as soon as it is complete, and joins the batch being filled in the order
+groups finish; a full batch becomes trainer-ready Episodes (with their group advantages) in the
+replay buffer. The same on the eval split.
 
-The controller decides when a batch may be sampled (its staleness gate); this module decides what
-a batch is: which prompts, how its groups are graded and kept, and what the trainer receives.
+The controller decides when another group may start (its staleness gate, from `next_batch`); this
+module decides what a batch is: which prompts, which groups are kept, and what the trainer receives.
 """
 
 import asyncio
 import math
-import time
-from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
 from meshrl.advantages import all_equal, estimator
 from meshrl.configs import Config
+from meshrl.replicas import Replica, ReplicaPool
 from meshrl.tasks import Sample
-from meshrl.types import Completion, Episode, Prompt, Sampling, ScoredCompletion
+from meshrl.types import Episode, Prompt, Sampling, ScoredCompletion
 
 
 def build_episodes(group: list[ScoredCompletion], group_id: int, advantage: str = "grpo",
@@ -46,27 +47,6 @@ def check_rates(scored: list[ScoredCompletion], total: int, prefix: str) -> dict
             sum(s.reward_components.get(k, 0.0) for s in scored) / total if total else math.nan for k in names}
 
 
-def keep_groups(groups: dict[int, list[ScoredCompletion]], kept: dict[int, list[ScoredCompletion]], need: int,
-                drop_equal: bool) -> tuple[int, int]:
-    """Add graded groups to `kept` (in order) until it holds `need`. Groups whose rewards are all
-    equal are left out when `drop_equal` (DAPO's dynamic sampling); groups whose every reward
-    function failed are empty and left out. Returns (groups with equal rewards, groups with
-    signal that found the batch full)."""
-    equal = surplus = 0
-    for gid, group in groups.items():
-        if not group:
-            continue
-        no_signal = all_equal([s.reward for s in group])
-        equal += no_signal
-        if drop_equal and no_signal:
-            continue
-        if len(kept) >= need:
-            surplus += 1
-            continue
-        kept[gid] = group
-    return equal, surplus
-
-
 def rollout_record(scored: ScoredCompletion, group_id: int, prompt: str) -> dict:
     """One completion as rollouts.jsonl keeps it (the recorder adds the step and the staleness)."""
     c = scored.completion
@@ -75,115 +55,192 @@ def rollout_record(scored: ScoredCompletion, group_id: int, prompt: str) -> dict
             "policy_version": c.policy_version, "finish_reason": c.finish_reason}
 
 
+
+@dataclass
+class Group:
+    """One prompt's group as it came back from a generator and a grader."""
+
+    prompt_index: int
+    scored: list[ScoredCompletion]  # those whose reward function did not fail
+    completions: int
+    tokens: int
+    policy_version: int  # the oldest version its completions sampled from
+    launched: float  # tracer times (seconds since the run started)
+    gen_start: float
+    gen_end: float
+    pull_time_s: float  # weight pulls this group waited for
+
+
 @dataclass
 class Rollout:
     """One generated, scored batch: its episodes wait in the replay buffer for the step that trains them."""
 
     num_episodes: int
     equal_reward_groups: int  # groups whose completions all got the same reward: no learning signal
-    groups_dropped: int
-    groups_surplus: int  # groups with signal sampled after the batch was full: graded, not trained
+    groups_dropped: int  # left out for want of signal (drop_equal_reward_groups)
+    groups_stale: int  # finished too late for the staleness bound of the batch being filled; resampled
     rewards: list[float]
     checks: dict[str, float]  # the reward's checks, averaged over the batch's scored completions
     reward_errors: int
     tokens_generated: int
-    gen_time_s: float
+    gen_time_s: float  # from the batch's first generate call to its last one's end
     pull_time_s: float
-    rollout_time_s: float
+    rollout_time_s: float  # from its first group's start to the batch being full
     records: list[dict]  # one per completion of the kept groups, for rollouts.jsonl
 
 
+@dataclass
+class Filling:
+    """The batch being filled: every group that finished into it, kept or not."""
+
+    kept: dict[int, list[ScoredCompletion]] = field(default_factory=dict)
+    groups: list[Group] = field(default_factory=list)
+    equal: int = 0
+    stale: int = 0
+
+    def add(self, group: Group, size: int, tries: int, drop_equal: bool) -> bool:
+        """Count a finished group and keep it unless it has nothing to train (every reward failed; or
+        all rewards equal, with `drop_equal`). True once the batch is full: `size` groups kept, or
+        `tries` groups finished into it (a batch short of signal trains on what it has)."""
+        self.groups.append(group)
+        no_signal = bool(group.scored) and all_equal([s.reward for s in group.scored])
+        self.equal += no_signal
+        if group.scored and not (no_signal and drop_equal):
+            self.kept[group.prompt_index] = group.scored
+        return len(self.kept) >= size or len(self.groups) >= tries
+
+
 class RolloutCollector:
-    """Runs one batch's (or the eval split's) generation and grading on the role actors."""
+    """Runs groups on the generator and grader pools and assembles batches from them."""
 
-    def __init__(self, config: Config, task, tokenizer, actors, tracer):
-        self.config, self.task, self.tokenizer, self.actors, self.tracer = config, task, tokenizer, actors, tracer
+    def __init__(self, config: Config, task, tokenizer, generators: ReplicaPool, graders: ReplicaPool,
+                 replay_buffer, tracer):
+        self.config, self.task, self.tokenizer, self.tracer = config, task, tokenizer, tracer
+        self.generators, self.graders, self.replay_buffer = generators, graders, replay_buffer
+        cfg = config.controller
+        self.sampling = Sampling(n=cfg.group_size, temperature=config.generator.temperature,
+                                 top_p=config.generator.top_p, max_tokens=config.generator.max_tokens)
+        self.batch_size = cfg.prompts_per_step
+        # without dynamic sampling a batch takes the first prompts_per_step groups, whatever they hold
+        self.tries = cfg.prompts_per_step * (cfg.max_sample_rounds if cfg.drop_equal_reward_groups else 1)
         self.next_prompt = 0  # the task's next training sample
-        self.generator_version = 0  # the version the generator serves
+        self.latest = 0  # the newest version the trainer published: replicas pull it before their next group
+        self.batches_done = 0
+        self.filling = Filling()
+        self.running: set[asyncio.Task] = set()
+        self.finished: asyncio.Queue[Group | BaseException | None] = asyncio.Queue()
 
-    async def collect(self) -> Rollout:
-        """Pull the newest weights, then generate and grade prompts until the batch is full, and put
-        its Episodes into the replay buffer.
+    def next_batch(self) -> int | None:
+        """The batch a group started now would help fill, or None when every batch has its groups."""
+        slots = self.batches_done * self.batch_size + len(self.filling.kept) + len(self.running)
+        batch = slots // self.batch_size
+        return batch if batch < self.config.controller.steps else None
 
-        With drop_equal_reward_groups (DAPO's dynamic sampling) groups without signal are left out
-        and more prompts are sampled, up to max_sample_rounds blocks, to fill the batch."""
-        cfg, gen_cfg = self.config.controller, self.config.generator
-        sampling = Sampling(n=cfg.group_size, temperature=gen_cfg.temperature, top_p=gen_cfg.top_p,
-                            max_tokens=gen_cfg.max_tokens)
-        t0 = time.perf_counter()
-        pull_time = await self.pull()  # the newest version, between batches
-        gen_time = 0.0
-        kept, scored, completions, prompts = {}, [], [], {}
-        equal = surplus = 0
-        for _ in range(cfg.max_sample_rounds if cfg.drop_equal_reward_groups else 1):
-            samples = {i: self.task.train_sample(i) for i in range(self.next_prompt,
-                                                                    self.next_prompt + cfg.prompts_per_step)}
-            self.next_prompt += cfg.prompts_per_step
-            prompts |= {i: sample.prompt for i, sample in samples.items()}
-            block, seconds = await self.generate(samples, sampling, "generate")
-            gen_time += seconds
-            completions += block
-            groups = await self.score(block, samples)
-            scored += [s for group in groups.values() for s in group]
-            block_equal, block_surplus = keep_groups(groups, kept, cfg.prompts_per_step, cfg.drop_equal_reward_groups)
-            equal, surplus = equal + block_equal, surplus + block_surplus
-            if len(kept) >= cfg.prompts_per_step:
-                break
-        records = [rollout_record(s, gid, prompts[gid]) for gid, group in kept.items() for s in group]
-        episodes = [e for gid, group in kept.items()
-                    for e in build_episodes(group, gid, cfg.advantage, cfg.advantage_eps)]
-        trained = [s for group in kept.values() for s in group]  # the rewards of the batch trained
+    def launch(self) -> None:
+        """Start the next training prompt's group."""
+        index = self.next_prompt
+        self.next_prompt += 1
+        task = asyncio.create_task(self.run_group(index, self.task.train_sample(index), self.sampling, "generate"))
+        self.running.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self.running.discard(task)
+        if not task.cancelled():
+            self.finished.put_nowait(task.exception() or task.result())
+
+    def published(self, version: int) -> None:
+        """A new policy version: replicas pull it before their next group; wake `next_rollout`."""
+        self.latest = version
+        self.finished.put_nowait(None)
+
+    async def next_rollout(self) -> Rollout | None:
+        """Wait for the next finished group (or a new version) and add it to the batch being filled;
+        the batch, once full, goes to the replay buffer and is returned."""
+        group = await self.finished.get()
+        if isinstance(group, BaseException):
+            raise group
+        if group is None:
+            return None
+        f, max_age = self.filling, self.config.replay_buffer.max_policy_age
+        if self.batches_done - group.policy_version > max_age:  # batch i trains at version i
+            f.stale += 1
+            return None
+        if not f.add(group, self.batch_size, self.tries, self.config.controller.drop_equal_reward_groups):
+            return None
+        self.filling, self.batches_done = Filling(), self.batches_done + 1
+        return await self._close(f)
+
+    async def _close(self, f: Filling) -> Rollout:
+        cfg = self.config.controller
+        episodes = [e for gid, group in f.kept.items() for e in build_episodes(group, gid, cfg.advantage,
+                                                                                cfg.advantage_eps)]
         async with self.tracer.span("replay_buffer", "add"):
-            await self.actors.replay_buffer.add.call_one(episodes)
+            await self.replay_buffer.add.call_one(episodes)
+        trained = [s for group in f.kept.values() for s in group]  # the rewards of the batch trained
         return Rollout(
-            num_episodes=len(episodes), equal_reward_groups=equal,
-            groups_dropped=equal if cfg.drop_equal_reward_groups else 0, groups_surplus=surplus,
+            num_episodes=len(episodes), equal_reward_groups=f.equal,
+            groups_dropped=f.equal if cfg.drop_equal_reward_groups else 0, groups_stale=f.stale,
             rewards=[s.reward for s in trained], checks=check_rates(trained, len(trained), prefix=""),
-            reward_errors=len(completions) - len(scored),
-            tokens_generated=sum(len(c.token_ids) for c in completions),
-            gen_time_s=gen_time, pull_time_s=pull_time, rollout_time_s=time.perf_counter() - t0,
-            records=records)
+            reward_errors=sum(g.completions - len(g.scored) for g in f.groups),
+            tokens_generated=sum(g.tokens for g in f.groups),
+            gen_time_s=max(g.gen_end for g in f.groups) - min(g.gen_start for g in f.groups),
+            pull_time_s=sum(g.pull_time_s for g in f.groups),
+            rollout_time_s=self.tracer.now() - min(g.launched for g in f.groups),
+            records=[rollout_record(s, gid, self.task.train_sample(gid).prompt)
+                     for gid, group in f.kept.items() for s in group])
+
+    async def stop(self) -> None:
+        for task in list(self.running):
+            task.cancel()
+        await asyncio.gather(*self.running, return_exceptions=True)
 
     async def evaluate(self, step: int) -> dict[str, float]:
         """The newest policy on the task's fixed eval split (`eval_samples` per prompt at `eval_temperature`;
         greedy by default): each reward check's mean as `eval_<check>` (`correct` as `eval_accuracy`).
         Prints the rates and three example completions."""
         cfg = self.config.controller
-        await self.pull()
-        samples = dict(enumerate(self.task.eval_samples()))
+        samples = self.task.eval_samples()
         sampling = Sampling(n=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=self.config.generator.top_p,
                             max_tokens=self.config.generator.max_tokens)
-        completions, _ = await self.generate(samples, sampling, "evaluate")
-        scored = [s for group in (await self.score(completions, samples)).values() for s in group]
-        rates = check_rates(scored, len(completions), prefix="eval_")  # a failed reward counts as 0
+        groups = await asyncio.gather(*(self.run_group(i, s, sampling, "evaluate") for i, s in enumerate(samples)))
+        scored = [s for g in groups for s in g.scored]
+        rates = check_rates(scored, sum(g.completions for g in groups), prefix="eval_")  # a failed reward counts as 0
         lines = [f"eval at step {step}: " + "  ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in rates.items())]
-        for c in completions[:3 * cfg.eval_samples:cfg.eval_samples]:
-            lines += [f"  prompt: {samples[c.prompt_index].prompt}", f"  reply:  {c.text.strip()!r}"]
+        for g in groups[:3]:
+            reply = g.scored[0].completion.text.strip() if g.scored else "(its reward function failed)"
+            lines += [f"  prompt: {samples[g.prompt_index].prompt}", f"  reply:  {reply!r}"]
         tqdm.write("\n".join(lines))
         return rates
 
-    async def pull(self) -> float:
-        """The generator loads the newest published weights (if newer than its own); returns the
-        seconds it took (not counting a wait behind another call to the generator, such as an eval)."""
-        async with self.tracer.span("generator", "pull") as span:
-            self.generator_version = span["policy_version"] = await self.actors.generator.pull_weights.call_one()
-        return span["end"] - span["start"]
+    async def run_group(self, index: int, sample: Sample, sampling: Sampling, what: str) -> Group:
+        """One prompt's completions from a generator replica (which first loads the newest weights),
+        graded by a grader replica. A replica that fails is replaced and the work redone elsewhere."""
+        launched = self.tracer.now()
+        prompt = Prompt(index, self.tokenizer.encode_chat(sample.prompt))
 
-    async def generate(self, samples: dict[int, Sample], sampling: Sampling,
-                       what: str) -> tuple[list[Completion], float]:
-        """The completions, and the seconds the generator spent on them (as for `pull`)."""
-        prompts = [Prompt(i, self.tokenizer.encode_chat(s.prompt)) for i, s in samples.items()]
-        async with self.tracer.span("generator", what, self.generator_version) as span:
-            completions = await self.actors.generator.generate.call_one(prompts, sampling=sampling)
-        return completions, span["end"] - span["start"]
+        async def generate(replica: Replica):
+            pull_time = await self._pull(replica)
+            async with self.tracer.span("generator", what, replica.policy_version, replica.index,
+                                        concurrent=True) as span:
+                completions = await replica.actor.generate.call_one([prompt], sampling=sampling)
+            return completions, pull_time, span
 
-    async def score(self, completions, samples: dict[int, Sample]) -> dict[int, list[ScoredCompletion]]:
-        """Grade each prompt's completions as one group, all groups concurrently."""
-        by_prompt = defaultdict(list)
-        for c in completions:
-            by_prompt[c.prompt_index].append(c)
-        indices = list(by_prompt)
-        async with self.tracer.span("grader", "grade"):  # one span: the grader serves them one by one
-            scored = await asyncio.gather(*(
-                self.actors.grader.score.call_one(by_prompt[i], samples[i].answer) for i in indices))
-        return dict(zip(indices, scored))
+        completions, pull_time, span = await self.generators.call(generate)
+
+        async def grade(replica: Replica):
+            async with self.tracer.span("grader", "grade", replica=replica.index):
+                return await replica.actor.score.call_one(completions, sample.answer)
+
+        scored = await self.graders.call(grade)
+        return Group(index, scored, len(completions), sum(len(c.token_ids) for c in completions),
+                     min(c.policy_version for c in completions), launched, span["start"], span["end"], pull_time)
+
+    async def _pull(self, replica: Replica) -> float:
+        """Bring `replica` to the newest published version; the seconds this call waited for it."""
+        start = self.tracer.now()
+        async with replica.pulling:
+            if replica.policy_version < self.latest:
+                async with self.tracer.span("generator", "pull", replica=replica.index) as span:
+                    replica.policy_version = span["policy_version"] = await replica.actor.pull_weights.call_one()
+        return self.tracer.now() - start

@@ -6,8 +6,9 @@ start and end (seconds since the run started) and the policy version it concerns
 `trace.jsonl`; at the end they are also written as a Chrome/Perfetto trace (`trace.json`, open it
 at ui.perfetto.dev) and drawn as `timeline.png`, one lane per actor.
 
-An actor serves one call at a time, so the tracer sends an actor one call at a time too (a lock per
-actor): a span then covers the actor's own work, not time spent queued behind another call.
+Most actors serve one call at a time, so the tracer sends such an actor one call at a time too (a
+lock per actor): a span then covers the actor's own work, not time spent queued behind another call.
+A generator batches its calls (continuous batching): its `generate` spans are `concurrent` and overlap.
 """
 
 import asyncio
@@ -27,18 +28,31 @@ class Tracer:
         self.spans: list[dict] = []
 
     @asynccontextmanager
-    async def span(self, role: str, what: str, policy_version: int | None = None, replica: int = 0):
+    async def span(self, role: str, what: str, policy_version: int | None = None, replica: int = 0,
+                   concurrent: bool = False):
         """Times the calls made inside; yields the span, whose `policy_version` the caller may set
         once the call has told it (a pull learns its version from the call's result)."""
-        async with self.locks[(role, replica)]:
-            span = {"role": role, "replica": replica, "what": what, "start": time.perf_counter() - self.origin,
-                    "end": None, "policy_version": policy_version}
-            try:
+        if concurrent:
+            async with self._span(role, what, policy_version, replica) as span:
                 yield span
-            finally:
-                span["end"] = time.perf_counter() - self.origin
-                self.spans.append(span)
-                self.file.write(json.dumps(span) + "\n")
+        else:
+            async with self.locks[(role, replica)], self._span(role, what, policy_version, replica) as span:
+                yield span
+
+    @asynccontextmanager
+    async def _span(self, role: str, what: str, policy_version: int | None, replica: int):
+        span = {"role": role, "replica": replica, "what": what, "start": self.now(), "end": None,
+                "policy_version": policy_version}
+        try:
+            yield span
+        finally:
+            span["end"] = self.now()
+            self.spans.append(span)
+            self.file.write(json.dumps(span) + "\n")
+
+    def now(self) -> float:
+        """Seconds since the run started."""
+        return time.perf_counter() - self.origin
 
     def close(self) -> None:
         """Flush trace.jsonl and write trace.json and timeline.png from the spans."""
@@ -49,7 +63,8 @@ class Tracer:
 
 
 @asynccontextmanager
-async def no_span(role: str, what: str, policy_version: int | None = None, replica: int = 0):
+async def no_span(role: str, what: str, policy_version: int | None = None, replica: int = 0,
+                  concurrent: bool = False):
     """Tracer.span's stand-in where nothing is traced."""
     yield {}
 

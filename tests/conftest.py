@@ -1,9 +1,12 @@
 import os
+from pathlib import Path
 
 import pytest
 
 # Each actor pins its own threads; keep the test process from competing with them.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Actor processes import the test modules that define stand-in actors.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(scope="session")

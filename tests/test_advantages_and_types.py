@@ -44,22 +44,27 @@ def test_check_rates_average_each_check_and_count_unscored_completions_as_zero()
     assert list(rates) == ["accuracy"] and rates["accuracy"] != rates["accuracy"]  # NaN: nothing scored
 
 
-def test_keep_groups_fills_the_batch_and_never_overfills_it():
-    from meshrl.rollout import keep_groups
+def test_a_batch_fills_in_the_order_groups_finish_and_never_overfills():
+    from meshrl.rollout import Filling, Group
 
-    def group(*rewards):
-        return [scored(r) for r in rewards]
+    def group(index, *rewards):
+        return Group(index, [scored(r) for r in rewards], completions=2, tokens=8, policy_version=0,
+                     launched=0.0, gen_start=0.0, gen_end=1.0, pull_time_s=0.0)
 
-    kept = {}
-    # block 1: two groups with signal, one without, one whose every reward failed (empty)
-    first = {0: group(1.0, 0.0), 1: group(0.0, 0.0), 2: [], 3: group(0.5, 0.0)}
-    assert keep_groups(first, kept, need=3, drop_equal=True) == (1, 0)
-    assert list(kept) == [0, 3]
-    # block 2: three more with signal, one without; the batch takes one, two are surplus
-    second = {4: group(1.0, 1.0), 5: group(0.0, 1.0), 6: group(1.0, 0.0), 7: group(0.2, 0.0)}
-    assert keep_groups(second, kept, need=3, drop_equal=True) == (1, 2)
-    assert list(kept) == [0, 3, 5]
-    # without dynamic sampling an equal-reward group is trained (and still counted)
-    plain = {}
-    assert keep_groups(first, plain, need=4, drop_equal=False) == (1, 0)
-    assert list(plain) == [0, 1, 3]
+    batch = Filling()
+    # dynamic sampling: groups with signal are kept, equal-reward and failed (empty) groups are not
+    finished = [group(3, 1.0, 0.0), group(1, 0.0, 0.0), group(2), group(0, 0.5, 0.0)]
+    assert [batch.add(g, size=3, tries=12, drop_equal=True) for g in finished] == [False] * 4
+    assert list(batch.kept) == [3, 0] and batch.equal == 1 and len(batch.groups) == 4
+    assert batch.add(group(5, 0.0, 1.0), size=3, tries=12, drop_equal=True)  # full: three kept
+    assert list(batch.kept) == [3, 0, 5]
+
+    # without it the first `size` groups to finish are the batch, an equal-reward one included
+    plain = Filling()
+    assert [plain.add(g, size=3, tries=3, drop_equal=False) for g in finished[:3]] == [False, False, True]
+    assert list(plain.kept) == [3, 1] and plain.equal == 1  # the failed group is tried, not trained
+
+    # a batch short of signal after `tries` groups trains on what it has
+    short = Filling()
+    assert [short.add(group(i, 1.0, 1.0), size=2, tries=3, drop_equal=True) for i in range(3)] == [False, False, True]
+    assert short.kept == {} and short.equal == 3

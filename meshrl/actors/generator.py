@@ -1,9 +1,17 @@
-"""The generator: vLLM in process, producing Completions with per-token logprobs and their policy version."""
+"""The generator: vLLM in process, producing Completions with per-token logprobs and their policy version.
+
+`generate` is a concurrent endpoint: every call adds its requests to the one vLLM engine, and a
+single driver task steps the engine while any request is unfinished (continuous batching), so the
+controller can send one prompt's group at a time without losing throughput. Weights are reloaded
+between two engine steps; requests in flight finish under the new weights and keep the version they
+started from (the oldest policy they sampled from).
+"""
 
 import asyncio
+import itertools
 import os
 
-from monarch.actor import Actor, endpoint
+from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.actors import pin_cpus
 from meshrl.configs import GeneratorConfig, WeightSyncConfig
@@ -35,18 +43,32 @@ class VLLMGenerator(Actor):
         self.ring: RingReader | None = None
         self.pulling = asyncio.Lock()  # one pull at a time: they share the reader's buffer
         self.policy_version = 0
+        self.engine = self.llm.llm_engine
+        self.request_ids = itertools.count()
+        self.waiting: dict[str, asyncio.Future] = {}  # request id -> its final RequestOutput
+        self.driver: asyncio.Task | None = None
 
-    @endpoint
+    @concurrent_endpoint
     async def generate(self, prompts: list[Prompt], *, sampling: Sampling | None = None) -> list[Completion]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         s = sampling or Sampling(temperature=self.config.temperature, top_p=self.config.top_p,
                                  max_tokens=self.config.max_tokens)
         params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
-                                logprobs=0)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p.token_ids) for p in prompts], params,
-                                    use_tqdm=False)
+                                logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
+        version = self.policy_version
+        loop = asyncio.get_running_loop()
+        futures = []
+        for prompt in prompts:
+            request_id = str(next(self.request_ids))
+            self.waiting[request_id] = future = loop.create_future()
+            futures.append(future)
+            self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt.token_ids), params)
+        if self.driver is None or self.driver.done():
+            self.driver = asyncio.create_task(self._drive())
+        outputs = await asyncio.gather(*futures)
         return [
             Completion(
                 prompt_index=prompt.index,
@@ -54,12 +76,27 @@ class VLLMGenerator(Actor):
                 token_ids=list(out.token_ids),
                 logprobs=[step[token].logprob for step, token in zip(out.logprobs, out.token_ids)],
                 text=out.text,
-                policy_version=self.policy_version,
+                policy_version=version,
                 finish_reason=out.finish_reason,
             )
             for prompt, request in zip(prompts, outputs)
             for out in request.outputs
         ]
+
+    async def _drive(self) -> None:
+        """Step the engine until no request is left, handing each finished request to its caller.
+        Yields to the actor's loop between steps so that new requests and weight pulls get in."""
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished and (future := self.waiting.pop(output.request_id, None)):
+                        future.set_result(output)
+                await asyncio.sleep(0)
+        except Exception as e:  # the engine is broken: every caller learns why
+            for future in self.waiting.values():
+                future.set_exception(e)
+            self.waiting.clear()
+            raise
 
     @endpoint
     async def attach_weights(self, ring: RingHandle) -> str:

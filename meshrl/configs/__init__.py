@@ -35,9 +35,11 @@ class GeneratorConfig:
     dtype: str = "bfloat16"  # vLLM's weight dtype
     memory_fraction: float = 0.2  # vLLM's gpu_memory_utilization; on CPU a share of host memory
     kv_cache_gib: int = 1  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
-    num_threads: int = 2  # torch/OpenMP threads
-    cpus: str = ""  # pin to these cores ("0", "0-1", "0,2"); "" leaves placement to the OS
-    seed: int = 0  # vLLM's engine seed
+    num_threads: int = 2  # torch/OpenMP threads of each replica
+    cpus: str = ""  # pin to these cores ("0", "0-1", "0,2"; per replica: "0;1"); "" leaves placement to the OS
+    seed: int = 0  # vLLM's engine seed (replica i uses seed + i)
+    replicas: int = 1  # generator actors, each on its own proc mesh; groups go to the least loaded
+    max_restarts: int = 3  # failed replicas replaced before the run stops
 
 
 @dataclass
@@ -45,6 +47,8 @@ class GraderConfig:
     """Scores completions with the task's reward function."""
 
     impl: str = "meshrl.actors.grader:Grader"  # the actor class, module:Class
+    replicas: int = 1  # grader actors; groups go to the least loaded
+    max_restarts: int = 3  # failed replicas replaced before the run stops
 
 
 @dataclass

@@ -1,0 +1,101 @@
+"""`meshrl train` with two generator replicas (real actors, vLLM, torchtitan, tiny model): the
+staleness bound holds for groups streamed across replicas, a replica killed mid-run is replaced
+without losing or repeating a group, and a dead trainer ends the run with one line."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+import psutil
+
+TWO_REPLICAS = ["--generator.replicas", "2", "--generator.num_threads", "1", "--generator.cpus", "0;1"]
+
+
+def train(run_dir, *args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(run_dir),
+                             *TWO_REPLICAS, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_steps(run, run_dir, steps: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= steps):
+        assert run.poll() is None, run.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the run never got going"
+        time.sleep(0.2)
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_two_replicas_with_max_policy_age_0_train_only_fresh_groups(tmp_path):
+    run = train(tmp_path, "--controller.steps", "4", "--controller.prompts_per_step", "4")
+    _, stderr = run.communicate(timeout=600)
+    assert run.returncode == 0, stderr[-3000:]
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["staleness_max"] == 0 and r["generator_restarts"] == 0 for r in rows)
+    rollouts = read_jsonl(tmp_path / "rollouts.jsonl")
+    assert len(rollouts) == 4 * 4 * 4 and {r["staleness"] for r in rollouts} == {0}
+    # both replicas did the work: each has generate spans
+    spans = read_jsonl(tmp_path / "trace.jsonl")
+    assert {s["replica"] for s in spans if s["role"] == "generator" and s["what"] == "generate"} == {0, 1}
+
+
+def test_a_killed_replica_is_replaced_and_every_group_is_trained_exactly_once(tmp_path):
+    # long completions keep the replicas busy, so the one killed has groups in flight
+    run = train(tmp_path, "--controller.steps", "8", "--controller.prompts_per_step", "4",
+                "--controller.group_size", "8", "--generator.max_tokens", "160", "--replay_buffer.max_policy_age", "1")
+    try:
+        wait_for_steps(run, tmp_path, 2)
+        victim = psutil.Process(json.loads((tmp_path / "processes.json").read_text())["generator1"])
+        deadline = time.monotonic() + 60
+        while victim.cpu_percent(interval=0.1) < 50:  # generating, not waiting for weights
+            assert time.monotonic() < deadline, "the replica never got busy"
+        victim.send_signal(signal.SIGKILL)
+        _, stderr = run.communicate(timeout=600)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, stderr[-3000:]
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert rows[-1]["generator_restarts"] == 1 and rows[-1]["groups_requeued"] >= 1
+    assert all(r["staleness_max"] <= 1 for r in rows)
+    # each trained group's prompt appears in one step only, with its whole group
+    steps_of, sizes = defaultdict(set), defaultdict(int)
+    for r in read_jsonl(tmp_path / "rollouts.jsonl"):
+        steps_of[r["prompt_index"]].add(r["step"])
+        sizes[r["prompt_index"]] += 1
+        assert r["staleness"] <= 1
+    assert len(steps_of) == 8 * 4 and all(len(s) == 1 for s in steps_of.values())
+    assert set(sizes.values()) == {8}
+    new = json.loads((tmp_path / "processes.json").read_text())
+    assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
+    assert (tmp_path / "final" / "model.safetensors").is_file() and new
+
+
+def test_a_dead_trainer_ends_the_run_with_one_line_and_keeps_what_was_written(tmp_path):
+    run = train(tmp_path, "--controller.steps", "1000")
+    try:
+        wait_for_steps(run, tmp_path, 2)
+        actors = psutil.Process(run.pid).children(recursive=True)
+        psutil.Process(json.loads((tmp_path / "processes.json").read_text())["trainer"]).send_signal(signal.SIGKILL)
+        _, stderr = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 1
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("meshrl: error: ") and "trainer" in last and f"are in {tmp_path}" in last, last
+    assert "Traceback" not in stderr
+    steps = len(read_jsonl(tmp_path / "metrics.jsonl"))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == steps >= 2 and "trainer" in summary["failed"]
+    assert (tmp_path / "trace.json").is_file() and (tmp_path / "curves.png").is_file()
+    time.sleep(1)
+    assert not [p for p in actors if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
