@@ -192,19 +192,23 @@ class Controller:
             async with self.tracer.span("generator", "attach", replica=replica.index):
                 await replica.actor.attach_weights.call_one(ring)
 
-        cfg = self.config
+        cfg, pids = self.config, {}
+
+        def write_pids() -> None:
+            pids.update({**self.generators.pids(), **self.graders.pids()})
+            (self.run_dir / "processes.json").write_text(json.dumps(pids, indent=2))
+
         self.generators = ReplicaPool("generator", self.classes["generator"],
-                                      lambda i: generator_args(cfg, i, self.checkpoint),
-                                      cfg.generator.replicas, cfg.generator.max_restarts, setup=attach)
+                                      lambda i: generator_args(cfg, i, self.checkpoint), cfg.generator.replicas,
+                                      cfg.generator.max_restarts, setup=attach, on_replaced=write_pids)
         self.graders = ReplicaPool("grader", self.classes["grader"], lambda i: (cfg.task, cfg.task_config),
-                                   cfg.grader.replicas, cfg.grader.max_restarts)
+                                   cfg.grader.replicas, cfg.grader.max_restarts, on_replaced=write_pids)
         await asyncio.gather(self.generators.start(), self.graders.start())
         self.collector = RolloutCollector(cfg, self.task, self.tokenizer, self.generators, self.graders,
                                           self.actors.replay_buffer, self.tracer)
-        pids = {**self.generators.pids(), **self.graders.pids()}
         for role, procs in zip(("trainer", "replay_buffer", "reference"), self.actors.procs):
             pids[role] = await process_id(procs, role)
-        (self.run_dir / "processes.json").write_text(json.dumps(pids, indent=2))
+        write_pids()
 
     async def _train(self, metrics: MetricLoggers, rows: list[dict]) -> None:
         cfg = self.config.controller

@@ -66,11 +66,13 @@ class Replica:
 
 class ReplicaPool:
     def __init__(self, role: str, cls: type, make_args: Callable[[int], tuple], count: int, max_restarts: int,
-                 setup: Callable[[Replica], Awaitable[None]] | None = None):
+                 setup: Callable[[Replica], Awaitable[None]] | None = None,
+                 on_replaced: Callable[[], None] | None = None):
         """`count` replicas of `cls(*make_args(i))`; `setup` runs on every replica, replacements
-        included, before it takes work (a generator attaches to the weight ring)."""
+        included, before it takes work (a generator attaches to the weight ring); `on_replaced`
+        is called once a replacement serves (the controller rewrites processes.json)."""
         self.role, self.cls, self.make_args, self.count = role, cls, make_args, count
-        self.max_restarts, self.setup = max_restarts, setup
+        self.max_restarts, self.setup, self.on_replaced = max_restarts, setup, on_replaced
         self.replicas: list[Replica] = []
         self.restarts = 0
         self.retired_busy_s = 0.0  # busy seconds of replicas since replaced
@@ -104,23 +106,19 @@ class ReplicaPool:
             self._track(replica, +1)
             try:
                 return await fn(replica)
-            except asyncio.CancelledError:
+            except RoleFailed:
                 raise
-            except Exception as e:
-                if isinstance(e, RoleFailed):
-                    raise
+            except Exception as e:  # CancelledError is not an Exception: a cancelled call is not retried
                 self.requeued += 1
                 await self._replace(replica, e)
             finally:
                 self._track(replica, -1)
 
-    async def each(self, fn: Callable[[Replica], Awaitable[T]]) -> list[T]:
-        """`fn` on every healthy replica (no retry)."""
-        return list(await asyncio.gather(*(fn(r) for r in self.replicas if r.healthy)))
-
     def busy_seconds(self) -> float:
+        """Seconds the replicas, all together, had at least one call in flight."""
         now = time.perf_counter()
-        return self.retired_busy_s + sum(r.busy_s + (now - r.busy_since if r.busy_since is not None else 0.0) for r in self.replicas)
+        running = sum(now - r.busy_since for r in self.replicas if r.busy_since is not None)
+        return self.retired_busy_s + running + sum(r.busy_s for r in self.replicas)
 
     def pids(self) -> dict[str, int]:
         return {self.name(r.index): r.pid for r in self.replicas}
@@ -177,6 +175,8 @@ class ReplicaPool:
             self.retired_busy_s += replica.busy_s
             self.replicas[self.replicas.index(replica)] = fresh
             self.changed.notify_all()
+        if self.on_replaced:
+            self.on_replaced()
 
     async def _give_up(self, message: str) -> None:
         async with self.changed:

@@ -87,6 +87,7 @@ class VLLMGenerator(Actor):
         """Step the engine until no request is left, handing each finished request to its caller.
         Yields to the actor's loop between steps so that new requests and weight pulls get in."""
         try:
+            await asyncio.sleep(0)  # let calls already queued add their requests before the first step
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished and (future := self.waiting.pop(output.request_id, None)):

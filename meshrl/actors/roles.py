@@ -18,7 +18,9 @@ class Generator(Protocol):
     Constructed with (GeneratorConfig, WeightSyncConfig, checkpoint path)."""
 
     async def generate(self, prompts: list[Prompt], *, sampling: Sampling | None = None) -> list[Completion]:
-        """`sampling.n` completions per prompt, each stamped with the policy version it sampled from."""
+        """`sampling.n` completions per prompt, each stamped with the (oldest) policy version it sampled
+        from. The controller sends one prompt's group per call, many calls at once: make it a
+        `concurrent_endpoint` that batches them, or throughput falls to one group at a time."""
 
     async def attach_weights(self, ring) -> str:
         """Pull weights from the trainer's ring (a `RingHandle`) from now on; returns the transport."""
@@ -31,7 +33,8 @@ class Generator(Protocol):
 
 
 class Grader(Protocol):
-    """Scores one prompt's group. Constructed with (task name, task config)."""
+    """Scores one prompt's group. Constructed with (task name, task config). Raising (rather than
+    leaving a completion out) counts as the replica failing: it is replaced and the group regraded."""
 
     async def score(self, completions: list[Completion], expected_answer: str) -> list[ScoredCompletion]:
         """Completions whose reward function raises are left out (the caller counts them)."""
