@@ -34,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     weight_sync.add_argument("--model", default="smollm2", help="smollm2, tiny, or an HF checkpoint directory")
     weight_sync.add_argument("--repeats", type=int, default=5, help="timings per figure (the median is reported)")
     weight_sync.add_argument("--stress-seconds", type=float, default=10.0, help="length of the torn-read stress")
+    weight_sync.add_argument("--ranks", default="1,2", help="trainer rank counts to measure, comma separated")
     generation = bench.add_parser("generation", help="raw vLLM against one generator replica and against N")
     generation.add_argument("--json", type=Path, required=True, help="where to write the figures")
     generation.add_argument("--model", default="smollm2", help="smollm2, tiny, or an HF checkpoint directory")
@@ -42,6 +43,14 @@ def _parser() -> argparse.ArgumentParser:
     generation.add_argument("--max-tokens", type=int, default=48, help="tokens per completion at most")
     generation.add_argument("--replicas", type=int, default=2, help="replicas of the last figure")
     generation.add_argument("--repeats", type=int, default=2, help="warm runs per figure (the best is reported)")
+    trainer = bench.add_parser("trainer", help="the trainer actor against a plain torch loop, 1 and 2 ranks")
+    trainer.add_argument("--json", type=Path, required=True, help="where to write the figures")
+    trainer.add_argument("--model", default="smollm2", help="smollm2, tiny, or an HF checkpoint directory")
+    trainer.add_argument("--ranks", default="1,2", help="rank counts to measure, comma separated")
+    trainer.add_argument("--batch", type=int, default=8, help="sequences per step")
+    trainer.add_argument("--prompt-tokens", type=int, default=32, help="prompt tokens per sequence (not trained)")
+    trainer.add_argument("--response-tokens", type=int, default=96, help="trained tokens per sequence")
+    trainer.add_argument("--repeats", type=int, default=3, help="timed steps per figure (the best is reported)")
     sync_async = bench.add_parser("sync-vs-async", help="one workload trained sync, then async",
                                   epilog="Config overrides apply to both runs: --generator.max_tokens 32")
     sync_async.add_argument("--config", required=True, help="e.g. bench_smoke or bench_smollm2")
@@ -81,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             _bench_weight_sync(args)
         elif args.command == "bench" and args.bench == "generation":
             _bench_generation(args)
+        elif args.command == "bench" and args.bench == "trainer":
+            _bench_trainer(args)
         elif args.command == "bench":
             _bench_sync_vs_async(args, rest)
         else:  # bad input fails here, before anything starts; a failure during the run keeps its traceback
@@ -98,19 +109,30 @@ def _error(message: str) -> int:
 def _bench_weight_sync(args) -> None:
     from meshrl.bench import weight_sync
 
-    result = weight_sync.run(args.model, args.repeats, args.stress_seconds)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-    print(weight_sync.report(result))
+    ranks = tuple(int(r) for r in args.ranks.split(","))
+    _write_bench(args.json, weight_sync, weight_sync.run(args.model, args.repeats, args.stress_seconds, ranks))
 
 
 def _bench_generation(args) -> None:
     from meshrl.bench import generation
 
-    result = generation.run(args.model, args.prompts, args.group_size, args.max_tokens, args.replicas, args.repeats)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-    print(generation.report(result))
+    _write_bench(args.json, generation, generation.run(args.model, args.prompts, args.group_size, args.max_tokens,
+                                                       args.replicas, args.repeats))
+
+
+def _bench_trainer(args) -> None:
+    from meshrl.bench import trainer
+
+    ranks = [int(r) for r in args.ranks.split(",")]
+    _write_bench(args.json, trainer, trainer.run(args.model, ranks, args.batch, args.prompt_tokens,
+                                                 args.response_tokens, args.repeats))
+
+
+def _write_bench(path: Path, bench, result: dict) -> None:
+    """The figures as JSON at `path`, and the bench's report on stdout."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    print(bench.report(result))
 
 
 def _bench_sync_vs_async(args, overrides: list[str]) -> None:

@@ -25,7 +25,7 @@ import monarch.actor
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from tqdm import tqdm
 
-from meshrl.actors import load_actor_class, spawn
+from meshrl.actors import load_actor_class, placement, spawn, spawn_ranks
 from meshrl.actors.roles import ROLES, missing_endpoints
 from meshrl.advantages import estimator
 from meshrl.configs import Config, to_dict
@@ -33,11 +33,11 @@ from meshrl.loggers import MetricLoggers, RolloutRecorder
 from meshrl.losses import check as check_loss
 from meshrl.model import ChatTokenizer, resolve_checkpoint
 from meshrl.plot import plot_curves
-from meshrl.replicas import Replica, ReplicaPool, RoleFailed, describe, process_id
+from meshrl.replicas import Replica, ReplicaPool, RoleFailed, describe, process_ids
 from meshrl.rollout import Rollout, RolloutCollector
 from meshrl.tasks import make_task
 from meshrl.trace import Tracer
-from meshrl.train_step import train_step
+from meshrl.train_step import first, train_step
 
 if TYPE_CHECKING:
     from monarch._src.actor.actor_mesh import ActorMesh
@@ -72,26 +72,25 @@ def actor_classes(config: Config) -> dict[str, type]:
     return classes
 
 
-def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Path) -> Actors:
-    """One proc mesh per single actor: the trainer, the replay buffer and the reference."""
-    args = {
-        "trainer": (config.trainer, config.weight_sync, str(checkpoint)),
-        "replay_buffer": (config.replay_buffer,),
-        "reference": (config.reference, str(checkpoint)),
-    }
-    actors, procs = {}, []
-    for role in ("trainer", "replay_buffer", "reference"):
-        if role in classes:
-            mesh, actors[role] = spawn(role, classes[role], *args[role])
-            procs.append(mesh)
-    return Actors(**actors, procs=procs)
+async def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Path) -> Actors:
+    """One proc mesh per role besides the pools: the trainer's (`trainer.ranks` processes), the
+    replay buffer's and the reference's (`reference.ranks`)."""
+    procs, trainer = await spawn_ranks("trainer", classes["trainer"], config.trainer.ranks, config.trainer,
+                                       config.weight_sync, str(checkpoint))
+    actors, meshes = {"trainer": trainer}, [procs]
+    procs, actors["replay_buffer"] = spawn("replay_buffer", classes["replay_buffer"], config.replay_buffer)
+    meshes.append(procs)
+    if "reference" in classes:
+        procs, actors["reference"] = await spawn_ranks("reference", classes["reference"], config.reference.ranks,
+                                                       config.reference, str(checkpoint))
+        meshes.append(procs)
+    return Actors(**actors, procs=meshes)
 
 
 def generator_args(config: Config, index: int, checkpoint: Path) -> tuple:
     """Replica `index`'s constructor arguments: its own cores ("0;1": one set per replica) and seed."""
-    placements = config.generator.cpus.split(";")
-    cpus = placements[index] if len(placements) > 1 else placements[0]
-    replica = dataclasses.replace(config.generator, cpus=cpus, seed=config.generator.seed + index)
+    replica = dataclasses.replace(config.generator, cpus=placement(config.generator.cpus, index),
+                                  seed=config.generator.seed + index)
     return replica, config.weight_sync, str(checkpoint)
 
 
@@ -111,8 +110,8 @@ class Controller:
             raise ValueError(f"unknown logging.wandb_mode {config.logging.wandb_mode!r}; known: auto, online, offline")
         if config.replay_buffer.max_policy_age < 0:
             raise ValueError("replay_buffer.max_policy_age must be at least 0")
-        if config.generator.replicas < 1 or config.grader.replicas < 1:
-            raise ValueError("generator.replicas and grader.replicas must be at least 1")
+        if min(config.generator.replicas, config.grader.replicas, config.trainer.ranks, config.reference.ranks) < 1:
+            raise ValueError("generator.replicas, grader.replicas, trainer.ranks and reference.ranks must be at least 1")
         if ";" in config.generator.cpus and len(config.generator.cpus.split(";")) != config.generator.replicas:
             raise ValueError(f"generator.cpus {config.generator.cpus!r} names one set of cores per replica: "
                              f"it needs {config.generator.replicas} sets separated by ';'")
@@ -145,7 +144,7 @@ class Controller:
         self.recorder = RolloutRecorder(self.run_dir, self.config.logging.rollouts_fraction)
         self.tracer = Tracer(self.run_dir)
         monarch.actor.unhandled_fault_hook = _note_fault  # failures reach us as errors of the calls
-        self.actors = spawn_actors(self.config, self.classes, self.checkpoint)
+        self.actors = await spawn_actors(self.config, self.classes, self.checkpoint)
         self._catch_stop_signals()
         rows, initial, failure, saved = [], {}, None, False
         try:
@@ -186,11 +185,11 @@ class Controller:
     async def _start_pools(self) -> None:
         """The generator and grader replicas, each generator attached to the trainer's weight ring."""
         async with self.tracer.span("trainer", "attach"):
-            ring = await self.actors.trainer.weight_ring.call_one()
+            rings = [ring for _, ring in (await self.actors.trainer.weight_ring.call()).items()]  # rank order
 
         async def attach(replica: Replica) -> None:
             async with self.tracer.span("generator", "attach", replica=replica.index):
-                await replica.actor.attach_weights.call_one(ring)
+                await replica.actor.attach_weights.call_one(rings)
 
         cfg, pids = self.config, {}
 
@@ -207,7 +206,7 @@ class Controller:
         self.collector = RolloutCollector(cfg, self.task, self.tokenizer, self.generators, self.graders,
                                           self.actors.replay_buffer, self.tracer)
         for role, procs in zip(("trainer", "replay_buffer", "reference"), self.actors.procs):
-            pids[role] = await process_id(procs, role)
+            pids[role] = await process_ids(procs, role)  # the trainer's: one per rank
         write_pids()
 
     async def _train(self, metrics: MetricLoggers, rows: list[dict]) -> None:
@@ -235,7 +234,7 @@ class Controller:
         """The current policy to final/; False (and a log line) if the trainer cannot."""
         try:
             async with self.tracer.span("trainer", "save", self.trainer_version):
-                await self.actors.trainer.save.call_one(str(self.run_dir / "final"))
+                await self.actors.trainer.save.call(str(self.run_dir / "final"))
             return True
         except Exception as e:
             logger.error("the policy could not be saved: %s", str(e).strip().splitlines()[0])
@@ -314,10 +313,10 @@ class Controller:
             rollout = await self._next_rollout()
         t1 = time.perf_counter()
         train = await train_step(a.trainer, a.reference, episodes, self.config.trainer, self.tokenizer.pad_id,
-                                 self.tracer.span, trained_version)
+                                 self.tracer.span, trained_version, self.config.reference.ranks)
         t2 = time.perf_counter()
         async with self.tracer.span("trainer", "publish", trained_version + 1) as span:
-            published = span["policy_version"] = await a.trainer.publish_weights.call_one()
+            published = span["policy_version"] = await first(a.trainer.publish_weights.call())
         t3 = time.perf_counter()
         self.trainer_busy += t3 - t1
         self.trainer_version = published

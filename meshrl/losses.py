@@ -13,6 +13,8 @@ add up to the update's loss. Metrics are sums over loss tokens (the caller divid
 
 import torch
 
+from meshrl.actors import has_bf16_math
+
 from meshrl.configs import LossConfig
 from meshrl.types import TrainBatch
 
@@ -165,11 +167,17 @@ def response_logits(model, batch: TrainBatch) -> torch.Tensor:
 
 def on_positions(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-position values [N] back to [B, T], zero off the mask (differentiable)."""
-    return torch.zeros(mask.shape, dtype=values.dtype).masked_scatter(mask, values)
+    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
 
 
 def policy_logprobs(model, batch: TrainBatch, bf16_autocast: bool) -> torch.Tensor:
     """`model`'s logprob of every loss token [B, T] (0 elsewhere), without building a graph."""
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
+    with torch.no_grad(), autocast(batch.input_ids.device, bf16_autocast):
         logits = response_logits(model, batch)
     return on_positions(token_logprobs(logits, batch.target_ids[batch.loss_mask]), batch.loss_mask)
+
+
+def autocast(device: torch.device, bf16: bool):
+    """bf16 autocast on the device the tensors live on where it has bf16 math, else none (fp32)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and has_bf16_math(device))
+

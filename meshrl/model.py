@@ -16,6 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from meshrl.weight_sync import WeightLayout
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Files copied next to the weights so vLLM and transformers can load the checkpoint.
 CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -136,6 +138,19 @@ def build_policy(hf_config: dict):
     return config.build(), Llama3StateDictAdapter(config, None)
 
 
+def published_weights(checkpoint: Path):
+    """What the trainer publishes (torchtitan's names and full shapes, in the checkpoint's dtype; a
+    tied LM head once, as the embedding) and the adapter that maps those tensors to HF names.
+    The model is built on the meta device: shapes only, no memory."""
+    hf_config = read_hf_config(checkpoint)
+    with torch.device("meta"):
+        model, adapter = build_policy(hf_config)
+    dtype = getattr(torch, hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16")
+    shapes = {name: (tuple(t.shape), dtype) for name, t in model.state_dict().items()
+              if not (name == "lm_head.weight" and hf_config.get("tie_word_embeddings", False))}
+    return WeightLayout.of(shapes), adapter
+
+
 def load_policy(checkpoint: Path, hf_weights: dict[str, torch.Tensor] | None = None):
     """The torchtitan policy with the checkpoint's weights, and its HF adapter.
 
@@ -158,7 +173,7 @@ def load_hf_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 def save_checkpoint(hf_weights: dict[str, torch.Tensor], template: Path, out: Path, config: dict | None = None):
     """Write an HF checkpoint: the weights in bf16 plus config and tokenizer files from `template`."""
     out.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in hf_weights.items()}
+    weights = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in hf_weights.items()}
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
     for name in CHECKPOINT_FILES:
         if (template / name).is_file():

@@ -45,9 +45,10 @@ def describe(error: BaseException) -> str:
     return first if len(lines) == 1 else f"{first}: {lines[-1]}"
 
 
-async def process_id(procs, name: str) -> int:
-    """The process id behind a one-process proc mesh."""
-    return await procs.spawn(f"{name}_info", ProcessInfo).pid.call_one()
+async def process_ids(procs, name: str) -> int | list[int]:
+    """The process id behind a proc mesh of one process; the list of them for several."""
+    pids = [pid for _, pid in (await procs.spawn(f"{name}_info", ProcessInfo).pid.call()).items()]
+    return pids[0] if len(pids) == 1 else pids
 
 
 @dataclass
@@ -91,7 +92,7 @@ class ReplicaPool:
         name = self.name(index)
         procs, actor = spawn(name, self.cls, *self.make_args(index))
         try:
-            replica = Replica(index, procs, actor, pid=await process_id(procs, name))
+            replica = Replica(index, procs, actor, pid=await process_ids(procs, name))
             if self.setup:
                 await self.setup(replica)
             return replica

@@ -5,9 +5,17 @@ each fed to the trainer in micro-batches of `trainer.micro_batch_size` whose los
 mini-batch's. Every update clips its ratio against pi_old, the trainer's policy at the start of the
 step: the first update takes it from its own forward pass (detached), the later ones get it from one
 no-grad pass over their micro-batches before the first update.
+
+A trainer of several ranks gets its micro-batches in rounds, one per rank, every rank the same number
+of calls (a sharded model's collectives need them all): a round short of micro-batches is filled with
+a copy that trains nothing (no loss token), and its results are dropped.
 """
 
+import asyncio
+import dataclasses
 from collections import defaultdict
+
+import torch
 
 from meshrl.configs import TrainerConfig
 from meshrl.trace import no_span
@@ -34,33 +42,58 @@ def micro_batches(episodes: list[Episode], size: int, pad_id: int) -> list[Train
             for i in range(0, len(episodes), size)]
 
 
+def rounds(batches: list[TrainBatch], ranks: int) -> list[list[TrainBatch]]:
+    """`batches` in rounds of `ranks`, the last filled up with copies that carry no loss token."""
+    out = [batches[i:i + ranks] for i in range(0, len(batches), ranks)]
+    if out and len(out[-1]) < ranks:
+        idle = dataclasses.replace(out[-1][0], loss_mask=torch.zeros_like(out[-1][0].loss_mask))
+        out[-1] += [idle] * (ranks - len(out[-1]))
+    return out
+
+
+async def each_rank(trainer, endpoint: str, batches: list[TrainBatch]) -> list:
+    """`endpoint(batches[r])` on rank r of the trainer's mesh, all ranks at once."""
+    return await asyncio.gather(*(getattr(trainer.slice(procs=r), endpoint).call_one(b)
+                                  for r, b in enumerate(batches)))
+
+
+async def first(calls) -> object:
+    """The first rank's answer of an endpoint called on every rank."""
+    return next(iter((await calls).items()))[1]
+
+
 async def train_step(trainer, reference, episodes: list[Episode], config: TrainerConfig, pad_id: int,
-                     span=no_span, version: int | None = None) -> dict:
-    """Train on `episodes` with `config.mini_batches` updates; return the step's metrics.
+                     span=no_span, version: int | None = None, reference_ranks: int = 1) -> dict:
+    """Train on `episodes` with `config.mini_batches` updates on the trainer's `config.ranks` ranks
+    (the reference, if any, on its `reference_ranks`); return the step's metrics.
 
     Ratio, clip, behaviour-weight and KL figures are means over all loss tokens of the step;
     `clip_fraction_by_update` gives each update's clipped share, `loss` and `grad_norm` the mean
     over updates. Each actor call is timed by `span` (a `Tracer.span`) with the trained `version`."""
     updates = [micro_batches(chunk, config.micro_batch_size, pad_id)
                for chunk in split(episodes, config.mini_batches)]
+    if reference:
+        for group in rounds([b for batches in updates for b in batches], reference_ranks):
+            async with span("reference", "reference", version):
+                for batch, ref in zip(group, await each_rank(reference, "logprobs", group)):
+                    batch.ref_logprobs = ref
     for batches in updates[1:]:  # pi_old before the first update changes the weights
-        for batch in batches:
+        for group in rounds(batches, config.ranks):
             async with span("trainer", "pi_old", version):
-                batch.old_logprobs = await trainer.logprobs.call_one(batch)
+                for batch, old in zip(group, await each_rank(trainer, "logprobs", group)):
+                    batch.old_logprobs = old
     sums, clip_by_update, losses, grad_norms = defaultdict(float), [], [], []
     for batches in updates:
         update = defaultdict(float)
-        for batch in batches:
-            if reference:
-                async with span("reference", "reference", version):
-                    batch.ref_logprobs = await reference.logprobs.call_one(batch)
+        for group in rounds(batches, config.ranks):
             async with span("trainer", "train", version):
-                metrics = await trainer.forward_backward.call_one(batch)
-            sums["ratio_max"] = max(sums["ratio_max"], metrics.pop("ratio_max"))
-            for k, v in metrics.items():
-                update[k] += v
+                results = await each_rank(trainer, "forward_backward", group)
+            for metrics in results:
+                sums["ratio_max"] = max(sums["ratio_max"], metrics.pop("ratio_max"))
+                for k, v in metrics.items():
+                    update[k] += v
         async with span("trainer", "train", version):
-            grad_norms.append((await trainer.optim_step.call_one())["grad_norm"])
+            grad_norms.append((await first(trainer.optim_step.call()))["grad_norm"])
         losses.append(update.pop("loss", 0.0))
         clip_by_update.append((update["clip_low"] + update["clip_high"]) / max(update["tokens"], 1))
         for k, v in update.items():

@@ -4,6 +4,7 @@ Each stage adds only what its producer knows: the generator knows tokens and log
 knows rewards, the controller knows groups and advantages. The trainer sees only TrainBatch.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -98,3 +99,8 @@ class TrainBatch:
             behaviour[i, :t] = torch.tensor(e.behaviour_logprobs[1:])
         advantages = torch.tensor([e.advantage for e in episodes], dtype=torch.float32)
         return TrainBatch(input_ids, target_ids, loss_mask, behaviour, advantages, loss_tokens, loss_sequences)
+
+    def to(self, device: torch.device) -> "TrainBatch":
+        """The same batch with every tensor on `device`."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})

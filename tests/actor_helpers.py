@@ -1,6 +1,9 @@
 """Shared by the tests that run real actors."""
 
 import dataclasses
+import subprocess
+import sys
+import textwrap
 
 from meshrl.rollout import build_episodes
 from meshrl.types import Completion, Episode, ScoredCompletion, TrainBatch
@@ -15,3 +18,18 @@ async def mismatch(trainer, completion: Completion) -> float:
     e = episode(completion, 0.0)
     metrics = await trainer.forward_backward.call_one(TrainBatch.collate([e], e.num_response_tokens, 1))
     return metrics["logprob_mismatch"] / metrics["tokens"]
+
+
+def vllm_generates(checkpoint) -> str:
+    """'' if vLLM loads `checkpoint` and greedily generates 4 tokens from it, else what it printed."""
+    load = textwrap.dedent(f"""
+        import os
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        from vllm import LLM, SamplingParams
+        llm = LLM({str(checkpoint)!r}, gpu_memory_utilization=0.2, max_model_len=256, enforce_eager=True)
+        out = llm.generate(["What is 1 + 1?"], SamplingParams(max_tokens=4, temperature=0))
+        print("GENERATED", len(out[0].outputs[0].token_ids))
+    """)
+    loaded = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=300)
+    return "" if "GENERATED 4" in loaded.stdout else loaded.stderr[-3000:]

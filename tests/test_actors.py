@@ -24,7 +24,7 @@ def test_trainer_weights_reach_vllm_and_change_its_output(tiny_checkpoint):
         trn_procs, trainer = spawn("trainer", TitanTrainer, TrainerConfig(lr=1e-2, num_threads=1), sync,
                                    str(tiny_checkpoint))
         try:
-            assert await generator.attach_weights.call_one(await trainer.weight_ring.call_one()) == "rdma"
+            assert await generator.attach_weights.call_one([await trainer.weight_ring.call_one()]) == "rdma"
             assert await generator.pull_weights.call_one() == 0  # nothing published yet
             prompt = Prompt(5, ChatTokenizer(tiny_checkpoint).encode_chat("What is 1 + 2?"))
             greedy = Sampling(n=1, temperature=0.0, max_tokens=8)

@@ -5,9 +5,9 @@ import math
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
+from actor_helpers import vllm_generates
 
 from meshrl.model import cache_dir, load_hf_weights
 
@@ -71,17 +71,7 @@ def test_smoke_run_writes_metrics_plot_and_a_final_policy_vllm_loads(tmp_path, t
 
     final = run_dir / "final"
     assert load_hf_weights(final).keys() == load_hf_weights(tiny_checkpoint).keys()
-    load = textwrap.dedent(f"""
-        import os
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-        from vllm import LLM, SamplingParams
-        llm = LLM({str(final)!r}, gpu_memory_utilization=0.2, max_model_len=256, enforce_eager=True)
-        out = llm.generate(["What is 1 + 1?"], SamplingParams(max_tokens=4, temperature=0))
-        print("GENERATED", len(out[0].outputs[0].token_ids))
-    """)
-    loaded = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=300)
-    assert "GENERATED 4" in loaded.stdout, loaded.stderr[-3000:]
+    assert not (failure := vllm_generates(final)), failure
 
 
 @pytest.mark.parametrize("overrides, check", [

@@ -65,7 +65,7 @@ def test_a_slot_overwritten_during_the_read_is_detected_and_retried(transport):
     ring = WeightRing(LAYOUT, slots=2, checksums=True)
     reader = RingReader(ring.handle(), LAYOUT, transport)
     ring.publish(weights(1.0), version=1)
-    read_payload = reader._read_payload
+    read_payload = reader.read_payload
 
     async def read_while_the_trainer_overwrites(slot):
         await read_payload(slot)
@@ -73,7 +73,7 @@ def test_a_slot_overwritten_during_the_read_is_detected_and_retried(transport):
             ring.publish(weights(2.0), version=2)
             ring.publish(weights(3.0), version=3)  # into the slot being read
 
-    reader._read_payload = read_while_the_trainer_overwrites
+    reader.read_payload = read_while_the_trainer_overwrites
     got = pull(reader)
     assert reader.torn_reads == 1
     assert got[0] == 3 and values(got) == {"a": 3.0, "b": -3.0}
@@ -83,14 +83,14 @@ def test_reader_gives_up_when_every_read_is_torn():
     ring = WeightRing(LAYOUT, slots=2)
     reader = RingReader(ring.handle(), LAYOUT, "shm", max_attempts=3)
     ring.publish(weights(1.0), version=1)
-    read_payload = reader._read_payload
+    read_payload = reader.read_payload
 
     async def always_overwritten(slot):
         await read_payload(slot)
         ring.publish(weights(0.0), version=ring.publishes + 1)
         ring.publish(weights(0.0), version=ring.publishes + 1)
 
-    reader._read_payload = always_overwritten
+    reader.read_payload = always_overwritten
     with pytest.raises(TornReadsError, match="use more weight_sync.slots"):
         pull(reader)
     assert reader.torn_reads == 3

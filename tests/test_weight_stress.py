@@ -6,8 +6,9 @@ runs the full 30-second version.
 
 import asyncio
 
+import pytest
 
-from meshrl.actors import spawn
+from meshrl.actors import spawn, spawn_ranks
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
@@ -16,7 +17,11 @@ from meshrl.types import Prompt, Sampling
 from meshrl.weight_sync.stress import stress_ring
 
 
-def test_generators_load_only_whole_versions_while_the_trainer_publishes_flat_out(tiny_checkpoint, stress_seconds):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_generators_load_only_whole_versions_while_the_trainer_publishes_flat_out(tiny_checkpoint, stress_seconds,
+                                                                                   ranks):
+    """With 2 ranks each rank publishes its shard into its own ring, and a generator loads a version
+    only when it has read every rank's shard of it, untorn: a mix of versions fails the checksums."""
     async def run():
         sync = WeightSyncConfig(checksums=True)  # every load is checked against the trainer's CRC32
         procs, generators = [], []
@@ -24,14 +29,18 @@ def test_generators_load_only_whole_versions_while_the_trainer_publishes_flat_ou
             p, g = spawn(f"generator{i}", VLLMGenerator, GeneratorConfig(num_threads=1), sync, str(tiny_checkpoint))
             procs.append(p)
             generators.append(g)
-        p, trainer = spawn("trainer", TitanTrainer, TrainerConfig(lr=1e-3, num_threads=1), sync, str(tiny_checkpoint))
+        # fp32: bf16 matmuls are ~8x slower on CPUs without bf16 instructions, and the ring wants many versions
+        config = TrainerConfig(lr=1e-3, num_threads=1, ranks=ranks, bf16_autocast=False)
+        p, trainer = await spawn_ranks("trainer", TitanTrainer, ranks, config, sync, str(tiny_checkpoint))
         procs.append(p)
         try:
-            ring = await trainer.weight_ring.call_one()
+            rings = [ring for _, ring in (await trainer.weight_ring.call()).items()]
+            assert len(rings) == ranks
             for g in generators:
-                assert await g.attach_weights.call_one(ring) == "shm"
-            stats = await stress_ring(trainer, generators, stress_seconds)
-            print(f"stress {stress_seconds:.0f} s: {stats['versions_published']} versions published, "
+                assert await g.attach_weights.call_one(rings) == "shm"
+            seconds = stress_seconds * ranks  # a 2-rank step costs ~2x here (gloo, 4 processes on 2 cores)
+            stats = await stress_ring(trainer, generators, seconds, ranks)
+            print(f"stress {seconds:.0f} s, {ranks} ranks: {stats['versions_published']} versions published, "
                   f"{[len(v) for v in stats['versions_loaded']]} loaded, {stats['torn_reads_detected']} torn reads")
 
             assert stats["torn_reads_loaded"] == 0  # every load matched the trainer's checksum

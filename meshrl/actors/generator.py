@@ -13,12 +13,12 @@ import os
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
-from meshrl.actors import pin_cpus
+from meshrl.actors import has_bf16_math, pin_cpus, resolve_device
 from meshrl.configs import GeneratorConfig, WeightSyncConfig
-from meshrl.model import load_hf_weights
+from meshrl.model import published_weights
 from meshrl.types import Completion, Prompt, Sampling
-from meshrl.weight_sync import WeightLayout
-from meshrl.weight_sync.ring import RingHandle, RingReader
+from meshrl.weight_sync.ring import RingHandle
+from meshrl.weight_sync.shards import ShardedReader
 
 
 class VLLMGenerator(Actor):
@@ -36,11 +36,11 @@ class VLLMGenerator(Actor):
         from vllm import LLM
 
         self.config = config
-        self.llm = LLM(checkpoint, dtype=config.dtype, max_model_len=config.max_model_len,
+        self.llm = LLM(checkpoint, dtype=vllm_dtype(config.dtype), max_model_len=config.max_model_len,
                        gpu_memory_utilization=config.memory_fraction, seed=config.seed, enforce_eager=True)
-        self.layout = WeightLayout.of_tensors(load_hf_weights(checkpoint))
+        self.layout, self.adapter = published_weights(checkpoint)  # what the trainer's ranks publish, together
         self.transport = weight_sync.transport
-        self.ring: RingReader | None = None
+        self.ring: ShardedReader | None = None
         self.pulling = asyncio.Lock()  # one pull at a time: they share the reader's buffer
         self.policy_version = 0
         self.engine = self.llm.llm_engine
@@ -100,9 +100,10 @@ class VLLMGenerator(Actor):
             raise
 
     @endpoint
-    async def attach_weights(self, ring: RingHandle) -> str:
-        """Pull weights from the trainer's ring from now on; returns the transport chosen."""
-        self.ring = RingReader(ring, self.layout, self.transport)
+    async def attach_weights(self, rings: list[RingHandle]) -> str:
+        """Pull weights from the trainer's rings (one per rank, in rank order) from now on; returns the
+        transport chosen."""
+        self.ring = ShardedReader(rings, self.layout, self.adapter.to_hf, self.transport)
         return self.ring.transport
 
     @endpoint
@@ -123,3 +124,11 @@ class VLLMGenerator(Actor):
     async def weight_sync_stats(self) -> dict:
         return {"transport": self.ring.transport, "torn_reads": self.ring.torn_reads,
                 "corrupt_reads": self.ring.corrupt_reads}
+
+
+def vllm_dtype(dtype: str) -> str:
+    """`auto`: bfloat16 where vLLM's device (a GPU if there is one, else the CPU) has bf16 math, else
+    float32; any other value goes to vLLM as it is."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if has_bf16_math(resolve_device("auto")) else "float32"

@@ -1,9 +1,14 @@
-"""The reference model: the frozen initial policy, whose logprobs the KL penalty pulls toward."""
+"""The reference model: the frozen initial policy, whose logprobs the KL penalty pulls toward.
+
+It is placed as the trainer is (meshrl/actors/distributed.py): `reference.device`, and with
+`reference.ranks` > 1 sharded over that many processes by torchtitan's FSDP2, every rank answering
+for its own micro-batch of each round.
+"""
 
 import torch
 from monarch.actor import Actor, endpoint
 
-from meshrl.actors import pin_cpus
+from meshrl.actors.distributed import join, shard
 from meshrl.configs import ReferenceConfig
 from meshrl.losses import policy_logprobs
 from meshrl.model import load_policy
@@ -12,12 +17,13 @@ from meshrl.types import TrainBatch
 
 class ReferenceModel(Actor):
     def __init__(self, config: ReferenceConfig, checkpoint: str):
-        pin_cpus(config.cpus, config.num_threads)
-        self.config = config
+        me = join(config.device, config.cpus, config.num_threads)
+        self.config, self.device = config, me.device
         self.model, _ = load_policy(checkpoint)
-        self.model.eval().requires_grad_(False)
+        self.model.to(self.device).eval().requires_grad_(False)
+        shard(self.model, me)
 
     @endpoint
     async def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """log p_ref of every target token [B, T]."""
-        return policy_logprobs(self.model, batch, self.config.bf16_autocast)
+        """log p_ref of every target token [B, T] (on the host, for the caller)."""
+        return policy_logprobs(self.model, batch.to(self.device), self.config.bf16_autocast).cpu()

@@ -22,8 +22,9 @@ class Generator(Protocol):
         from. The controller sends one prompt's group per call, many calls at once: make it a
         `concurrent_endpoint` that batches them, or throughput falls to one group at a time."""
 
-    async def attach_weights(self, ring) -> str:
-        """Pull weights from the trainer's ring (a `RingHandle`) from now on; returns the transport."""
+    async def attach_weights(self, rings: list) -> str:
+        """Pull weights from the trainer's rings (a `RingHandle` per trainer rank, in rank order) from
+        now on: each version assembled from every rank's shard; returns the transport."""
 
     async def pull_weights(self) -> int:
         """Load the newest published version if newer than the one served; returns the version served."""
@@ -54,13 +55,13 @@ class Trainer(Protocol):
         """One optimizer update: {"updates", "grad_norm"}."""
 
     async def weight_ring(self):
-        """The `RingHandle` generators pull from."""
+        """The `RingHandle` of this rank's ring, which generators pull its shards from."""
 
     async def publish_weights(self) -> int:
         """Publish the current weights as the next policy version; returns it."""
 
     async def save(self, path: str) -> None:
-        """Write the current policy as an HF checkpoint."""
+        """Write the current policy as an HF checkpoint (every rank is called; one writes)."""
 
 
 class ReplayBuffer(Protocol):

@@ -2,36 +2,46 @@
 
 It trains only: advantages arrive in the batch, computed by the controller. A step may take several
 optimizer updates (`optim_step`); `policy_version` counts published versions, one per step.
+
+With `trainer.ranks` > 1 the actor mesh has that many processes, the ranks of one torch.distributed
+group (gloo on the CPU, NCCL on CUDA), and the model is sharded with torchtitan's FSDP2
+(`apply_fsdp_to_decoder`). Each rank computes its micro-batches' loss with the normalisers of the
+whole update, so the ranks' gradients are summed, not averaged; one optimizer step follows. Each
+rank publishes its own shard into its own weight ring (meshrl/weight_sync/shards.py).
 """
 
 from pathlib import Path
 
 import torch
 from monarch.actor import Actor, endpoint
+from torch.distributed.tensor import DTensor
 
-from meshrl.actors import pin_cpus
+from meshrl.actors.distributed import join, local, shard
 from meshrl.configs import TrainerConfig, WeightSyncConfig
-from meshrl.losses import (check, on_positions, policy_logprobs, policy_loss, response_logits, token_entropy,
-                           token_logprobs)
-from meshrl.model import load_hf_weights, load_policy, save_checkpoint
+from meshrl.losses import (autocast, check, on_positions, policy_logprobs, policy_loss, response_logits,
+                           token_entropy, token_logprobs)
+from meshrl.model import load_policy, published_weights, save_checkpoint
 from meshrl.types import TrainBatch
-from meshrl.weight_sync import WeightLayout
 from meshrl.weight_sync.ring import RingHandle, WeightRing
+from meshrl.weight_sync.shards import shard_layout
 
 
 class TitanTrainer(Actor):
     def __init__(self, config: TrainerConfig, weight_sync: WeightSyncConfig, checkpoint: str):
-        pin_cpus(config.cpus, config.num_threads)
+        me = join(config.device, config.cpus, config.num_threads)
+        self.rank, self.world, self.device = me.rank, me.world, me.device
         torch.manual_seed(config.seed)
         self.config = config
         self.checkpoint = Path(checkpoint)
         check(config.loss)
-        hf_weights = load_hf_weights(self.checkpoint)
-        self.model, self.adapter = load_policy(self.checkpoint, hf_weights)
-        self.model.train()
+        self.model, self.adapter = load_policy(self.checkpoint)
+        self.model.to(self.device).train()
+        shard(self.model, me)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        # Publish in the checkpoint's own layout (HF names and dtype): what the generator loads.
-        self.ring = WeightRing(WeightLayout.of_tensors(hf_weights), weight_sync.slots, weight_sync.chunk_mb,
+        # This rank's rows of each tensor the generators load, in torchtitan's names, the checkpoint's dtype.
+        full, _ = published_weights(self.checkpoint)
+        self.published = [spec.name for spec in full.specs]
+        self.ring = WeightRing(shard_layout(full, self.rank, self.world), weight_sync.slots, weight_sync.chunk_mb,
                                weight_sync.checksums)
         self.policy_version = 0  # versions published
         self.updates = 0  # optimizer updates taken
@@ -39,8 +49,9 @@ class TitanTrainer(Actor):
     @endpoint
     async def forward_backward(self, batch: TrainBatch) -> dict:
         """Accumulate the loss's gradient over one micro-batch; returns the loss's metric sums."""
+        batch = batch.to(self.device)
         mask = batch.loss_mask
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16_autocast):
+        with autocast(self.device, self.config.bf16_autocast):
             logits = response_logits(self.model, batch)
         with torch.set_grad_enabled(self.config.loss.entropy_coef > 0):  # else the entropy is a metric only
             entropy = on_positions(token_entropy(logits), mask)
@@ -51,13 +62,17 @@ class TitanTrainer(Actor):
 
     @endpoint
     async def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """The current policy's logprob of every target token [B, T], without training."""
-        return policy_logprobs(self.model, batch, self.config.bf16_autocast)
+        """The current policy's logprob of every target token [B, T], without training (on the host)."""
+        return policy_logprobs(self.model, batch.to(self.device), self.config.bf16_autocast).cpu()
 
     @endpoint
     async def optim_step(self) -> dict:
         """One optimizer update from the accumulated gradients (it publishes nothing)."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if isinstance(grad_norm, DTensor):  # each rank holds its shards' part: the norm of them all
+            grad_norm = grad_norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, self.config.max_grad_norm, grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.updates += 1
@@ -65,22 +80,30 @@ class TitanTrainer(Actor):
 
     @endpoint
     async def weight_ring(self) -> RingHandle:
-        """Where generators pull published weights from."""
+        """Where generators pull this rank's shard of each published version from."""
         return self.ring.handle()
 
     @endpoint
     async def publish_weights(self) -> int:
-        """Put the current policy into the weight ring as the next version (no waiting for readers);
-        return that version."""
+        """Put this rank's shard of the current policy into its weight ring as the next version (no
+        waiting for readers, nothing gathered); return that version."""
         self.policy_version += 1
-        self.ring.publish(self._hf_weights(), self.policy_version)
+        with torch.no_grad():
+            state = self.model.state_dict()
+            self.ring.publish({name: local(state[name]) for name in self.published}, self.policy_version)
         return self.policy_version
 
     @endpoint
     async def save(self, path: str) -> None:
-        """Write the current policy as an HF checkpoint (loadable by vLLM and transformers)."""
-        save_checkpoint(self._hf_weights(), self.checkpoint, Path(path))
+        """Write the current policy as an HF checkpoint (loadable by vLLM and transformers); with
+        several ranks every rank takes part in the gather and rank 0 writes."""
+        if self.world == 1:
+            state = self.model.state_dict()
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    @torch.no_grad()
-    def _hf_weights(self) -> dict[str, torch.Tensor]:
-        return self.adapter.to_hf(self.model.state_dict())
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            with torch.no_grad():
+                save_checkpoint(self.adapter.to_hf(state), self.checkpoint, Path(path))
+

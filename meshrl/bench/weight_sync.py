@@ -2,8 +2,8 @@
 
 memcpy (a torch copy of the same bytes) is the floor for the shared-memory path; one raw
 `RDMABuffer.read_into` of the same bytes is the floor for the RDMA path. Then the real trainer
-publishes into its ring and a real vLLM generator pulls and loads, and a stress phase counts
-torn reads while the trainer publishes as fast as it can.
+publishes into its rings (one per rank, for each rank count asked) and a real vLLM generator pulls
+and loads, and a stress phase counts torn reads while the trainer publishes as fast as it can.
 """
 
 import asyncio
@@ -13,13 +13,13 @@ import time
 import torch
 from monarch.actor import Actor, endpoint
 
-from meshrl.actors import spawn
+from meshrl.actors import spawn, spawn_ranks
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
-from meshrl.model import load_hf_weights, resolve_checkpoint
-from meshrl.weight_sync import WeightLayout
-from meshrl.weight_sync.ring import RingReader
+from meshrl.model import published_weights, resolve_checkpoint
+from meshrl.weight_sync.shards import ShardedReader
+from meshrl.train_step import first
 from meshrl.weight_sync.stress import stress_ring
 
 
@@ -45,11 +45,12 @@ async def _median_seconds(repeats: int, fn) -> float:
     return statistics.median(times)
 
 
-async def bench_weight_sync(model: str = "smollm2", repeats: int = 5, stress_seconds: float = 10.0) -> dict:
+async def bench_weight_sync(model: str = "smollm2", repeats: int = 5, stress_seconds: float = 10.0,
+                            rank_counts: tuple[int, ...] = (1, 2)) -> dict:
     from monarch.rdma import get_rdma_backend
 
     checkpoint = str(resolve_checkpoint(model))
-    layout = WeightLayout.of_tensors(load_hf_weights(checkpoint))
+    layout, to_hf = published_weights(checkpoint)  # the whole model, whatever the ranks
     nbytes = layout.nbytes
     gbps = lambda seconds: nbytes / seconds / 1e9  # noqa: E731
     result = {"model": model, "bytes": nbytes, "rdma_backend": get_rdma_backend(), "repeats": repeats}
@@ -66,59 +67,71 @@ async def bench_weight_sync(model: str = "smollm2", repeats: int = 5, stress_sec
     result["raw_rdma_gbps"] = gbps(await _median_seconds(repeats, lambda: raw.read_into(dst)))
     await source_procs.stop()
 
-    # The real trainer's ring, read by this process over each transport, then pulled into vLLM.
-    procs = []
+    for ranks in rank_counts:
+        figures = await _ring_figures(checkpoint, layout, to_hf.to_hf, ranks, repeats, gbps)
+        figures.update(await _stress(checkpoint, ranks, stress_seconds))
+        figures["ring_rdma_vs_raw"] = figures["ring_rdma_gbps"] / result["raw_rdma_gbps"]
+        figures["ring_shm_vs_memcpy"] = figures["ring_shm_gbps"] / result["memcpy_gbps"]
+        result[f"ranks_{ranks}"] = figures
+    return result
+
+
+async def _ring_figures(checkpoint: str, layout, to_hf, ranks: int, repeats: int, gbps) -> dict:
+    """The real trainer's rings on `ranks` ranks, read whole by this process over each transport (every
+    rank's shard, assembled as a generator does), then publish-to-loaded into a real vLLM generator."""
+    figures, procs = {}, []
     try:
         sync = WeightSyncConfig()
-        trainer_procs, trainer = spawn("trainer", TitanTrainer, TrainerConfig(num_threads=1), sync, checkpoint)
+        trainer_procs, trainer = await spawn_ranks("trainer", TitanTrainer, ranks,
+                                                   TrainerConfig(num_threads=1, ranks=ranks), sync, checkpoint)
+        procs.append(trainer_procs)
         generator_procs, generator = spawn("generator", VLLMGenerator, GeneratorConfig(num_threads=1), sync,
                                            checkpoint)
-        procs += [trainer_procs, generator_procs]
-        ring = await trainer.weight_ring.call_one()
-        await trainer.publish_weights.call_one()
+        procs.append(generator_procs)
+        rings = [ring for _, ring in (await trainer.weight_ring.call()).items()]
+        await trainer.publish_weights.call()
         for transport in ("rdma", "shm"):
-            reader = RingReader(ring, layout, transport)
-            result[f"ring_{transport}_gbps"] = gbps(await _median_seconds(repeats, reader.pull_latest))
+            reader = ShardedReader(rings, layout, to_hf, transport)
+            figures[f"ring_{transport}_gbps"] = gbps(await _median_seconds(repeats, reader.pull_latest))
 
-        result["generator_transport"] = await generator.attach_weights.call_one(ring)
+        figures["generator_transport"] = await generator.attach_weights.call_one(rings)
         publish_times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            version = await trainer.publish_weights.call_one()
+            version = await first(trainer.publish_weights.call())
             if await generator.pull_weights.call_one() != version:
                 raise RuntimeError("the generator did not serve the version just published")
             publish_times.append(time.perf_counter() - start)
-        result["publish_to_loaded_s"] = statistics.median(publish_times)
+        figures["publish_to_loaded_s"] = statistics.median(publish_times)
     finally:
         for p in procs:
             await p.stop()
+    return figures
 
-    # Stress with checksums: the trainer steps and publishes flat out while two generators pull.
+
+async def _stress(checkpoint: str, ranks: int, seconds: float) -> dict:
+    """With checksums: the trainer's ranks step and publish flat out while two generators pull."""
     procs = []
     try:
         sync = WeightSyncConfig(checksums=True)
-        trainer_procs, trainer = spawn("stress_trainer", TitanTrainer, TrainerConfig(lr=1e-4, num_threads=1),
-                                       sync, checkpoint)
+        trainer_procs, trainer = await spawn_ranks("stress_trainer", TitanTrainer, ranks,
+                                                   TrainerConfig(lr=1e-4, num_threads=1, ranks=ranks), sync, checkpoint)
         procs.append(trainer_procs)
         generators = []
         for i in range(2):
             p, g = spawn(f"stress_generator{i}", VLLMGenerator, GeneratorConfig(num_threads=1), sync, checkpoint)
             procs.append(p)
             generators.append(g)
-        ring = await trainer.weight_ring.call_one()
+        rings = [ring for _, ring in (await trainer.weight_ring.call()).items()]
         for g in generators:
-            await g.attach_weights.call_one(ring)
-        stress = await stress_ring(trainer, generators, stress_seconds)
+            await g.attach_weights.call_one(rings)
+        stress = await stress_ring(trainer, generators, seconds, ranks)
     finally:
         for p in procs:
             await p.stop()
-    result["torn_reads_detected"] = stress["torn_reads_detected"]
-    result["torn_reads_loaded"] = stress["torn_reads_loaded"]
-    result["stress"] = {"seconds": stress_seconds, "versions_published": stress["versions_published"],
-                        "versions_loaded_per_generator": [len(v) for v in stress["versions_loaded"]]}
-    result["ring_rdma_vs_raw"] = result["ring_rdma_gbps"] / result["raw_rdma_gbps"]
-    result["ring_shm_vs_memcpy"] = result["ring_shm_gbps"] / result["memcpy_gbps"]
-    return result
+    return {"torn_reads_detected": stress["torn_reads_detected"], "torn_reads_loaded": stress["torn_reads_loaded"],
+            "stress": {"seconds": seconds, "versions_published": stress["versions_published"],
+                       "versions_loaded_per_generator": [len(v) for v in stress["versions_loaded"]]}}
 
 
 TARGETS = [  # (metric, target, passes)
@@ -130,18 +143,23 @@ TARGETS = [  # (metric, target, passes)
 
 
 def report(result: dict) -> str:
-    lines = [f"weight sync, {result['model']}: {result['bytes'] / 1e6:.1f} MB, RDMA backend {result['rdma_backend']}"]
-    for key in ("memcpy_gbps", "raw_rdma_gbps", "ring_rdma_gbps", "ring_shm_gbps"):
-        lines.append(f"  {key:22s} {result[key]:8.3f} GB/s")
-    lines.append(f"  {'publish_to_loaded_s':22s} {result['publish_to_loaded_s']:8.3f} s "
-                 f"(median of {result['repeats']}, generator over {result['generator_transport']})")
-    lines.append(f"  {'torn_reads_detected':22s} {result['torn_reads_detected']:8d}   "
-                 f"{'torn_reads_loaded'} {result['torn_reads_loaded']} "
-                 f"({result['stress']['versions_published']} versions in {result['stress']['seconds']:.0f} s of stress)")
-    for key, target, passes in TARGETS:
-        lines.append(f"  target {key} {target}: {result[key]:.3f} {'ok' if passes(result) else 'MISSED'}")
+    lines = [f"weight sync, {result['model']}: {result['bytes'] / 1e6:.1f} MB, RDMA backend {result['rdma_backend']}",
+             f"  {'memcpy_gbps':22s} {result['memcpy_gbps']:8.3f} GB/s",
+             f"  {'raw_rdma_gbps':22s} {result['raw_rdma_gbps']:8.3f} GB/s"]
+    for key in (k for k in result if k.startswith("ranks_")):
+        r = result[key]
+        lines.append(f"  trainer {key.replace('_', ' ')}:")
+        for figure in ("ring_rdma_gbps", "ring_shm_gbps"):
+            lines.append(f"    {figure:20s} {r[figure]:8.3f} GB/s")
+        lines.append(f"    {'publish_to_loaded_s':20s} {r['publish_to_loaded_s']:8.3f} s "
+                     f"(median of {result['repeats']}, generator over {r['generator_transport']})")
+        lines.append(f"    {'torn_reads_detected':20s} {r['torn_reads_detected']:8d}   torn_reads_loaded "
+                     f"{r['torn_reads_loaded']} ({r['stress']['versions_published']} versions in "
+                     f"{r['stress']['seconds']:.0f} s of stress)")
+        for figure, target, passes in TARGETS:
+            lines.append(f"    target {figure} {target}: {r[figure]:.3f} {'ok' if passes(r) else 'MISSED'}")
     return "\n".join(lines)
 
 
-def run(model: str, repeats: int, stress_seconds: float) -> dict:
-    return asyncio.run(bench_weight_sync(model, repeats, stress_seconds))
+def run(model: str, repeats: int, stress_seconds: float, rank_counts: tuple[int, ...] = (1, 2)) -> dict:
+    return asyncio.run(bench_weight_sync(model, repeats, stress_seconds, rank_counts))

@@ -32,7 +32,7 @@ class GeneratorConfig:
     temperature: float = 1.0  # sampling temperature of training rollouts
     top_p: float = 1.0  # nucleus sampling
     max_model_len: int = 512  # vLLM's context length
-    dtype: str = "bfloat16"  # vLLM's weight dtype
+    dtype: str = "auto"  # vLLM's weight dtype: auto (bfloat16 where the device has bf16 math, else float32) | bfloat16 | float32
     memory_fraction: float = 0.2  # vLLM's gpu_memory_utilization; on CPU a share of host memory
     kv_cache_gib: int = 1  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
     num_threads: int = 2  # torch/OpenMP threads of each replica
@@ -81,9 +81,11 @@ class TrainerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     micro_batch_size: int = 16  # sequences per forward/backward pass (gradients accumulate)
     mini_batches: int = 1  # optimizer updates per step: the step's episodes split in this many mini-batches
-    bf16_autocast: bool = True  # forward in bf16 autocast (master weights stay fp32)
-    num_threads: int = 2  # torch threads
-    cpus: str = ""  # pin to these cores ("1", "2-3"); "" leaves placement to the OS
+    bf16_autocast: bool = True  # forward in bf16 autocast where the device has bf16 math (CUDA, CPUs with AVX512-BF16 or AMX; fp32 elsewhere); master weights stay fp32
+    device: str = "auto"  # auto (CUDA if there is a GPU, else the CPU) | cpu | cuda | cuda:N
+    ranks: int = 1  # trainer processes (data parallel, the model sharded with FSDP2 over them)
+    num_threads: int = 2  # torch threads of each rank
+    cpus: str = ""  # pin to these cores ("1", "2-3"; per rank: "0;1"); "" leaves placement to the OS
     seed: int = 0  # torch seed
 
 
@@ -102,9 +104,11 @@ class ReferenceConfig:
     """The frozen initial policy that the KL penalty pulls toward (used when trainer.loss.kl_coef > 0)."""
 
     impl: str = "meshrl.actors.reference:ReferenceModel"  # the actor class, module:Class
-    bf16_autocast: bool = True  # forward in bf16 autocast
-    num_threads: int = 2  # torch threads
-    cpus: str = ""  # pin to these cores; "" leaves placement to the OS
+    bf16_autocast: bool = True  # forward in bf16 autocast where the device has bf16 math (as the trainer's)
+    device: str = "auto"  # auto (CUDA if there is a GPU, else the CPU) | cpu | cuda | cuda:N
+    ranks: int = 1  # processes, the model sharded with FSDP2 over them (as the trainer's)
+    num_threads: int = 2  # torch threads of each rank
+    cpus: str = ""  # pin to these cores ("1"; per rank: "0;1"); "" leaves placement to the OS
 
 
 @dataclass

@@ -13,6 +13,7 @@ Monarch RDMA (ibverbs, or its TCP fallback), in concurrent chunks; readers on th
 same file through /proc/<pid>/fd/<fd> and copy from it directly.
 """
 
+import asyncio
 import mmap
 import os
 import secrets
@@ -161,29 +162,23 @@ class RingReader:
 
     async def pull_latest(self, newer_than: int = -1) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
         """(version, weights as views into this reader's buffer), or None if nothing newer than `newer_than`."""
-        for _ in range(self.max_attempts):
-            before = await self._read_header()
-            complete = [s for s, row in enumerate(before) if row[BEGIN] == row[END] > 0]
-            if not complete:
-                return None
-            slot = max(complete, key=lambda s: before[s][VERSION])
-            version = before[slot][VERSION]
-            if version <= newer_than:
-                return None
-            await self._read_payload(slot)
-            if (await self._read_header())[slot][BEGIN] != before[slot][BEGIN]:
-                self.torn_reads += 1
-                continue
-            if self.handle.checksums and checksum(self.bytes) != before[slot][CHECKSUM]:
-                self.corrupt_reads += 1  # torn in a way the seqlock missed: never loaded
-                if self.corrupt_reads >= self.max_attempts:
-                    raise CorruptWeightsError(f"weights of version {version} keep failing their checksum")
-                continue
-            return version, self.layout.unpack(self.bytes)
-        raise TornReadsError(f"no untorn read in {self.max_attempts} attempts: the trainer overwrites slots "
-                             "faster than this reader copies them; use more weight_sync.slots")
+        latest = await pull_together([self], newer_than, self.max_attempts)
+        return None if latest is None else (latest[0], latest[1][0])
 
-    async def _read_header(self) -> list[list[int]]:
+    def complete_versions(self, header: list[list[int]]) -> dict[int, int]:
+        """version -> slot, for the slots of `header` that hold a completely written version."""
+        return {row[VERSION]: slot for slot, row in enumerate(header) if row[BEGIN] == row[END] > 0}
+
+    def check_sum(self, row: list[int], version: int) -> bool:
+        """Whether the payload just read matches its slot's checksum (always, without checksums)."""
+        if not self.handle.checksums or checksum(self.bytes) == row[CHECKSUM]:
+            return True
+        self.corrupt_reads += 1  # torn in a way the seqlock missed: never loaded
+        if self.corrupt_reads >= self.max_attempts:
+            raise CorruptWeightsError(f"weights of version {version} keep failing their checksum")
+        return False
+
+    async def read_header(self) -> list[list[int]]:
         """A copy of the header: one [begin, end, version, checksum] row per slot."""
         if self.transport == "shm":
             self.header_bytes.copy_(self.memory.tensor[:self.header_bytes.numel()])
@@ -191,7 +186,7 @@ class RingReader:
             await self.handle.header.read_into(self.header_bytes)
         return self.header_bytes[8:].view(torch.int64).view(self.handle.slots, 4).tolist()
 
-    async def _read_payload(self, slot: int) -> None:
+    async def read_payload(self, slot: int) -> None:
         if self.transport == "shm":
             self.bytes.copy_(self.payloads[slot])
             return
@@ -201,3 +196,30 @@ class RingReader:
         for src, dst in zip(self.handle.chunks[slot], self.chunk_views):
             action.read_remote(dst, src)
         await action.submit()
+
+
+async def pull_together(readers: list[RingReader], newer_than: int,
+                        max_attempts: int) -> tuple[int, list[list[tuple[str, torch.Tensor]]]] | None:
+    """The newest version completely written in every reader's ring (one ring per trainer rank, each
+    holding that rank's shard), read from all of them concurrently: (version, each reader's weights),
+    or None if there is none newer than `newer_than`. A read that any ring's seqlock or checksum
+    refuses is retried whole, so the result is never torn nor a mix of versions."""
+    for _ in range(max_attempts):
+        before = await asyncio.gather(*(r.read_header() for r in readers))
+        complete = [r.complete_versions(header) for r, header in zip(readers, before)]
+        common = set(complete[0]).intersection(*complete[1:])
+        if not common or max(common) <= newer_than:
+            return None
+        version = max(common)
+        slots = [versions[version] for versions in complete]
+        await asyncio.gather(*(r.read_payload(slot) for r, slot in zip(readers, slots)))
+        after = await asyncio.gather(*(r.read_header() for r in readers))
+        torn = [r for r, b, a, slot in zip(readers, before, after, slots) if a[slot][BEGIN] != b[slot][BEGIN]]
+        for r in torn:
+            r.torn_reads += 1
+        if torn:
+            continue
+        if all([r.check_sum(b[slot], version) for r, b, slot in zip(readers, before, slots)]):
+            return version, [r.layout.unpack(r.bytes) for r in readers]
+    raise TornReadsError(f"no untorn read in {max_attempts} attempts: the trainer overwrites slots "
+                         "faster than this reader copies them; use more weight_sync.slots")

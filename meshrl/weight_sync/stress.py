@@ -7,6 +7,7 @@ checked against the CRC32 the trainer wrote for it; a mismatch is refused and co
 import asyncio
 import time
 
+from meshrl.train_step import each_rank, first
 from meshrl.types import Episode, TrainBatch
 
 
@@ -17,7 +18,7 @@ def _batch() -> TrainBatch:
     return TrainBatch.collate(episodes, loss_tokens=48, loss_sequences=2)
 
 
-async def stress_ring(trainer, generators: list, seconds: float) -> dict:
+async def stress_ring(trainer, generators: list, seconds: float, ranks: int = 1) -> dict:
     """Versions published, the versions each generator loaded, torn reads retried, and torn reads the
     seqlock missed (caught by the checksum, so never loaded; what a reader without checksums would load)."""
     batch = _batch()
@@ -27,9 +28,9 @@ async def stress_ring(trainer, generators: list, seconds: float) -> dict:
     async def train_and_publish():
         nonlocal published
         while time.monotonic() < end:
-            await trainer.forward_backward.call_one(batch)
-            await trainer.optim_step.call_one()
-            published = await trainer.publish_weights.call_one()
+            await each_rank(trainer, "forward_backward", [batch] * ranks)
+            await trainer.optim_step.call()
+            published = await first(trainer.publish_weights.call())
 
     async def pull(generator) -> list[int]:
         loaded = []

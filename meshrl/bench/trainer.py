@@ -1,0 +1,122 @@
+"""`meshrl bench trainer`: trained tokens/s of the trainer actor against a plain torch training loop
+of the same model on the same batch, in the same process placement, for each rank count.
+
+- plain: each rank builds the model, shards it with torch's own `fully_shard` (several ranks), and
+  runs forward (the LM head on the loss positions), a REINFORCE loss, backward, clipping and an
+  AdamW step on a batch it already holds, timed inside the process;
+- trainer: the real trainer actor on the same ranks, driven through `train_step` as the controller
+  drives it (the batch sent over Monarch, the decoupled loss, the metrics), timed by the caller.
+
+Each figure is the best of `repeats` timed steps, after one warm-up step.
+"""
+
+import asyncio
+import time
+
+import torch
+from monarch.actor import Actor, endpoint
+
+from meshrl.actors import parse_cpus, spawn_ranks
+from meshrl.actors.distributed import join
+from meshrl.actors.trainer import TitanTrainer
+from meshrl.configs import TrainerConfig, WeightSyncConfig
+from meshrl.losses import autocast, response_logits, token_logprobs
+from meshrl.model import load_policy, resolve_checkpoint
+from meshrl.train_step import train_step
+from meshrl.types import Episode, TrainBatch
+
+
+def episodes(batch: int, prompt: int, response: int) -> list[Episode]:
+    """A fixed batch: `batch` sequences of `prompt` + `response` tokens, advantages +1 and -1."""
+    return [Episode(tokens=[(31 * i + 7 * t) % 40000 + 100 for t in range(prompt + response)],
+                    loss_mask=[False] * prompt + [True] * response,
+                    behaviour_logprobs=[0.0] * prompt + [-10.0] * response,
+                    advantage=1.0 if i % 2 else -1.0, policy_version=0, group_id=i) for i in range(batch)]
+
+
+class PlainLoop(Actor):
+    """The baseline: a training loop written against torch and torchtitan directly, no meshrl."""
+
+    def __init__(self, checkpoint: str, config: TrainerConfig, episodes: list[Episode]):
+        me = join(config.device, config.cpus, config.num_threads)
+        self.device = me.device
+        self.model, _ = load_policy(checkpoint)
+        self.model.to(self.device).train()
+        if me.world > 1:  # torch's own FSDP2, layer by layer, then the root
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(self.device.type, (me.world,))
+            for layer in self.model.layers.values():
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr)
+        share = len(episodes) // me.world
+        mine = episodes[me.rank * share:(me.rank + 1) * share]
+        self.batch = TrainBatch.collate(mine, sum(e.num_response_tokens for e in episodes), len(episodes)).to(self.device)
+
+    @endpoint
+    async def step(self) -> float:
+        """Seconds of one training step on this rank's share of the batch."""
+        start = time.perf_counter()
+        with autocast(self.device, True):
+            logits = response_logits(self.model, self.batch)
+        mask = self.batch.loss_mask
+        logprobs = token_logprobs(logits, self.batch.target_ids[mask])
+        advantages = self.batch.advantages.unsqueeze(1).expand_as(mask)[mask]
+        loss = -(advantages * logprobs).sum() / self.batch.loss_tokens
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the clock after the kernels, not after their launch
+        return time.perf_counter() - start
+
+
+def run(model: str, rank_counts: list[int], batch: int, prompt: int, response: int, repeats: int) -> dict:
+    for ranks in rank_counts:
+        if ranks < 1 or batch % ranks:
+            raise ValueError(f"--batch {batch} does not split over {ranks} ranks")
+    return asyncio.run(_run(model, rank_counts, batch, prompt, response, repeats))
+
+
+async def _run(model: str, rank_counts: list[int], batch: int, prompt: int, response: int, repeats: int) -> dict:
+    checkpoint = str(resolve_checkpoint(model))
+    cores = sorted(parse_cpus(""))
+    data = episodes(batch, prompt, response)
+    tokens = sum(len(e.tokens) for e in data)
+    result = {"model": model, "batch": batch, "tokens_per_step": tokens, "cores": len(cores), "repeats": repeats}
+    for ranks in rank_counts:
+        shares = [cores[r::ranks] for r in range(ranks)]  # the cores dealt out between the ranks
+        config = TrainerConfig(lr=1e-6, ranks=ranks, num_threads=len(shares[0]), micro_batch_size=batch // ranks,
+                               cpus=";".join(",".join(map(str, s)) for s in shares))
+        procs, plain = await spawn_ranks("plain", PlainLoop, ranks, checkpoint, config, data)
+        try:
+            await plain.step.call()  # warm up
+            plain_s = min([max(s for _, s in (await plain.step.call()).items()) for _ in range(repeats)])
+        finally:
+            await procs.stop()
+        procs, trainer = await spawn_ranks("trainer", TitanTrainer, ranks, config, WeightSyncConfig(), checkpoint)
+        try:
+            times = []
+            for _ in range(repeats + 1):  # the first is the warm-up
+                start = time.perf_counter()
+                await train_step(trainer, None, data, config, pad_id=0)
+                times.append(time.perf_counter() - start)
+            trainer_s = min(times[1:])
+        finally:
+            await procs.stop()
+        result[f"ranks_{ranks}"] = {"plain_tokens_per_s": tokens / plain_s, "trainer_tokens_per_s": tokens / trainer_s,
+                                    "trainer_vs_plain": plain_s / trainer_s}
+    return result
+
+
+def report(result: dict) -> str:
+    lines = [f"trainer, {result['model']}: {result['batch']} sequences, {result['tokens_per_step']} tokens a step, "
+             f"{result['cores']} cores (best of {result['repeats']} warm steps)"]
+    for key in (k for k in result if k.startswith("ranks_")):
+        r = result[key]
+        lines.append(f"  {key.replace('_', ' '):8s} plain loop {r['plain_tokens_per_s']:7.1f} tokens/s   trainer actor "
+                     f"{r['trainer_tokens_per_s']:7.1f} tokens/s   ({r['trainer_vs_plain']:.2f} x plain)")
+    return "\n".join(lines)

@@ -1,0 +1,30 @@
+"""`meshrl bench trainer` runs the plain torch loop and the trainer actor on 1 and 2 ranks (real
+actors, tiny model, one timed step) and writes every figure it prints."""
+
+import json
+import subprocess
+import sys
+
+
+def test_trainer_bench_writes_its_figures_for_each_rank_count(tmp_path, tiny_checkpoint):
+    out = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, "-m", "meshrl", "bench", "trainer", "--model", "tiny", "--ranks", "1,2",
+                             "--batch", "4", "--prompt-tokens", "8", "--response-tokens", "16", "--repeats", "1",
+                             "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["tokens_per_step"] == 4 * (8 + 16)
+    for ranks in ("ranks_1", "ranks_2"):
+        r = figures[ranks]
+        assert r["plain_tokens_per_s"] > 0 and r["trainer_tokens_per_s"] > 0
+        assert abs(r["trainer_vs_plain"] - r["trainer_tokens_per_s"] / r["plain_tokens_per_s"]) < 1e-9
+        assert f"{ranks.replace('_', ' ')}" in result.stdout
+
+
+def test_a_batch_that_does_not_split_over_the_ranks_is_one_clear_error(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "meshrl", "bench", "trainer", "--model", "tiny", "--ranks", "2",
+                             "--batch", "3", "--json", str(tmp_path / "b.json")], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode != 0
+    assert "--batch 3 does not split over 2 ranks" in result.stderr
+    assert not (tmp_path / "b.json").exists()

@@ -1,0 +1,100 @@
+"""The trainer and the reference model on 2 ranks (real Monarch actors, torch.distributed over gloo,
+torchtitan's FSDP2 on the tiny model): one step gives what one rank gives, and `meshrl train
+--trainer.ranks 2` runs end to end."""
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+
+import torch
+from actor_helpers import vllm_generates
+
+from meshrl.actors import spawn_ranks
+from meshrl.actors.reference import ReferenceModel
+from meshrl.actors.trainer import TitanTrainer
+from meshrl.configs import LossConfig, ReferenceConfig, TrainerConfig, WeightSyncConfig
+from meshrl.model import ChatTokenizer, load_hf_weights
+from meshrl.train_step import train_step
+from meshrl.types import Episode
+
+
+def episodes(tokenizer: ChatTokenizer) -> list[Episode]:
+    """Five episodes of different lengths and advantages: three micro-batches of two, the last one short."""
+    out = []
+    for i in range(5):
+        prompt = tokenizer.encode_chat(f"What is {i} + {i + 1}?")
+        response = [100 + 7 * i + j for j in range(3 + 2 * i)]
+        out.append(Episode(tokens=prompt + response, loss_mask=[False] * len(prompt) + [True] * len(response),
+                           behaviour_logprobs=[0.0] * len(prompt) + [-10.8 - 0.01 * j for j in range(len(response))],
+                           advantage=(-1.0) ** i * (0.5 + 0.25 * i), policy_version=0, group_id=i))
+    return out
+
+
+def one_step(checkpoint, ranks: int, out_dir) -> dict:
+    """One step with the KL penalty, the trainer and the reference each on `ranks` ranks."""
+    async def run():
+        # fp32 (no bf16 autocast), so the two runs differ only in the order of their sums
+        config = TrainerConfig(lr=1e-3, num_threads=1, ranks=ranks, micro_batch_size=2, bf16_autocast=False,
+                               loss=LossConfig(kl_coef=0.5))
+        procs, trainer = await spawn_ranks("trainer", TitanTrainer, ranks, config, WeightSyncConfig(), str(checkpoint))
+        ref_procs, reference = await spawn_ranks("reference", ReferenceModel, ranks,
+                                                 ReferenceConfig(bf16_autocast=False, num_threads=1, ranks=ranks),
+                                                 str(checkpoint))
+        try:
+            tokenizer = ChatTokenizer(checkpoint)
+            metrics = await train_step(trainer, reference, episodes(tokenizer), config, tokenizer.pad_id,
+                                       reference_ranks=ranks)
+            await trainer.save.call(str(out_dir))
+            return metrics
+        finally:
+            await procs.stop()
+            await ref_procs.stop()
+
+    return asyncio.run(run())
+
+
+def test_one_step_on_two_ranks_matches_one_rank(tiny_checkpoint, tmp_path):
+    one = one_step(tiny_checkpoint, 1, tmp_path / "one")
+    two = one_step(tiny_checkpoint, 2, tmp_path / "two")
+    # Gradients are summed over ranks (each rank's loss carries the whole step's normalisers): an average
+    # would halve the gradient norm. AdamW's first update hardly depends on the gradient's scale, so the
+    # norm and the loss are what tell a sum from a mean.
+    assert one["tokens_trained"] == two["tokens_trained"]
+    assert abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5 * one["grad_norm"]
+    assert abs(one["loss"] - two["loss"]) <= 1e-6
+    assert one["clip_fraction_low"] == two["clip_fraction_low"] == 0
+    # Before the update the policy is the reference: every rank's reference logprobs must be those of its
+    # own micro-batch for the KL to vanish (a logprob gap of 0.1 on a few tokens would give ~1e-3).
+    assert one["kl"] < 1e-6 and two["kl"] < 1e-6
+    # The updated weights, saved in bf16. The fp32 weights differ by summation order only (~1e-7), so a
+    # bf16 value may round the other way where the two straddle a rounding boundary: at most one bf16 step
+    # (2^-8 to 2^-7 of the value), and in very few places (measured: 20 of 6.3 million). An averaged
+    # gradient or a micro-batch lost shows in the gradient norm above.
+    initial, a, b = (load_hf_weights(p) for p in (tiny_checkpoint, tmp_path / "one", tmp_path / "two"))
+    assert a.keys() == b.keys() == initial.keys()
+    changed = differ = total = 0
+    for name in a:
+        torch.testing.assert_close(a[name].float(), b[name].float(), rtol=2 ** -7, atol=1e-6, msg=name)
+        differ += int((a[name] != b[name]).sum())
+        total += a[name].numel()
+        changed += a[name].dim() > 1 and not torch.equal(a[name], initial[name])
+    assert differ <= 1e-4 * total, f"{differ} of {total} weights differ"
+    # every matrix was trained (the RMSNorm weights are 1.0, where bf16's step, 2^-7, exceeds one update of 1e-3)
+    assert changed == sum(t.dim() > 1 for t in a.values())
+
+
+def test_smoke_with_two_trainer_ranks_runs_and_vllm_loads_its_policy(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path),
+                             "--trainer.ranks", "2", "--trainer.num_threads", "1", "--generator.num_threads", "1",
+                             "--trainer.loss.kl_coef", "0.01", "--reference.ranks", "2", "--reference.num_threads", "1"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows] == [1, 2] and all(r["tokens_trained"] > 0 for r in rows)
+    assert all(r["staleness_max"] == 0 for r in rows)  # the generator served each version the ranks published
+    assert all(math.isfinite(r["kl"]) for r in rows)  # the sharded reference answered every micro-batch
+    pids = json.loads((tmp_path / "processes.json").read_text())
+    assert len(pids["trainer"]) == len(pids["reference"]) == 2  # a process per rank
+    assert not (failure := vllm_generates(tmp_path / "final")), failure
