@@ -244,14 +244,9 @@ class Controller:
         if self.rollout_task:
             self.rollout_task.cancel()
             await asyncio.gather(self.rollout_task, return_exceptions=True)
-        for pool in (self.generators, self.graders):
-            if pool:
-                await pool.stop()
-        for mesh in self.actors.procs:
-            try:
-                await mesh.stop()
-            except Exception:  # a dead process's mesh; the others still stop
-                pass
+        # all at once; a dead process's mesh may refuse to stop, and the others still stop
+        pools = [pool.stop() for pool in (self.generators, self.graders) if pool]
+        await asyncio.gather(*pools, *(mesh.stop() for mesh in self.actors.procs), return_exceptions=True)
 
     def _catch_stop_signals(self) -> None:
         """Ctrl-C (SIGINT) or SIGTERM cancels the training; `run` then saves and writes what it has.
