@@ -25,7 +25,7 @@ import monarch.actor
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from tqdm import tqdm
 
-from meshrl.actors import load_actor_class, placement, spawn, spawn_ranks
+from meshrl.actors import first, in_rank_order, load_actor_class, placement, spawn, spawn_ranks
 from meshrl.actors.roles import ROLES, missing_endpoints
 from meshrl.advantages import estimator
 from meshrl.configs import Config, to_dict
@@ -37,7 +37,7 @@ from meshrl.replicas import Replica, ReplicaPool, RoleFailed, describe, process_
 from meshrl.rollout import Rollout, RolloutCollector
 from meshrl.tasks import make_task
 from meshrl.trace import Tracer
-from meshrl.train_step import first, train_step
+from meshrl.train_step import train_step
 
 if TYPE_CHECKING:
     from monarch._src.actor.actor_mesh import ActorMesh
@@ -185,7 +185,7 @@ class Controller:
     async def _start_pools(self) -> None:
         """The generator and grader replicas, each generator attached to the trainer's weight ring."""
         async with self.tracer.span("trainer", "attach"):
-            rings = [ring for _, ring in (await self.actors.trainer.weight_ring.call()).items()]  # rank order
+            rings = await in_rank_order(self.actors.trainer.weight_ring.call())
 
         async def attach(replica: Replica) -> None:
             async with self.tracer.span("generator", "attach", replica=replica.index):

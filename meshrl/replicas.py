@@ -17,7 +17,7 @@ from typing import Awaitable, Callable, TypeVar
 
 from monarch.actor import Actor, endpoint
 
-from meshrl.actors import spawn
+from meshrl.actors import in_rank_order, spawn
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,7 +47,7 @@ def describe(error: BaseException) -> str:
 
 async def process_ids(procs, name: str) -> int | list[int]:
     """The process id behind a proc mesh of one process; the list of them for several."""
-    pids = [pid for _, pid in (await procs.spawn(f"{name}_info", ProcessInfo).pid.call()).items()]
+    pids = await in_rank_order(procs.spawn(f"{name}_info", ProcessInfo).pid.call())
     return pids[0] if len(pids) == 1 else pids
 
 

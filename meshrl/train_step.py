@@ -8,7 +8,7 @@ no-grad pass over their micro-batches before the first update.
 
 A trainer of several ranks gets its micro-batches in rounds, one per rank, every rank the same number
 of calls (a sharded model's collectives need them all): a round short of micro-batches is filled with
-a copy that trains nothing (no loss token), and its results are dropped.
+a copy that trains nothing (no loss token), whose metrics add nothing.
 """
 
 import asyncio
@@ -17,6 +17,7 @@ from collections import defaultdict
 
 import torch
 
+from meshrl.actors import first
 from meshrl.configs import TrainerConfig
 from meshrl.trace import no_span
 from meshrl.types import Episode, TrainBatch
@@ -55,11 +56,6 @@ async def each_rank(trainer, endpoint: str, batches: list[TrainBatch]) -> list:
     """`endpoint(batches[r])` on rank r of the trainer's mesh, all ranks at once."""
     return await asyncio.gather(*(getattr(trainer.slice(procs=r), endpoint).call_one(b)
                                   for r, b in enumerate(batches)))
-
-
-async def first(calls) -> object:
-    """The first rank's answer of an endpoint called on every rank."""
-    return next(iter((await calls).items()))[1]
 
 
 async def train_step(trainer, reference, episodes: list[Episode], config: TrainerConfig, pad_id: int,

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from meshrl.actors import spawn, spawn_ranks
+from meshrl.actors import in_rank_order, spawn, spawn_ranks
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
@@ -34,7 +34,7 @@ def test_generators_load_only_whole_versions_while_the_trainer_publishes_flat_ou
         p, trainer = await spawn_ranks("trainer", TitanTrainer, ranks, config, sync, str(tiny_checkpoint))
         procs.append(p)
         try:
-            rings = [ring for _, ring in (await trainer.weight_ring.call()).items()]
+            rings = await in_rank_order(trainer.weight_ring.call())
             assert len(rings) == ranks
             for g in generators:
                 assert await g.attach_weights.call_one(rings) == "shm"

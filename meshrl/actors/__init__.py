@@ -32,6 +32,16 @@ async def spawn_ranks(name: str, cls, ranks: int, *args):
     return procs, procs.spawn(name, cls, *args)
 
 
+async def in_rank_order(calls) -> list:
+    """Every rank's answer of an endpoint called on a whole mesh (`mesh.endpoint.call()`), rank 0 first."""
+    return [value for _, value in (await calls).items()]
+
+
+async def first(calls):
+    """Rank 0's answer of an endpoint called on a whole mesh (one that every rank must take part in)."""
+    return (await in_rank_order(calls))[0]
+
+
 def parse_cpus(cpus: str) -> set[int]:
     """ "0", "0-3" or "0,2-3" -> {0, ...}; "" -> every CPU this process may use."""
     if not cpus:

@@ -13,13 +13,12 @@ import time
 import torch
 from monarch.actor import Actor, endpoint
 
-from meshrl.actors import spawn, spawn_ranks
+from meshrl.actors import first, in_rank_order, spawn, spawn_ranks
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
 from meshrl.model import published_weights, resolve_checkpoint
 from meshrl.weight_sync.shards import ShardedReader
-from meshrl.train_step import first
 from meshrl.weight_sync.stress import stress_ring
 
 
@@ -88,7 +87,7 @@ async def _ring_figures(checkpoint: str, layout, to_hf, ranks: int, repeats: int
         generator_procs, generator = spawn("generator", VLLMGenerator, GeneratorConfig(num_threads=1), sync,
                                            checkpoint)
         procs.append(generator_procs)
-        rings = [ring for _, ring in (await trainer.weight_ring.call()).items()]
+        rings = await in_rank_order(trainer.weight_ring.call())
         await trainer.publish_weights.call()
         for transport in ("rdma", "shm"):
             reader = ShardedReader(rings, layout, to_hf, transport)
@@ -122,7 +121,7 @@ async def _stress(checkpoint: str, ranks: int, seconds: float) -> dict:
             p, g = spawn(f"stress_generator{i}", VLLMGenerator, GeneratorConfig(num_threads=1), sync, checkpoint)
             procs.append(p)
             generators.append(g)
-        rings = [ring for _, ring in (await trainer.weight_ring.call()).items()]
+        rings = await in_rank_order(trainer.weight_ring.call())
         for g in generators:
             await g.attach_weights.call_one(rings)
         stress = await stress_ring(trainer, generators, seconds, ranks)

@@ -7,7 +7,8 @@ checked against the CRC32 the trainer wrote for it; a mismatch is refused and co
 import asyncio
 import time
 
-from meshrl.train_step import each_rank, first
+from meshrl.actors import first
+from meshrl.train_step import each_rank
 from meshrl.types import Episode, TrainBatch
 
 
