@@ -23,6 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help=f"one of: {', '.join(sorted(CONFIGS))}")
     train.add_argument("--run-dir", type=Path, help="where metrics, plots and the final policy go "
                                                     "(default: runs/CONFIG-TIME)")
+    train.add_argument("--dry-run", action="store_true", help="check the config, the model and the placement "
+                                                              "of every role, print the plan, start nothing")
     prepare = sub.add_parser("prepare-model", help="convert the embedded model once (cached) and print its path")
     prepare.add_argument("--source", default="smollm2", help="smollm2, tiny, or an HF checkpoint directory")
     sub.add_parser("configs", help="list the named configs")
@@ -96,9 +98,11 @@ def main(argv: list[str] | None = None) -> int:
             _bench_sync_vs_async(args, rest)
         else:  # bad input fails here, before anything starts; a failure during the run keeps its traceback
             controller = _prepare_train(args.config, rest, args.run_dir)
+            if args.dry_run:
+                _dry_run(controller)
     except (ConfigError, ModelError, ValueError) as e:
         return _error(str(e))
-    return _train(controller) if args.command == "train" else 0
+    return _train(controller) if args.command == "train" and not args.dry_run else 0
 
 
 def _error(message: str) -> int:
@@ -155,6 +159,15 @@ def _prepare_train(name: str, overrides: list[str], run_dir: Path | None):
 
     config = load_config(name, overrides)
     return Controller(config, run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def _dry_run(controller) -> None:
+    """The plan of a checked config; the job object is built (its settings checked) but not started."""
+    from meshrl.jobs import describe, make_job
+
+    make_job(controller.config.job, controller.run_dir / "job")
+    print("\n".join(describe(controller.config, controller.placement)))
+    print(f"model: {controller.checkpoint}\nchecked; nothing started (--dry-run)")
 
 
 def _train(controller) -> int:

@@ -5,8 +5,9 @@ advantages (meshrl/rollout.py) -> ReplayBuffer -> TrainBatches (trainer, meshrl/
 weight ring -> generators. A rollout loop (one prompt's group at a time, across the replicas) and a
 training loop run concurrently; `replay_buffer.max_policy_age` bounds how far the rollouts may run
 ahead (the staleness gate), and 0 makes the two alternate: synchronous training on the same code path.
-A generator or grader replica that dies is replaced (meshrl/replicas.py); the trainer, the replay
-buffer or the reference dying ends the run with one line, after writing what there is.
+A generator or grader replica that dies or stops answering is replaced (meshrl/replicas.py); the
+trainer, the replay buffer or the reference dying or timing out ends the run with one line, after
+writing what there is. Each role runs on the hosts its config names (meshrl/jobs.py).
 """
 
 import asyncio
@@ -29,13 +30,15 @@ from meshrl.actors import first, in_rank_order, load_actor_class, placement, spa
 from meshrl.actors.roles import ROLES, missing_endpoints
 from meshrl.advantages import estimator
 from meshrl.configs import Config, to_dict
+from meshrl.jobs import Hosts, make_job, plan
 from meshrl.loggers import MetricLoggers, RolloutRecorder
 from meshrl.losses import check as check_loss
 from meshrl.model import ChatTokenizer, resolve_checkpoint
 from meshrl.plot import plot_curves
-from meshrl.replicas import Replica, ReplicaPool, RoleFailed, describe, process_ids
+from meshrl.replicas import Replica, ReplicaPool, RoleFailed, describe, processes
 from meshrl.rollout import Rollout, RolloutCollector
 from meshrl.tasks import make_task
+from meshrl.timeouts import CallTimeout, Timeouts
 from meshrl.trace import Tracer
 from meshrl.train_step import train_step
 
@@ -72,17 +75,19 @@ def actor_classes(config: Config) -> dict[str, type]:
     return classes
 
 
-async def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Path) -> Actors:
-    """One proc mesh per role besides the pools: the trainer's (`trainer.ranks` processes), the
-    replay buffer's and the reference's (`reference.ranks`)."""
+async def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Path, hosts: Hosts) -> Actors:
+    """One proc mesh per role besides the pools, on the hosts each role's config names: the trainer's
+    (`trainer.ranks` processes), the replay buffer's and the reference's (`reference.ranks`)."""
     procs, trainer = await spawn_ranks("trainer", classes["trainer"], config.trainer.ranks, config.trainer,
-                                       config.weight_sync, str(checkpoint))
+                                       config.weight_sync, str(checkpoint), hosts=hosts.of("trainer"))
     actors, meshes = {"trainer": trainer}, [procs]
-    procs, actors["replay_buffer"] = spawn("replay_buffer", classes["replay_buffer"], config.replay_buffer)
+    procs, actors["replay_buffer"] = spawn("replay_buffer", classes["replay_buffer"], config.replay_buffer,
+                                           host=hosts.host("replay_buffer", 0))
     meshes.append(procs)
     if "reference" in classes:
         procs, actors["reference"] = await spawn_ranks("reference", classes["reference"], config.reference.ranks,
-                                                       config.reference, str(checkpoint))
+                                                       config.reference, str(checkpoint),
+                                                       hosts=hosts.of("reference"))
         meshes.append(procs)
     return Actors(**actors, procs=meshes)
 
@@ -117,6 +122,8 @@ class Controller:
                              f"it needs {config.generator.replicas} sets separated by ';'")
         estimator(cfg.advantage)
         check_loss(config.trainer.loss)
+        self.placement = plan(config)
+        self.timeouts = Timeouts.of(config)
         self.config = config
         self.run_dir = run_dir
         self.task = make_task(config.task, config.task_config)
@@ -124,6 +131,11 @@ class Controller:
         self.checkpoint = resolve_checkpoint(config.model.source)
         self.tokenizer = ChatTokenizer(self.checkpoint)
         self.actors: Actors | None = None
+        self.hosts: Hosts | None = None
+        self.stopped_by: str | None = None  # the signal that stopped the run
+        self.cancellable = False
+        self.trainer_stuck = False  # a trainer call timed out
+        self.transports: dict[str, str] = {}  # generator replica -> the weight transport it chose
         self.trainer_version = 0  # the newest version the trainer published
         self.rollouts: asyncio.Queue[Rollout] = asyncio.Queue()
         self.rollout_task: asyncio.Task | None = None
@@ -144,10 +156,11 @@ class Controller:
         self.recorder = RolloutRecorder(self.run_dir, self.config.logging.rollouts_fraction)
         self.tracer = Tracer(self.run_dir)
         monarch.actor.unhandled_fault_hook = _note_fault  # failures reach us as errors of the calls
-        self.actors = await spawn_actors(self.config, self.classes, self.checkpoint)
-        self._catch_stop_signals()
         rows, initial, failure, saved = [], {}, None, False
         try:
+            self.hosts = self._start_job()
+            self.actors = await spawn_actors(self.config, self.classes, self.checkpoint, self.hosts)
+            self._catch_stop_signals()
             try:
                 self.cancellable = True
                 await self._start_pools()
@@ -158,8 +171,10 @@ class Controller:
                 if self.stopped_by is None:
                     raise
                 asyncio.current_task().uncancel()  # a requested stop: save and write what there is
-            except (RoleFailed, SupervisionError) as e:  # a role died: save and write what there is, then say so
-                failure = str(e) if isinstance(e, RoleFailed) else describe(e)
+            except (RoleFailed, SupervisionError, CallTimeout) as e:  # a role died or hung: save and write what there is, then say so
+                failure = describe(e) if isinstance(e, SupervisionError) else str(e)
+                if isinstance(e, CallTimeout) and e.role == "trainer":
+                    self.trainer_stuck = True  # it would not answer the save either
             finally:
                 self.cancellable = False
             saved = await self._save()
@@ -168,6 +183,8 @@ class Controller:
             metrics.close()
             self.recorder.close()
             await self._stop_actors()
+            if self.hosts:
+                self.hosts.kill()
             self.tracer.close()
         if rows:
             plot_curves(rows, initial, self.run_dir / "curves.png")
@@ -183,31 +200,46 @@ class Controller:
         return summary
 
     async def _start_pools(self) -> None:
-        """The generator and grader replicas, each generator attached to the trainer's weight ring."""
-        async with self.tracer.span("trainer", "attach"):
+        """The generator and grader replicas on their hosts, each generator attached to the trainer's
+        weight ring; then processes.json and placement.json say where every actor runs."""
+        timeouts = self.timeouts
+        async with self.tracer.span("trainer", "attach", timeout=timeouts.trainer):
             rings = await in_rank_order(self.actors.trainer.weight_ring.call())
 
         async def attach(replica: Replica) -> None:
-            async with self.tracer.span("generator", "attach", replica=replica.index):
-                await replica.actor.attach_weights.call_one(rings)
+            async with self.tracer.span("generator", "attach", replica=replica.index, timeout=timeouts.generate):
+                transport = await replica.actor.attach_weights.call_one(rings)
+            self.transports[self.generators.name(replica.index)] = transport
 
-        cfg, pids = self.config, {}
+        cfg, pids, hosts = self.config, {}, {}
 
-        def write_pids() -> None:
-            pids.update({**self.generators.pids(), **self.graders.pids()})
+        def write_processes() -> None:
+            for pool in (self.generators, self.graders):
+                pids.update(pool.pids())
+                hosts.update(pool.hosts())
             (self.run_dir / "processes.json").write_text(json.dumps(pids, indent=2))
+            placement = {name: {"host": host, **({"weight_transport": self.transports[name]}
+                                                  if name in self.transports else {})} for name, host in hosts.items()}
+            (self.run_dir / "placement.json").write_text(json.dumps({"job": cfg.job.kind, **placement}, indent=2))
 
         self.generators = ReplicaPool("generator", self.classes["generator"],
                                       lambda i: generator_args(cfg, i, self.checkpoint), cfg.generator.replicas,
-                                      cfg.generator.max_restarts, setup=attach, on_replaced=write_pids)
+                                      cfg.generator.max_restarts, setup=attach, on_replaced=write_processes,
+                                      host=lambda i: self.hosts.host("generator", i), start_timeout=timeouts.generate)
         self.graders = ReplicaPool("grader", self.classes["grader"], lambda i: (cfg.task, cfg.task_config),
-                                   cfg.grader.replicas, cfg.grader.max_restarts, on_replaced=write_pids)
+                                   cfg.grader.replicas, cfg.grader.max_restarts, on_replaced=write_processes,
+                                   host=lambda i: self.hosts.host("grader", i), start_timeout=timeouts.grade)
         await asyncio.gather(self.generators.start(), self.graders.start())
         self.collector = RolloutCollector(cfg, self.task, self.tokenizer, self.generators, self.graders,
-                                          self.actors.replay_buffer, self.tracer)
+                                          self.actors.replay_buffer, self.tracer, timeouts)
         for role, procs in zip(("trainer", "replay_buffer", "reference"), self.actors.procs):
-            pids[role] = await process_ids(procs, role)  # the trainer's: one per rank
-        write_pids()
+            where = await processes(procs, role)  # the trainer's: one per rank
+            hosts[role], pids[role] = ([h for h, _ in where], [p for _, p in where]) if len(where) > 1 else where[0]
+        write_processes()
+        if cfg.job.kind != "local":
+            tqdm.write("placement: " + ", ".join(f"{name} on {host}" + (f" ({self.transports[name]})"
+                                                                       if name in self.transports else "")
+                                                 for name, host in hosts.items()))
 
     async def _train(self, metrics: MetricLoggers, rows: list[dict]) -> None:
         cfg = self.config.controller
@@ -230,10 +262,20 @@ class Controller:
         """Seconds worked so far: by the average generator replica, by the trainer."""
         return self.generators.busy_seconds() / self.config.generator.replicas, self.trainer_busy
 
+    def _start_job(self) -> Hosts:
+        """The job's host meshes (the controller's own host for a local job)."""
+        job = self.config.job
+        try:
+            return Hosts(make_job(job, self.run_dir / "job"), self.placement)
+        except Exception as e:
+            raise RoleFailed(f"the {job.kind} job did not start: {describe(e)}") from None
+
     async def _save(self) -> bool:
         """The current policy to final/; False (and a log line) if the trainer cannot."""
+        if self.trainer_stuck or self.actors is None:
+            return False
         try:
-            async with self.tracer.span("trainer", "save", self.trainer_version):
+            async with self.tracer.span("trainer", "save", self.trainer_version, timeout=self.timeouts.trainer):
                 await self.actors.trainer.save.call(str(self.run_dir / "final"))
             return True
         except Exception as e:
@@ -246,7 +288,8 @@ class Controller:
             await asyncio.gather(self.rollout_task, return_exceptions=True)
         # all at once; a dead process's mesh may refuse to stop, and the others still stop
         pools = [pool.stop() for pool in (self.generators, self.graders) if pool]
-        await asyncio.gather(*pools, *(mesh.stop() for mesh in self.actors.procs), return_exceptions=True)
+        meshes = self.actors.procs if self.actors else []
+        await asyncio.gather(*pools, *(mesh.stop() for mesh in meshes), return_exceptions=True)
 
     def _catch_stop_signals(self) -> None:
         """Ctrl-C (SIGINT) or SIGTERM cancels the training; `run` then saves and writes what it has.
@@ -308,9 +351,10 @@ class Controller:
             rollout = await self._next_rollout()
         t1 = time.perf_counter()
         train = await train_step(a.trainer, a.reference, episodes, self.config.trainer, self.tokenizer.pad_id,
-                                 self.tracer.span, trained_version, self.config.reference.ranks)
+                                 self.tracer.span, trained_version, self.config.reference.ranks, self.timeouts)
         t2 = time.perf_counter()
-        async with self.tracer.span("trainer", "publish", trained_version + 1) as span:
+        async with self.tracer.span("trainer", "publish", trained_version + 1,
+                                    timeout=self.timeouts.trainer) as span:
             published = span["policy_version"] = await first(a.trainer.publish_weights.call())
         t3 = time.perf_counter()
         self.trainer_busy += t3 - t1
@@ -345,11 +389,11 @@ class Controller:
         }
 
     async def _sample(self, trained_version: int, n: int):
-        async with self.tracer.span("replay_buffer", "sample", trained_version):
+        async with self.tracer.span("replay_buffer", "sample", trained_version, timeout=self.timeouts.replay_buffer):
             return await self.actors.replay_buffer.sample.call_one(trained_version, n)
 
     async def _buffer_stats(self) -> dict:
-        async with self.tracer.span("replay_buffer", "stats"):
+        async with self.tracer.span("replay_buffer", "stats", timeout=self.timeouts.replay_buffer):
             return await self.actors.replay_buffer.stats.call_one()
 
 

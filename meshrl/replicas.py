@@ -11,6 +11,7 @@ replacements the pool gives up: the call raises `RoleFailed` with one clear line
 import asyncio
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, TypeVar
@@ -18,6 +19,7 @@ from typing import Awaitable, Callable, TypeVar
 from monarch.actor import Actor, endpoint
 
 from meshrl.actors import in_rank_order, spawn
+from meshrl.timeouts import Timeout, deadline
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -28,11 +30,11 @@ class RoleFailed(RuntimeError):
 
 
 class ProcessInfo(Actor):
-    """Spawned beside each replica: tells the controller the process id (for users and tests)."""
+    """Spawned beside each replica: tells the controller the host and the process id (for users and tests)."""
 
     @endpoint
-    async def pid(self) -> int:
-        return os.getpid()
+    async def where(self) -> tuple[str, int]:
+        return socket.gethostname(), os.getpid()
 
 
 def describe(error: BaseException) -> str:
@@ -45,10 +47,9 @@ def describe(error: BaseException) -> str:
     return first if len(lines) == 1 else f"{first}: {lines[-1]}"
 
 
-async def process_ids(procs, name: str) -> int | list[int]:
-    """The process id behind a proc mesh of one process; the list of them for several."""
-    pids = await in_rank_order(procs.spawn(f"{name}_info", ProcessInfo).pid.call())
-    return pids[0] if len(pids) == 1 else pids
+async def processes(procs, name: str) -> list[tuple[str, int]]:
+    """(host name, process id) of each process of a proc mesh, in rank order."""
+    return await in_rank_order(procs.spawn(f"{name}_info", ProcessInfo).where.call())
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Replica:
     index: int  # its position in the pool; a replacement takes the index of the one it replaces
     procs: object  # its proc mesh, to stop
     actor: object  # its actor mesh (one actor)
+    host: str
     pid: int
     healthy: bool = True
     load: int = 0  # calls in flight
@@ -68,12 +70,16 @@ class Replica:
 class ReplicaPool:
     def __init__(self, role: str, cls: type, make_args: Callable[[int], tuple], count: int, max_restarts: int,
                  setup: Callable[[Replica], Awaitable[None]] | None = None,
-                 on_replaced: Callable[[], None] | None = None):
-        """`count` replicas of `cls(*make_args(i))`; `setup` runs on every replica, replacements
-        included, before it takes work (a generator attaches to the weight ring); `on_replaced`
-        is called once a replacement serves (the controller rewrites processes.json)."""
+                 on_replaced: Callable[[], None] | None = None, host: Callable[[int], object] | None = None,
+                 start_timeout: Timeout | None = None):
+        """`count` replicas of `cls(*make_args(i))`, replica i on `host(i)` (a host mesh; default the
+        controller's host); `setup` runs on every replica, replacements included, before it takes
+        work (a generator attaches to the weight ring); a replica not started and set up within
+        `start_timeout` counts as failed; `on_replaced` is called once a replacement serves (the
+        controller rewrites processes.json)."""
         self.role, self.cls, self.make_args, self.count = role, cls, make_args, count
         self.max_restarts, self.setup, self.on_replaced = max_restarts, setup, on_replaced
+        self.host, self.start_timeout = host or (lambda index: None), start_timeout
         self.replicas: list[Replica] = []
         self.restarts = 0
         self.retired_busy_s = 0.0  # busy seconds of replicas since replaced
@@ -90,11 +96,13 @@ class ReplicaPool:
 
     async def _spawn(self, index: int) -> Replica:
         name = self.name(index)
-        procs, actor = spawn(name, self.cls, *self.make_args(index))
+        procs, actor = spawn(name, self.cls, *self.make_args(index), host=self.host(index))
         try:
-            replica = Replica(index, procs, actor, pid=await process_ids(procs, name))
-            if self.setup:
-                await self.setup(replica)
+            async with deadline(self.start_timeout, name, "start"):
+                [(host, pid)] = await processes(procs, name)
+                replica = Replica(index, procs, actor, host, pid)
+                if self.setup:
+                    await self.setup(replica)
             return replica
         except BaseException:  # cancelled or failed while starting: leave no process behind
             await asyncio.shield(procs.stop())
@@ -123,6 +131,9 @@ class ReplicaPool:
 
     def pids(self) -> dict[str, int]:
         return {self.name(r.index): r.pid for r in self.replicas}
+
+    def hosts(self) -> dict[str, str]:
+        return {self.name(r.index): r.host for r in self.replicas}
 
     async def stop(self) -> None:
         for task in list(self.respawning):

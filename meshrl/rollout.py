@@ -17,6 +17,7 @@ from meshrl.advantages import all_equal, estimator
 from meshrl.configs import Config
 from meshrl.replicas import Replica, ReplicaPool
 from meshrl.tasks import Sample
+from meshrl.timeouts import Timeouts
 from meshrl.types import Episode, Prompt, Sampling, ScoredCompletion
 
 
@@ -114,8 +115,9 @@ class RolloutCollector:
     """Runs groups on the generator and grader pools and assembles batches from them."""
 
     def __init__(self, config: Config, task, tokenizer, generators: ReplicaPool, graders: ReplicaPool,
-                 replay_buffer, tracer):
+                 replay_buffer, tracer, timeouts: Timeouts = Timeouts()):
         self.config, self.task, self.tokenizer, self.tracer = config, task, tokenizer, tracer
+        self.timeouts = timeouts
         self.generators, self.graders, self.replay_buffer = generators, graders, replay_buffer
         cfg = config.controller
         self.sampling = Sampling(n=cfg.group_size, temperature=config.generator.temperature,
@@ -175,7 +177,7 @@ class RolloutCollector:
         cfg = self.config.controller
         episodes = [e for gid, group in f.kept.items() for e in build_episodes(group, gid, cfg.advantage,
                                                                                 cfg.advantage_eps)]
-        async with self.tracer.span("replay_buffer", "add"):
+        async with self.tracer.span("replay_buffer", "add", timeout=self.timeouts.replay_buffer):
             await self.replay_buffer.add.call_one(episodes)
         trained = [s for group in f.kept.values() for s in group]  # the rewards of the batch trained
         return Rollout(
@@ -222,14 +224,14 @@ class RolloutCollector:
         async def generate(replica: Replica):
             pull_time = await self._pull(replica)
             async with self.tracer.span("generator", what, replica.policy_version, replica.index,
-                                        concurrent=True) as span:
+                                        concurrent=True, timeout=self.timeouts.generate) as span:
                 completions = await replica.actor.generate.call_one([prompt], sampling=sampling)
             return completions, pull_time, span
 
         completions, pull_time, span = await self.generators.call(generate)
 
         async def grade(replica: Replica):
-            async with self.tracer.span("grader", "grade", replica=replica.index):
+            async with self.tracer.span("grader", "grade", replica=replica.index, timeout=self.timeouts.grade):
                 return await replica.actor.score.call_one(completions, sample.answer)
 
         scored = await self.graders.call(grade)
@@ -241,6 +243,7 @@ class RolloutCollector:
         start = self.tracer.now()
         async with replica.pulling:
             if replica.policy_version < self.latest:
-                async with self.tracer.span("generator", "pull", replica=replica.index) as span:
+                async with self.tracer.span("generator", "pull", replica=replica.index,
+                                            timeout=self.timeouts.pull) as span:
                     replica.policy_version = span["policy_version"] = await replica.actor.pull_weights.call_one()
         return self.tracer.now() - start

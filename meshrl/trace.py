@@ -9,6 +9,8 @@ at ui.perfetto.dev) and drawn as `timeline.png`, one lane per actor.
 Most actors serve one call at a time, so the tracer sends such an actor one call at a time too (a
 lock per actor): a span then covers the actor's own work, not time spent queued behind another call.
 A generator batches its calls (continuous batching): its `generate` spans are `concurrent` and overlap.
+A span also bounds its calls by their role's timeout (meshrl/timeouts.py): a call that does not
+answer in time raises CallTimeout instead of hanging the run.
 """
 
 import asyncio
@@ -17,6 +19,8 @@ import time
 from collections import defaultdict
 from contextlib import asynccontextmanager
 from pathlib import Path
+
+from meshrl.timeouts import Timeout, deadline
 
 
 class Tracer:
@@ -29,14 +33,16 @@ class Tracer:
 
     @asynccontextmanager
     async def span(self, role: str, what: str, policy_version: int | None = None, replica: int = 0,
-                   concurrent: bool = False):
-        """Times the calls made inside; yields the span, whose `policy_version` the caller may set
-        once the call has told it (a pull learns its version from the call's result)."""
+                   concurrent: bool = False, timeout: Timeout | None = None):
+        """Times the calls made inside and bounds them by `timeout`; yields the span, whose
+        `policy_version` the caller may set once the call has told it (a pull learns its version from
+        the call's result). A call that times out ends its span too."""
         if concurrent:
-            async with self._span(role, what, policy_version, replica) as span:
+            async with self._span(role, what, policy_version, replica) as span, deadline(timeout, role, what):
                 yield span
         else:
-            async with self.locks[(role, replica)], self._span(role, what, policy_version, replica) as span:
+            async with (self.locks[(role, replica)], self._span(role, what, policy_version, replica) as span,
+                        deadline(timeout, role, what)):
                 yield span
 
     @asynccontextmanager
@@ -64,9 +70,10 @@ class Tracer:
 
 @asynccontextmanager
 async def no_span(role: str, what: str, policy_version: int | None = None, replica: int = 0,
-                  concurrent: bool = False):
-    """Tracer.span's stand-in where nothing is traced."""
-    yield {}
+                  concurrent: bool = False, timeout: Timeout | None = None):
+    """Tracer.span's stand-in where nothing is traced (the timeout still holds)."""
+    async with deadline(timeout, role, what):
+        yield {}
 
 
 def lane(span: dict) -> str:
@@ -89,7 +96,7 @@ def read_spans(run_dir: Path) -> list[dict]:
 
 
 COLOURS = {"generate": "#1f77b4", "evaluate": "#17becf", "pull": "#ff7f0e", "grade": "#2ca02c",
-           "train": "#d62728", "pi_old": "#e377c2", "reference": "#8c564b", "publish": "#9467bd"}
+           "train": "#d62728", "optim_step": "#ff9896", "pi_old": "#e377c2", "reference": "#8c564b", "publish": "#9467bd"}
 
 
 def plot_timeline(spans: list[dict], path: Path, title: str = "") -> None:

@@ -19,6 +19,7 @@ import torch
 
 from meshrl.actors import first
 from meshrl.configs import TrainerConfig
+from meshrl.timeouts import Timeouts
 from meshrl.trace import no_span
 from meshrl.types import Episode, TrainBatch
 
@@ -59,36 +60,38 @@ async def each_rank(trainer, endpoint: str, batches: list[TrainBatch]) -> list:
 
 
 async def train_step(trainer, reference, episodes: list[Episode], config: TrainerConfig, pad_id: int,
-                     span=no_span, version: int | None = None, reference_ranks: int = 1) -> dict:
+                     span=no_span, version: int | None = None, reference_ranks: int = 1,
+                     timeouts: Timeouts = Timeouts()) -> dict:
     """Train on `episodes` with `config.mini_batches` updates on the trainer's `config.ranks` ranks
     (the reference, if any, on its `reference_ranks`); return the step's metrics.
 
     Ratio, clip, behaviour-weight and KL figures are means over all loss tokens of the step;
     `clip_fraction_by_update` gives each update's clipped share, `loss` and `grad_norm` the mean
-    over updates. Each actor call is timed by `span` (a `Tracer.span`) with the trained `version`."""
+    over updates. Each actor call is timed by `span` (a `Tracer.span`) with the trained `version`,
+    and bounded by `timeouts.trainer` (the reference's by `timeouts.reference`)."""
     updates = [micro_batches(chunk, config.micro_batch_size, pad_id)
                for chunk in split(episodes, config.mini_batches)]
     if reference:
         for group in rounds([b for batches in updates for b in batches], reference_ranks):
-            async with span("reference", "reference", version):
+            async with span("reference", "reference", version, timeout=timeouts.reference):
                 for batch, ref in zip(group, await each_rank(reference, "logprobs", group)):
                     batch.ref_logprobs = ref
     for batches in updates[1:]:  # pi_old before the first update changes the weights
         for group in rounds(batches, config.ranks):
-            async with span("trainer", "pi_old", version):
+            async with span("trainer", "pi_old", version, timeout=timeouts.trainer):
                 for batch, old in zip(group, await each_rank(trainer, "logprobs", group)):
                     batch.old_logprobs = old
     sums, clip_by_update, losses, grad_norms = defaultdict(float), [], [], []
     for batches in updates:
         update = defaultdict(float)
         for group in rounds(batches, config.ranks):
-            async with span("trainer", "train", version):
+            async with span("trainer", "train", version, timeout=timeouts.trainer):
                 results = await each_rank(trainer, "forward_backward", group)
             for metrics in results:
                 sums["ratio_max"] = max(sums["ratio_max"], metrics.pop("ratio_max"))
                 for k, v in metrics.items():
                     update[k] += v
-        async with span("trainer", "train", version):
+        async with span("trainer", "optim_step", version, timeout=timeouts.trainer):
             grad_norms.append((await first(trainer.optim_step.call()))["grad_norm"])
         losses.append(update.pop("loss", 0.0))
         clip_by_update.append((update["clip_low"] + update["clip_high"]) / max(update["tokens"], 1))

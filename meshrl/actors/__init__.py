@@ -15,21 +15,26 @@ def load_actor_class(impl: str):
         raise ValueError(f"cannot load actor implementation {impl!r}: {e}") from None
 
 
-def spawn(name: str, cls, *args):
-    """`cls` on a proc mesh of its own (one process here): (the mesh, to stop it; the actor)."""
-    procs = this_host().spawn_procs(per_host={"procs": 1}, name=name)
+def spawn(name: str, cls, *args, host=None):
+    """`cls` on a proc mesh of its own, one process on `host` (a host mesh of one host; default the
+    controller's): (the mesh, to stop it; the actor)."""
+    procs = (host or this_host()).spawn_procs(per_host={"procs": 1}, name=name)
     return procs, procs.spawn(name, cls, *args)
 
 
-async def spawn_ranks(name: str, cls, ranks: int, *args):
-    """`cls` on a proc mesh of `ranks` processes, each a rank of one torch.distributed job (RANK,
-    WORLD_SIZE, MASTER_ADDR... set before the actors start): (the mesh, the actor mesh)."""
-    procs = this_host().spawn_procs(per_host={"procs": ranks}, name=name)
+async def spawn_ranks(name: str, cls, ranks: int, *args, hosts=None):
+    """`cls` on a proc mesh of `ranks` processes spread evenly over `hosts` (a host mesh; default the
+    controller's host), each a rank of one torch.distributed job (RANK, WORLD_SIZE, MASTER_ADDR... set
+    before the actors start): (the mesh, the actor mesh with one `procs` dimension, rank order)."""
+    hosts = hosts or this_host()
+    per_host = ranks // hosts.sizes.get("hosts", 1)
+    procs = hosts.spawn_procs(per_host={"procs": per_host}, name=name)
     if ranks > 1:
         from monarch.spmd import setup_torch_elastic_env_async
 
         await setup_torch_elastic_env_async(procs)
-    return procs, procs.spawn(name, cls, *args)
+    actors = procs.spawn(name, cls, *args)
+    return procs, actors.flatten("procs") if "hosts" in actors.sizes else actors
 
 
 async def in_rank_order(calls) -> list:

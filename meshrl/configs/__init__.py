@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
+from meshrl.configs.job import JobConfig
 from meshrl.configs.overrides import ConfigError, apply_overrides
 from meshrl.tasks.sum_digits import SumDigitsConfig
 
@@ -40,6 +41,8 @@ class GeneratorConfig:
     seed: int = 0  # vLLM's engine seed (replica i uses seed + i)
     replicas: int = 1  # generator actors, each on its own proc mesh; groups go to the least loaded
     max_restarts: int = 3  # failed replicas replaced before the run stops
+    hosts: str = ""  # the job.hosts group the replicas go on, round-robin over its hosts; "": the controller's host
+    timeout_s: float = 600.0  # a replica's start, and one group's generation: past it the replica is replaced
 
 
 @dataclass
@@ -49,6 +52,8 @@ class GraderConfig:
     impl: str = "meshrl.actors.grader:Grader"  # the actor class, module:Class
     replicas: int = 1  # grader actors; groups go to the least loaded
     max_restarts: int = 3  # failed replicas replaced before the run stops
+    hosts: str = ""  # the job.hosts group the replicas go on, round-robin over its hosts; "": the controller's host
+    timeout_s: float = 300.0  # one group's grading: past it the replica is replaced
 
 
 @dataclass
@@ -87,6 +92,8 @@ class TrainerConfig:
     num_threads: int = 2  # torch threads of each rank
     cpus: str = ""  # pin to these cores ("1", "2-3"; per rank: "0;1"); "" leaves placement to the OS
     seed: int = 0  # torch seed
+    hosts: str = ""  # the job.hosts group the ranks go on, spread evenly over its hosts; "": the controller's host
+    timeout_s: float = 1800.0  # one trainer call (a micro-batch, an optimizer step, a publish, the save): past it the run stops
 
 
 @dataclass
@@ -97,6 +104,7 @@ class WeightSyncConfig:
     transport: str = "auto"  # auto (shared memory on the trainer's host, else rdma) | shm | rdma
     chunk_mb: int = 16  # RDMA reads a slot in chunks of this size, concurrently
     checksums: bool = False  # CRC32 every published version and verify it on load (stress tests)
+    timeout_s: float = 300.0  # one generator's pull of a version (read and load): past it the replica is replaced
 
 
 @dataclass
@@ -109,6 +117,8 @@ class ReferenceConfig:
     ranks: int = 1  # processes, the model sharded with FSDP2 over them (as the trainer's)
     num_threads: int = 2  # torch threads of each rank
     cpus: str = ""  # pin to these cores ("1"; per rank: "0;1"); "" leaves placement to the OS
+    hosts: str = ""  # the job.hosts group the ranks go on, spread evenly over its hosts; "": the controller's host
+    timeout_s: float = 1800.0  # one call (a micro-batch's logprobs): past it the run stops
 
 
 @dataclass
@@ -119,6 +129,8 @@ class ReplayBufferConfig:
 
     impl: str = "meshrl.actors.replay_buffer:ReplayBuffer"  # the actor class, module:Class
     max_policy_age: int = 0  # the staleness bound, in steps (published versions)
+    hosts: str = ""  # the job.hosts group it goes on (its first host); "": the controller's host
+    timeout_s: float = 120.0  # one call: past it the run stops
 
 
 @dataclass
@@ -151,7 +163,7 @@ class LoggingConfig:
 
 @dataclass
 class Config:
-    """A whole run: one section per role, the task and its own section, logging."""
+    """A whole run: one section per role, the task and its own section, logging, and where the roles run."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     task: str = "sum_digits"  # the task; its settings are the section of the same name
@@ -164,6 +176,7 @@ class Config:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    job: JobConfig = field(default_factory=JobConfig)
 
     @property
     def task_config(self):
@@ -211,6 +224,33 @@ def smoke() -> Config:
     config.generator.max_tokens = 16
     config.sum_digits.eval_size = 8
     config.trainer.lr = 1e-3
+    return config
+
+
+def _two_hosts(config: Config, kind: str) -> Config:
+    """The trainer on one host and the generator on another, weights over RDMA between them; the
+    generator samples one step ahead (max_policy_age 1). Grader and replay buffer stay beside the
+    controller. The model path and the run directory must be on a filesystem every host sees."""
+    config.job.kind, config.job.hosts = kind, "trainer:1,generators:1"
+    config.trainer.hosts, config.generator.hosts = "trainer", "generators"
+    config.replay_buffer.max_policy_age = 1
+    return config
+
+
+@register
+def sum_digits_smollm2_slurm() -> Config:
+    """The demo on a Slurm cluster: trainer and generator on a GPU node each (Monarch's SlurmJob)."""
+    config = _two_hosts(sum_digits_smollm2(), "slurm")
+    config.job.slurm.gpus_per_node = 1
+    config.job.slurm.time_limit = "01:00:00"
+    return config
+
+
+@register
+def sum_digits_smollm2_kubernetes() -> Config:
+    """The demo on Kubernetes: trainer and generator in a pod each (Monarch's KubernetesJob)."""
+    config = _two_hosts(sum_digits_smollm2(), "kubernetes")
+    config.job.kubernetes.gpus_per_pod = 1
     return config
 
 

@@ -10,7 +10,8 @@ stores a CRC32 of the payload, and the reader refuses (and counts) a payload tha
 
 The memory is one anonymous shared-memory file (memfd). Readers on another host read it with
 Monarch RDMA (ibverbs, or its TCP fallback), in concurrent chunks; readers on the same host map the
-same file through /proc/<pid>/fd/<fd> and copy from it directly.
+same file through /proc/<pid>/fd/<fd> and copy from it directly. "The same host" is decided by
+`host_id`, not by the host name, which containers and test hosts may share.
 """
 
 import asyncio
@@ -36,6 +37,20 @@ class CorruptWeightsError(RuntimeError):
 
 class TornReadsError(RuntimeError):
     pass
+
+
+def host_id() -> str:
+    """What makes this process's host the one a ring's memory lives on: the same running kernel (its
+    boot id) and the same network and process namespaces. Two containers or pods on one machine, or
+    test hosts in their own network namespaces, differ here even with one host name; so do two
+    machines, whose boot ids differ."""
+    boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    return f"{boot}/net:{os.stat('/proc/self/ns/net').st_ino}/pid:{os.stat('/proc/self/ns/pid').st_ino}"
+
+
+def same_host(host: str, pid: int, fd: int) -> bool:
+    """Whether a ring published from `host` (its `host_id`) by process `pid` can be mapped here."""
+    return host == host_id() and os.path.exists(f"/proc/{pid}/fd/{fd}")
 
 
 def checksum(payload: torch.Tensor) -> int:
@@ -86,7 +101,8 @@ class RingHandle:
 
     layout: WeightLayout
     slots: int
-    host: str
+    host: str  # the trainer's host_id()
+    hostname: str
     pid: int
     fd: int
     token: int  # proves a same-host reader mapped this ring and not another process's file
@@ -110,7 +126,7 @@ class WeightRing:
         self.publishes = 0
         chunk = chunk_mb << 20
         self._handle = RingHandle(
-            layout=layout, slots=slots, host=socket.gethostname(), pid=os.getpid(), fd=self.memory.fd,
+            layout=layout, slots=slots, host=host_id(), hostname=socket.gethostname(), pid=os.getpid(), fd=self.memory.fd,
             token=int(token), header=RDMABuffer(self.memory.tensor[:_header_bytes(slots)]),
             chunks=[[RDMABuffer(p[i:i + chunk]) for i in range(0, layout.nbytes, chunk)] for p in self.payloads],
             checksums=checksums)
@@ -135,8 +151,7 @@ def choose_transport(handle: RingHandle, transport: str) -> str:
         raise ValueError(f"weight_sync.transport must be one of {TRANSPORTS}, not {transport!r}")
     if transport != "auto":
         return transport
-    same_host = handle.host == socket.gethostname() and os.path.exists(f"/proc/{handle.pid}/fd/{handle.fd}")
-    return "shm" if same_host else "rdma"
+    return "shm" if same_host(handle.host, handle.pid, handle.fd) else "rdma"
 
 
 class RingReader:
@@ -155,7 +170,8 @@ class RingReader:
             self.memory = _SharedMemory.attach(handle.pid, handle.fd, size)
             token, _, self.payloads = _regions(self.memory.tensor, handle.slots, expected.nbytes)
             if int(token) != handle.token:
-                raise RuntimeError("shared-memory weight ring not found on this host: use weight_sync.transport=rdma")
+                raise RuntimeError(f"the shared-memory weight ring of {handle.hostname} (pid {handle.pid}) is not "
+                                   "this host's: use weight_sync.transport=rdma")
         else:
             chunk = handle.chunks[0][0].size()
             self.chunk_views = [self.bytes[i:i + chunk] for i in range(0, expected.nbytes, chunk)]

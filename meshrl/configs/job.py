@@ -1,0 +1,47 @@
+"""The `job` section: which kind of Monarch job places the roles, its host groups, and the settings of
+Slurm and Kubernetes jobs (meshrl/jobs.py places the roles on them)."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SlurmConfig:
+    """Monarch's SlurmJob: one sbatch allocation, its nodes split into the host groups in order."""
+
+    partition: str = ""  # "": the cluster's default
+    time_limit: str = ""  # HH:MM:SS; "": the partition's default
+    account: str = ""  # "": the cluster's default
+    qos: str = ""  # "": the cluster's default
+    gpus_per_node: int = 0  # 0: none requested
+    cpus_per_task: int = 0  # 0: Slurm's default
+    mem: str = ""  # memory per node, e.g. "200G"; "": Slurm's default
+    python_exe: str = "python"  # the nodes' Python, with meshrl installed
+    job_name: str = "meshrl"
+    port: int = 22222  # the port Monarch's workers listen on
+    exclusive: bool = True  # whole nodes
+    start_timeout_s: int = 0  # how long to wait in the queue; 0: as long as it takes
+    sbatch_args: str = ""  # more sbatch arguments, e.g. "--constraint=h100 --reservation=rl"
+
+
+@dataclass
+class KubernetesConfig:
+    """Monarch's KubernetesJob: one MonarchMesh (a set of pods) per host group."""
+
+    namespace: str = "default"
+    image: str = ""  # provision pods from this image (meshrl installed) through Monarch's operator; "": attach to running pods labelled monarch.pytorch.org/mesh-name=GROUP
+    gpus_per_pod: int = 0  # nvidia.com/gpu per provisioned pod
+    port: int = 26600  # the port Monarch's workers listen on
+    kubeconfig: str = ""  # "": the in-cluster configuration
+    start_timeout_s: int = 0  # how long to wait for the pods; 0: as long as it takes
+
+
+@dataclass
+class JobConfig:
+    """Where the roles run (meshrl/jobs.py): the kind of job, its host groups, and each kind's settings."""
+
+    kind: str = "local"  # local (this host) | process (a local worker process per host) | workers (Monarch workers at job.workers) | slurm | kubernetes
+    hosts: str = ""  # host groups and their host counts, e.g. "trainer:1,generators:2"; roles pick one with their `hosts`
+    workers: str = ""  # kind workers: the workers' addresses, the groups' hosts in order ("tcp://node1:26600,tcp://node2:26600")
+    bind: str = ""  # kind workers: the address the workers reach this controller at ("tcp://10.0.0.1:0"); "": tcp on this host's name
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
