@@ -8,6 +8,7 @@ field picks its group ("": the controller's own host). Trainer and reference ran
 over their group's hosts; generator and grader replicas go round-robin over theirs, one process each.
 """
 
+import logging
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,6 +178,7 @@ class Hosts:
     def __init__(self, job, placement: dict[str, RolePlacement]):
         self.job, self.placement = job, placement
         groups = sorted({p.group for p in placement.values() if p.group})
+        logging.getLogger("monarch._src.job.job").setLevel(logging.WARNING)  # its progress lines, on stderr
         state = job.state(cached_path=None) if groups else None  # never reuse another run's job
         self.meshes = {name: getattr(state, name) for name in groups} | {"": this_host()}
 

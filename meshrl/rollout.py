@@ -242,6 +242,8 @@ class RolloutCollector:
         """Bring `replica` to the newest published version; the seconds this call waited for it."""
         start = self.tracer.now()
         async with replica.pulling:
+            if not replica.healthy:  # it failed while this call waited for it: the pool retries elsewhere
+                raise RuntimeError(f"generator {replica.index} failed during another call's weight pull")
             if replica.policy_version < self.latest:
                 async with self.tracer.span("generator", "pull", replica=replica.index,
                                             timeout=self.timeouts.pull) as span:

@@ -1,0 +1,36 @@
+"""Fakes for the timeout tests: the real generator and trainer, with one call that never answers, as a
+hung weight transfer or a stuck collective would. Imported by the actor processes (conftest puts
+tests/ on their PYTHONPATH)."""
+
+import asyncio
+import os
+from pathlib import Path
+
+from monarch.actor import endpoint
+
+from meshrl.actors.generator import VLLMGenerator
+from meshrl.actors.trainer import TitanTrainer
+
+
+class StallingPullGenerator(VLLMGenerator):
+    """The first replica's first weight pull of the run hangs; its replacement pulls normally (a marker
+    file in $MESHRL_TEST_STALL_DIR says the stall has happened)."""
+
+    @endpoint
+    async def pull_weights(self) -> int:
+        marker = Path(os.environ["MESHRL_TEST_STALL_DIR"]) / "pull-stalled"
+        if not marker.exists():
+            marker.touch()
+            await asyncio.sleep(3600)
+        return await VLLMGenerator.pull_weights._method(self)  # the real endpoint's body
+
+
+class StallingTrainer(TitanTrainer):
+    """The second optimizer step never answers."""
+
+    @endpoint
+    async def optim_step(self) -> dict:
+        self.stall_count = getattr(self, "stall_count", 0) + 1
+        if self.stall_count == 2:
+            await asyncio.sleep(3600)
+        return await TitanTrainer.optim_step._method(self)

@@ -1,0 +1,87 @@
+"""`meshrl train` across hosts (real Monarch workers, vLLM, torchtitan, tiny model): the trainer on
+one host and the generator on another pull weights over RDMA (the TCP fallback here) to the last
+step; and calls that stall end as timeouts (a replica replaced, or one line for the trainer), never
+as a hang, with no process left behind."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from netns_hosts import leftovers, namespace_hosts, usable
+
+TWO_HOSTS = ["--job.hosts", "trainer:1,generators:1", "--trainer.hosts", "trainer", "--generator.hosts", "generators"]
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.skipif(bool(usable()), reason=usable())
+def test_training_across_hosts_in_their_own_network_namespaces_pulls_weights_over_rdma(tmp_path):
+    run_dir = tmp_path / "run"
+    with namespace_hosts(2, tmp_path) as hosts:
+        result = subprocess.run(
+            [sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(run_dir),
+             "--controller.steps", "3", "--weight_sync.checksums", "true", "--job.kind", "workers",
+             "--job.workers", ",".join(hosts.addresses), "--job.bind", hosts.bind, *TWO_HOSTS],
+            capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert not leftovers(hosts), leftovers(hosts)  # namespaces, links, workers and their actors all gone
+    placement = json.loads((run_dir / "placement.json").read_text())
+    trainer_host, generator_host = hosts.names
+    assert placement["trainer"] == {"host": trainer_host}
+    assert placement["generator"] == {"host": generator_host, "weight_transport": "rdma"}
+    assert placement["grader"]["host"] == placement["replay_buffer"]["host"] not in hosts.names  # the controller's
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["policy_version"] == 3
+    # each step trained completions sampled from the version before it: pulled across the hosts
+    # (checksums on: every pulled version was verified before vLLM loaded it)
+    versions = {r["step"]: r["policy_version"] for r in read_jsonl(run_dir / "rollouts.jsonl")}
+    assert versions == {1: 0, 2: 1, 3: 2}
+    assert (run_dir / "final" / "model.safetensors").is_file()
+
+
+def test_a_stalled_pull_replaces_the_replica_and_a_stalled_trainer_ends_the_run(tmp_path):
+    """On Monarch's local process job (trainer and generator on worker processes of their own)."""
+    stall_dir = tmp_path / "stall"
+    stall_dir.mkdir()
+    run = subprocess.Popen(
+        [sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path / "run"),
+         "--controller.steps", "4", "--job.kind", "process", *TWO_HOSTS,
+         "--generator.impl", "stalling_actors:StallingPullGenerator", "--weight_sync.timeout_s", "5",
+         "--trainer.impl", "stalling_actors:StallingTrainer", "--trainer.timeout_s", "30"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "MESHRL_TEST_STALL_DIR": str(stall_dir)})
+    actors = []
+    try:
+        deadline = time.monotonic() + 300
+        while not (stall_dir / "pull-stalled").exists() and run.poll() is None and time.monotonic() < deadline:
+            actors = psutil.Process(run.pid).children(recursive=True) or actors
+            time.sleep(0.5)
+        _, stderr = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    run_dir = tmp_path / "run"
+    # the generator's hung pull became a replacement within weight_sync.timeout_s and a little more
+    assert "generator 0 (pid" in stderr and ("failed (generator did not answer its pull call within 5 s "
+                                            "(weight_sync.timeout_s)); replacing it") in stderr, stderr[-3000:]
+    pulls = [s for s in read_jsonl(run_dir / "trace.jsonl") if s["what"] == "pull"]
+    assert 5 <= pulls[0]["end"] - pulls[0]["start"] < 8 and pulls[0]["policy_version"] is None
+    assert len(pulls) == 2 and pulls[1]["policy_version"] == 1, pulls  # the replacement loaded the version
+    # the trainer's stalled optimizer step ended the run with one line naming the call
+    assert run.returncode == 1
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("meshrl: error: trainer did not answer its optim_step call within 30 s "
+                           "(trainer.timeout_s) (after 1 steps; metrics, rollouts, trace are in"), last
+    assert "Traceback" not in stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 1 and "optim_step" in summary["failed"]
+    assert json.loads((run_dir / "placement.json").read_text())["generator"]["weight_transport"] == "shm"
+    time.sleep(1)
+    assert actors and not [p for p in actors if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
