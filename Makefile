@@ -21,6 +21,8 @@ $(STAMP): requirements.lock pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --no-deps -r requirements.lock
 	$(BIN)/pip install --quiet --no-deps -e .
+	# iproute2 makes the multi-host test's hosts (network namespaces); Debian's base image has it
+	command -v ip >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update -qq && apt-get install -y -qq iproute2)
 	touch $@
 
 clean:

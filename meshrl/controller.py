@@ -171,7 +171,7 @@ class Controller:
                 if self.stopped_by is None:
                     raise
                 asyncio.current_task().uncancel()  # a requested stop: save and write what there is
-            except (RoleFailed, SupervisionError, CallTimeout) as e:  # a role died or hung: save and write what there is, then say so
+            except (RoleFailed, SupervisionError, CallTimeout) as e:  # a role died or hung: write what there is
                 failure = describe(e) if isinstance(e, SupervisionError) else str(e)
                 if isinstance(e, CallTimeout) and e.role == "trainer":
                     self.trainer_stuck = True  # it would not answer the save either
@@ -265,6 +265,8 @@ class Controller:
     def _start_job(self) -> Hosts:
         """The job's host meshes (the controller's own host for a local job)."""
         job = self.config.job
+        if job.kind == "slurm":
+            (self.run_dir / "job").mkdir(exist_ok=True)  # sbatch's output
         try:
             return Hosts(make_job(job, self.run_dir / "job"), self.placement)
         except Exception as e:
@@ -297,7 +299,6 @@ class Controller:
         Installed once the actors run: Monarch's runtime replaces the process's SIGINT handler beneath
         Python's, so asyncio's own Ctrl-C handling never fires. A second signal while stopping is
         ignored: stopping takes one actor call and the save."""
-        self.stopped_by, self.cancellable = None, False
         loop, task = asyncio.get_running_loop(), asyncio.current_task()
 
         def stop(sig: signal.Signals) -> None:

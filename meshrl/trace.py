@@ -96,7 +96,8 @@ def read_spans(run_dir: Path) -> list[dict]:
 
 
 COLOURS = {"generate": "#1f77b4", "evaluate": "#17becf", "pull": "#ff7f0e", "grade": "#2ca02c",
-           "train": "#d62728", "optim_step": "#ff9896", "pi_old": "#e377c2", "reference": "#8c564b", "publish": "#9467bd"}
+           "train": "#d62728", "optim_step": "#ff9896", "pi_old": "#e377c2", "reference": "#8c564b",
+           "publish": "#9467bd"}
 
 
 def plot_timeline(spans: list[dict], path: Path, title: str = "") -> None:

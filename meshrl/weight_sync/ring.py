@@ -126,8 +126,8 @@ class WeightRing:
         self.publishes = 0
         chunk = chunk_mb << 20
         self._handle = RingHandle(
-            layout=layout, slots=slots, host=host_id(), hostname=socket.gethostname(), pid=os.getpid(), fd=self.memory.fd,
-            token=int(token), header=RDMABuffer(self.memory.tensor[:_header_bytes(slots)]),
+            layout=layout, slots=slots, host=host_id(), hostname=socket.gethostname(), pid=os.getpid(),
+            fd=self.memory.fd, token=int(token), header=RDMABuffer(self.memory.tensor[:_header_bytes(slots)]),
             chunks=[[RDMABuffer(p[i:i + chunk]) for i in range(0, layout.nbytes, chunk)] for p in self.payloads],
             checksums=checksums)
 
