@@ -23,18 +23,21 @@ def read_jsonl(path) -> list[dict]:
 
 @pytest.mark.skipif(bool(usable()), reason=usable())
 def test_training_across_hosts_in_their_own_network_namespaces_pulls_weights_over_rdma(tmp_path):
+    """Two trainer ranks on two hosts (FSDP2 over gloo between them), the generator on a third reading
+    both ranks' rings."""
     run_dir = tmp_path / "run"
-    with namespace_hosts(2, tmp_path) as hosts:
+    with namespace_hosts(3, tmp_path) as hosts:
         result = subprocess.run(
             [sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(run_dir),
              "--controller.steps", "3", "--weight_sync.checksums", "true", "--job.kind", "workers",
-             "--job.workers", ",".join(hosts.addresses), "--job.bind", hosts.bind, *TWO_HOSTS],
+             "--job.workers", ",".join(hosts.addresses), "--job.bind", hosts.bind, *TWO_HOSTS,
+             "--job.hosts", "trainer:2,generators:1", "--trainer.ranks", "2", "--trainer.num_threads", "1"],
             capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
     assert not leftovers(hosts), leftovers(hosts)  # namespaces, links, workers and their actors all gone
     placement = json.loads((run_dir / "placement.json").read_text())
-    trainer_host, generator_host = hosts.names
-    assert placement["trainer"] == {"host": trainer_host}
+    *trainer_hosts, generator_host = hosts.names
+    assert placement["trainer"] == {"host": trainer_hosts}  # rank r on host r
     assert placement["generator"] == {"host": generator_host, "weight_transport": "rdma"}
     assert placement["grader"]["host"] == placement["replay_buffer"]["host"] not in hosts.names  # the controller's
     rows = read_jsonl(run_dir / "metrics.jsonl")
