@@ -158,7 +158,7 @@ class Controller:
         monarch.actor.unhandled_fault_hook = _note_fault  # failures reach us as errors of the calls
         rows, initial, failure, saved = [], {}, None, False
         try:
-            self.hosts = self._start_job()
+            self.hosts = await self._start_job()
             self.actors = await spawn_actors(self.config, self.classes, self.checkpoint, self.hosts)
             self._catch_stop_signals()
             try:
@@ -262,14 +262,21 @@ class Controller:
         """Seconds worked so far: by the average generator replica, by the trainer."""
         return self.generators.busy_seconds() / self.config.generator.replicas, self.trainer_busy
 
-    def _start_job(self) -> Hosts:
-        """The job's host meshes (the controller's own host for a local job)."""
+    async def _start_job(self) -> Hosts:
+        """The job's host meshes, connected (the controller's own host for a local job); one line and
+        nothing left running if the job cannot start or its hosts cannot be reached."""
         job = self.config.job
         if job.kind == "slurm":
             (self.run_dir / "job").mkdir(exist_ok=True)  # sbatch's output
+        launched = None
         try:
-            return Hosts(make_job(job, self.run_dir / "job"), self.placement)
+            launched = make_job(job, self.run_dir / "job")
+            hosts = Hosts(launched, self.placement)
+            await hosts.connected()
+            return hosts
         except Exception as e:
+            if launched is not None:
+                launched.kill()
             raise RoleFailed(f"the {job.kind} job did not start: {describe(e)}") from None
 
     async def _save(self) -> bool:

@@ -8,6 +8,7 @@ field picks its group ("": the controller's own host). Trainer and reference ran
 over their group's hosts; generator and grader replicas go round-robin over theirs, one process each.
 """
 
+import asyncio
 import logging
 import shlex
 from dataclasses import dataclass
@@ -181,6 +182,10 @@ class Hosts:
         logging.getLogger("monarch._src.job.job").setLevel(logging.WARNING)  # its progress lines, on stderr
         state = job.state(cached_path=None) if groups else None  # never reuse another run's job
         self.meshes = {name: getattr(state, name) for name in groups} | {"": this_host()}
+
+    async def connected(self) -> None:
+        """Wait until every group's hosts answer; raises (Monarch gives up after about a minute) if not."""
+        await asyncio.gather(*(mesh.initialized for name, mesh in self.meshes.items() if name))
 
     def of(self, role: str):
         """The role's whole group, for ranks spread over its hosts."""

@@ -40,11 +40,12 @@ class ProcessInfo(Actor):
 def describe(error: BaseException) -> str:
     """One line for an actor call's failure: which call, and the last line of why (a remote
     traceback's exception, or "the process ... failed: Killed(sig=9)")."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = str(error).split("Stack backtrace:")[0]  # Monarch's Rust errors append their frames
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:
         return type(error).__name__
     first = lines[0].split(", The actor ")[0]
-    return first if len(lines) == 1 else f"{first}: {lines[-1]}"
+    return first if len(lines) == 1 else f"{first.rstrip(':')}: {lines[-1]}"
 
 
 async def processes(procs, name: str) -> list[tuple[str, int]]:
