@@ -85,7 +85,7 @@ class Rollout:
     reward_errors: int
     tokens_generated: int
     gen_time_s: float  # from the batch's first generate call to its last one's end
-    pull_time_s: float
+    pull_time_s: float  # the longest any group waited for a weight pull (groups waiting on one pull overlap)
     rollout_time_s: float  # from its first group's start to the batch being full
     records: list[dict]  # one per completion of the kept groups, for rollouts.jsonl
 
@@ -187,7 +187,7 @@ class RolloutCollector:
             reward_errors=sum(g.completions - len(g.scored) for g in f.groups),
             tokens_generated=sum(g.tokens for g in f.groups),
             gen_time_s=max(g.gen_end for g in f.groups) - min(g.gen_start for g in f.groups),
-            pull_time_s=sum(g.pull_time_s for g in f.groups),
+            pull_time_s=max(g.pull_time_s for g in f.groups),
             rollout_time_s=self.tracer.now() - min(g.launched for g in f.groups),
             records=[rollout_record(s, gid, self.task.train_sample(gid).prompt)
                      for gid, group in f.kept.items() for s in group])
