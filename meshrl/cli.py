@@ -23,6 +23,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help=f"one of: {', '.join(sorted(CONFIGS))}")
     train.add_argument("--run-dir", type=Path, help="where metrics, plots and the final policy go "
                                                     "(default: runs/CONFIG-TIME)")
+    train.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                       help="continue RUN_DIR from its newest complete checkpoint with its own config; overrides "
+                            "only of what does not change the computation (controller.steps, placement, logging, "
+                            "checkpoints, timeouts)")
     train.add_argument("--dry-run", action="store_true", help="check the config, the model and the placement "
                                                               "of every role, print the plan, start nothing")
     prepare = sub.add_parser("prepare-model", help="convert the embedded model once (cached) and print its path")
@@ -76,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.config in CONFIGS:
             print(help_text(CONFIGS[args.config](), prog=f"meshrl train --config {args.config} [--run-dir DIR]"))
         return 0 if args.config in CONFIGS or not args.config else _error(f"unknown config {args.config!r}")
-    if args.command == "train" and not args.config:
-        return _error(f"train needs --config NAME, one of: {', '.join(sorted(CONFIGS))}")
+    if args.command == "train" and bool(args.config) == bool(args.resume):
+        return _error("train --resume RUN_DIR goes on with the run's own config: drop --config" if args.config else
+                      f"train needs --config NAME, one of: {', '.join(sorted(CONFIGS))}; or --resume RUN_DIR")
     try:
         if args.command == "configs":
             for name, fn in sorted(CONFIGS.items()):
@@ -97,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "bench":
             _bench_sync_vs_async(args, rest)
         else:  # bad input fails here, before anything starts; a failure during the run keeps its traceback
-            controller = _prepare_train(args.config, rest, args.run_dir)
+            controller = (_prepare_resume(args.resume, rest) if args.resume else
+                          _prepare_train(args.config, rest, args.run_dir))
             if args.dry_run:
                 _dry_run(controller)
     except (ConfigError, ModelError, ValueError) as e:
@@ -159,6 +165,23 @@ def _prepare_train(name: str, overrides: list[str], run_dir: Path | None):
 
     config = load_config(name, overrides)
     return Controller(config, run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def _prepare_resume(run_dir: Path, overrides: list[str]):
+    """The Controller that continues `run_dir` from its newest complete checkpoint."""
+    from meshrl.checkpoint import latest
+    from meshrl.configs import Config, from_dict, resumable_overrides
+    from meshrl.configs.overrides import apply_overrides
+    from meshrl.controller import Controller
+
+    if not (run_dir / "config.json").is_file():
+        raise ValueError(f"{run_dir} is not a run directory (no config.json)")
+    saved = from_dict(Config, json.loads((run_dir / "config.json").read_text()))
+    config = apply_overrides(saved, overrides)
+    resumable_overrides(saved, config)
+    if (newest := latest(run_dir)) is None:
+        raise ValueError(f"{run_dir} has no complete checkpoint to resume from (checkpoints/step-N)")
+    return Controller(config, run_dir, resume_from=newest)
 
 
 def _dry_run(controller) -> None:

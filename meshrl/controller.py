@@ -11,28 +11,24 @@ writing what there is. Each role runs on the hosts its config names (meshrl/jobs
 """
 
 import asyncio
-import dataclasses
 import json
 import logging
 import math
 import signal
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import monarch.actor
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from tqdm import tqdm
 
-from meshrl.actors import first, in_rank_order, load_actor_class, placement, spawn, spawn_ranks
-from meshrl.actors.roles import ROLES, missing_endpoints
-from meshrl.advantages import estimator
+from meshrl import checkpoint
+from meshrl.actors import first, in_rank_order
 from meshrl.configs import Config, to_dict
 from meshrl.jobs import Hosts, make_job, plan
+from meshrl.launch import Actors, actor_classes, check_config, generator_args, note_fault, spawn_actors
 from meshrl.loggers import MetricLoggers, RolloutRecorder
-from meshrl.losses import check as check_loss
 from meshrl.model import ChatTokenizer, resolve_checkpoint
 from meshrl.plot import plot_curves
 from meshrl.replicas import Replica, ReplicaPool, RoleFailed, describe, processes
@@ -42,86 +38,16 @@ from meshrl.timeouts import CallTimeout, Timeouts
 from meshrl.trace import Tracer
 from meshrl.train_step import train_step
 
-if TYPE_CHECKING:
-    from monarch._src.actor.actor_mesh import ActorMesh
-
-    from meshrl.actors import roles
-
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Actors:
-    """Handles to the single actors' meshes (the generators and graders are pools of replicas, whose
-    actors follow roles.Generator and roles.Grader); meshrl/actors/roles.py says what each must answer."""
-
-    trainer: "ActorMesh[roles.Trainer]"
-    replay_buffer: "ActorMesh[roles.ReplayBuffer]"
-    procs: list  # the proc meshes, to stop
-    reference: "ActorMesh[roles.Reference] | None" = None
-
-
-def actor_classes(config: Config) -> dict[str, type]:
-    """The implementation each role's config names (checked before anything starts)."""
-    roles = {"generator": config.generator, "grader": config.grader, "trainer": config.trainer,
-             "replay_buffer": config.replay_buffer}
-    if config.trainer.loss.kl_coef > 0:
-        roles["reference"] = config.reference
-    classes = {role: load_actor_class(role_config.impl) for role, role_config in roles.items()}
-    for role, cls in classes.items():
-        if missing := missing_endpoints(role, cls):
-            raise ValueError(f"{roles[role].impl} cannot be the {role}: it has no {', '.join(missing)} endpoint "
-                             f"(the contract is meshrl.actors.roles.{ROLES[role].__name__})")
-    return classes
-
-
-async def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Path, hosts: Hosts) -> Actors:
-    """One proc mesh per role besides the pools, on the hosts each role's config names: the trainer's
-    (`trainer.ranks` processes), the replay buffer's and the reference's (`reference.ranks`)."""
-    procs, trainer = await spawn_ranks("trainer", classes["trainer"], config.trainer.ranks, config.trainer,
-                                       config.weight_sync, str(checkpoint), hosts=hosts.of("trainer"))
-    actors, meshes = {"trainer": trainer}, [procs]
-    procs, actors["replay_buffer"] = spawn("replay_buffer", classes["replay_buffer"], config.replay_buffer,
-                                           host=hosts.host("replay_buffer", 0))
-    meshes.append(procs)
-    if "reference" in classes:
-        procs, actors["reference"] = await spawn_ranks("reference", classes["reference"], config.reference.ranks,
-                                                       config.reference, str(checkpoint),
-                                                       hosts=hosts.of("reference"))
-        meshes.append(procs)
-    return Actors(**actors, procs=meshes)
-
-
-def generator_args(config: Config, index: int, checkpoint: Path) -> tuple:
-    """Replica `index`'s constructor arguments: its own cores ("0;1": one set per replica) and seed."""
-    replica = dataclasses.replace(config.generator, cpus=placement(config.generator.cpus, index),
-                                  seed=config.generator.seed + index)
-    return replica, config.weight_sync, str(checkpoint)
 
 
 class Controller:
     """One loop for sync and async training: `replay_buffer.max_policy_age` sets how far ahead of the
     trainer the rollouts may run (0: generate, then train, strictly alternating)."""
 
-    def __init__(self, config: Config, run_dir: Path):
-        cfg = config.controller
-        if cfg.steps < 1 or cfg.prompts_per_step < 1 or cfg.eval_samples < 1:
-            raise ValueError("controller.steps, prompts_per_step and eval_samples must be at least 1")
-        if cfg.group_size < 2:
-            raise ValueError("controller.group_size must be at least 2: a group of one has no advantage to learn from")
-        if config.trainer.mini_batches < 1 or config.trainer.micro_batch_size < 1:
-            raise ValueError("trainer.mini_batches and trainer.micro_batch_size must be at least 1")
-        if config.logging.wandb_mode not in ("auto", "online", "offline"):
-            raise ValueError(f"unknown logging.wandb_mode {config.logging.wandb_mode!r}; known: auto, online, offline")
-        if config.replay_buffer.max_policy_age < 0:
-            raise ValueError("replay_buffer.max_policy_age must be at least 0")
-        if min(config.generator.replicas, config.grader.replicas, config.trainer.ranks, config.reference.ranks) < 1:
-            raise ValueError("generator.replicas, grader.replicas, trainer.ranks and reference.ranks must be at least 1")
-        if ";" in config.generator.cpus and len(config.generator.cpus.split(";")) != config.generator.replicas:
-            raise ValueError(f"generator.cpus {config.generator.cpus!r} names one set of cores per replica: "
-                             f"it needs {config.generator.replicas} sets separated by ';'")
-        estimator(cfg.advantage)
-        check_loss(config.trainer.loss)
+    def __init__(self, config: Config, run_dir: Path, resume_from: Path | None = None):
+        """`resume_from`: a checkpoint of this run (`meshrl train --resume`) to go on from."""
+        check_config(config)
         self.placement = plan(config)
         self.timeouts = Timeouts.of(config)
         self.config = config
@@ -136,6 +62,13 @@ class Controller:
         self.cancellable = False
         self.trainer_stuck = False  # a trainer call timed out
         self.transports: dict[str, str] = {}  # generator replica -> the weight transport it chose
+        self.resume_from = resume_from
+        self.rows: list[dict] = []  # metrics.jsonl's rows
+        self.initial: dict = {}  # the eval before training
+        self.bad_steps = 0  # steps in a row with an update not applied (NaN or infinite)
+        self.mid_step = False  # the trainer's state is between two steps: no checkpoint now
+        self.rollouts_open = asyncio.Event()  # cleared while a checkpoint settles the data position
+        self.rollouts_parked = asyncio.Event()  # the rollout loop waits for rollouts_open
         self.trainer_version = 0  # the newest version the trainer published
         self.rollouts: asyncio.Queue[Rollout] = asyncio.Queue()
         self.rollout_task: asyncio.Task | None = None
@@ -150,23 +83,33 @@ class Controller:
         that can no longer work (replicas out of restarts, the trainer's process dead) stops it the
         same way, then raises RoleFailed with one line."""
         start = time.perf_counter()
+        resumed = checkpoint.load(self.resume_from) if self.resume_from else None
+        if resumed:
+            self.rows, self.initial = resumed.rows, resumed.initial
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.config), indent=2))
-        metrics = MetricLoggers(self.run_dir, self.config, name=self.run_dir.name)
-        self.recorder = RolloutRecorder(self.run_dir, self.config.logging.rollouts_fraction)
-        self.tracer = Tracer(self.run_dir)
-        monarch.actor.unhandled_fault_hook = _note_fault  # failures reach us as errors of the calls
-        rows, initial, failure, saved = [], {}, None, False
+        metrics = MetricLoggers(self.run_dir, self.config, name=self.run_dir.name, resumed_rows=self.rows)
+        self.recorder = RolloutRecorder(self.run_dir, self.config.logging.rollouts_fraction,
+                                        resumed.step if resumed else None)
+        self.tracer = Tracer(self.run_dir, resume=resumed is not None)
+        monarch.actor.unhandled_fault_hook = note_fault  # failures reach us as errors of the calls
+        failure, saved = None, False
         try:
             self.hosts = await self._start_job()
             self.actors = await spawn_actors(self.config, self.classes, self.checkpoint, self.hosts)
             self._catch_stop_signals()
             try:
                 self.cancellable = True
+                if resumed:
+                    await self._restore_actors(resumed)
                 await self._start_pools()
-                initial = await self.collector.evaluate(step=0)
+                if resumed:
+                    self._restore_position(resumed)
+                else:
+                    self.initial = await self.collector.evaluate(step=0)
+                self.rollouts_open.set()
                 self.rollout_task = asyncio.create_task(self._rollout_loop())
-                await self._train(metrics, rows)
+                await self._train(metrics)
             except asyncio.CancelledError:
                 if self.stopped_by is None:
                     raise
@@ -177,6 +120,8 @@ class Controller:
                     self.trainer_stuck = True  # it would not answer the save either
             finally:
                 self.cancellable = False
+            if failure is None and self.rows and not self.mid_step:  # the end, or a clean stop between steps
+                await self._checkpoint(stop_running=True)
             saved = await self._save()
         finally:
             self._release_stop_signals()
@@ -186,6 +131,7 @@ class Controller:
             if self.hosts:
                 self.hosts.kill()
             self.tracer.close()
+        rows, initial = self.rows, self.initial
         if rows:
             plot_curves(rows, initial, self.run_dir / "curves.png")
         final = {k: v for k, v in rows[-1].items() if k.startswith("eval_")} if rows else {}
@@ -241,9 +187,13 @@ class Controller:
                                                                        if name in self.transports else "")
                                                  for name, host in hosts.items()))
 
-    async def _train(self, metrics: MetricLoggers, rows: list[dict]) -> None:
-        cfg = self.config.controller
-        with tqdm(range(1, cfg.steps + 1), unit="step") as bar:
+    async def _train(self, metrics: MetricLoggers) -> None:
+        """Steps after the last one done (0, or the resumed checkpoint's) up to `controller.steps`, a
+        checkpoint every `checkpoint.every`. A step whose update was not applied (NaN or infinite) is
+        counted; `trainer.max_bad_steps` of them in a row stop the run."""
+        cfg, done = self.config.controller, len(self.rows)
+        every, max_bad = self.config.checkpoint.every, self.config.trainer.max_bad_steps
+        with tqdm(range(done + 1, cfg.steps + 1), initial=done, total=cfg.steps, unit="step") as bar:
             last, busy = time.perf_counter(), self._busy()
             for step in bar:
                 row = await self.train_step(step)
@@ -251,12 +201,84 @@ class Controller:
                 row["step_time_s"] = now - last
                 row["generator_busy"], row["trainer_busy"] = (
                     (b - a) / row["step_time_s"] for a, b in zip(busy, self._busy()))
+                self.bad_steps = self.bad_steps + 1 if row["updates_skipped"] else 0
+                row["steps_skipped"] = (self.rows[-1]["steps_skipped"] if self.rows else 0) + bool(self.bad_steps)
                 if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
                     row |= await self.collector.evaluate(step)
-                last, busy = time.perf_counter(), self._busy()
-                rows.append(row)
+                self.rows.append(row)
                 metrics.log(row)
+                self.mid_step = False  # the step is whole: trained, published and logged
                 bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=f"{row['accuracy']:.2f}")
+                if self.bad_steps:
+                    logger.warning("step %d: %d of its updates had a NaN or infinite loss or gradient norm and "
+                                   "were not applied", step, row["updates_skipped"])
+                if self.bad_steps >= max_bad:
+                    newest = checkpoint.latest(self.run_dir)
+                    raise RoleFailed(f"{self.bad_steps} steps in a row had a NaN or infinite loss or gradient norm "
+                                     f"(trainer.max_bad_steps {max_bad}); the newest checkpoint, "
+                                     f"{newest or 'none'}, is from before them")
+                if every and step % every == 0 and step < cfg.steps:
+                    await self._checkpoint()
+                last, busy = time.perf_counter(), self._busy()
+
+    async def _checkpoint(self, stop_running: bool = False) -> None:
+        """Everything that decides what comes next, after the last step (meshrl/checkpoint.py). The
+        rollout loop waits meanwhile; the groups it has generating finish first (at a stop, they are
+        stopped and their prompts kept to run first after the resume). Not after a step with an
+        update not applied: the newest checkpoint stays the last good one."""
+        step = len(self.rows)
+        if self.bad_steps or (self.run_dir / checkpoint.DIR / f"step-{step}").exists():
+            return
+        c = self.collector
+        if self.rollout_task is not None and not self.rollout_task.done():
+            await self._park_rollouts()
+        try:
+            for rollout in await c.settle(stop_running):
+                self.rollouts.put_nowait(rollout)
+            queued = [self.rollouts.get_nowait() for _ in range(self.rollouts.qsize())]
+            for rollout in queued:
+                self.rollouts.put_nowait(rollout)
+            position = c.snapshot()
+            partial = checkpoint.begin(self.run_dir, step)
+            async with self.tracer.span("trainer", "save_state", self.trainer_version, timeout=self.timeouts.trainer):
+                await in_rank_order(self.actors.trainer.save_state.call(str(partial / "trainer")))
+            async with self.tracer.span("replay_buffer", "state", timeout=self.timeouts.replay_buffer):
+                buffer = await self.actors.replay_buffer.state.call_one()
+            counters = {"generator": (self.generators.restarts, self.generators.requeued),
+                        "grader": (self.graders.restarts, self.graders.requeued)}
+            checkpoint.commit(partial, checkpoint.RunState(step, self.trainer_version, position, queued, buffer,
+                                                           self.rows, self.initial, counters),
+                              self.config.checkpoint.keep)
+        finally:
+            self.rollouts_open.set()
+
+    async def _park_rollouts(self) -> None:
+        """Have the rollout loop wait at the top of its loop (not inside a batch's hand-over)."""
+        self.rollouts_open.clear()
+        self.collector.finished.put_nowait(None)  # wakes it if it waits for a group
+        parked = asyncio.ensure_future(self.rollouts_parked.wait())
+        await asyncio.wait({parked, self.rollout_task}, return_when=asyncio.FIRST_COMPLETED)
+        parked.cancel()
+        if self.rollout_task.done() and not self.rollout_task.cancelled() and self.rollout_task.exception():
+            raise self.rollout_task.exception()
+
+    async def _restore_actors(self, state: checkpoint.RunState) -> None:
+        """The trainer's policy, optimizer and version, and the replay buffer's episodes, as checkpointed;
+        the trainer publishes the policy so the generators load it before they sample."""
+        async with self.tracer.span("trainer", "load_state", state.trainer_version, timeout=self.timeouts.trainer):
+            versions = await in_rank_order(self.actors.trainer.load_state.call(str(self.resume_from / "trainer")))
+        async with self.tracer.span("replay_buffer", "load_state", timeout=self.timeouts.replay_buffer):
+            await self.actors.replay_buffer.load_state.call_one(state.buffer)
+        self.trainer_version = versions[0]
+
+    def _restore_position(self, state: checkpoint.RunState) -> None:
+        """The data position and the counters, once the pools run."""
+        self.collector.restore(state.collector)
+        for rollout in state.queued:
+            self.rollouts.put_nowait(rollout)
+        (self.generators.restarts, self.generators.requeued), (self.graders.restarts, self.graders.requeued) = (
+            state.counters["generator"], state.counters["grader"])
+        tqdm.write(f"resumed from {self.resume_from} (step {state.step}, policy version {self.trainer_version})")
 
     def _busy(self) -> tuple[float, float]:
         """Seconds worked so far: by the average generator replica, by the trainer."""
@@ -332,6 +354,10 @@ class Controller:
         max_age, c = self.config.replay_buffer.max_policy_age, self.collector
         try:
             while c.batches_done < self.config.controller.steps:
+                if not self.rollouts_open.is_set():  # a checkpoint settles the data position meanwhile
+                    self.rollouts_parked.set()
+                    await self.rollouts_open.wait()
+                    self.rollouts_parked.clear()
                 while (batch := c.next_batch()) is not None and self.trainer_version >= batch - max_age:
                     c.launch()
                 if rollout := await c.next_rollout():
@@ -358,6 +384,7 @@ class Controller:
         while (episodes := await self._sample(trained_version, rollout.num_episodes)) is None:
             rollout = await self._next_rollout()
         t1 = time.perf_counter()
+        self.mid_step = True  # from here until the step is logged, a stop writes no checkpoint
         train = await train_step(a.trainer, a.reference, episodes, self.config.trainer, self.tokenizer.pad_id,
                                  self.tracer.span, trained_version, self.config.reference.ranks, self.timeouts)
         t2 = time.perf_counter()
@@ -403,9 +430,3 @@ class Controller:
     async def _buffer_stats(self) -> dict:
         async with self.tracer.span("replay_buffer", "stats", timeout=self.timeouts.replay_buffer):
             return await self.actors.replay_buffer.stats.call_one()
-
-
-def _note_fault(failure) -> None:
-    """Monarch's hook for a dead actor process that no one supervises: its default exits the whole
-    program. Here the failed calls raise instead, and the pools replace replicas."""
-    logger.debug("actor failure: %s", failure)

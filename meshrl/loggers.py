@@ -58,13 +58,18 @@ def _netrc_has(host: str) -> bool:
 class MetricLoggers:
     """Writes one metrics row per step to every configured sink."""
 
-    def __init__(self, run_dir: Path, config, name: str):
+    def __init__(self, run_dir: Path, config, name: str, resumed_rows: list[dict] = ()):
+        """`resumed_rows`: the metrics of a resumed run's checkpoint: metrics.jsonl is rewritten with
+        them (rows logged after the checkpoint are dropped: those steps run again) and TensorBoard
+        drops its events from later steps."""
         self.file = open(run_dir / "metrics.jsonl", "w")
+        self.file.writelines(json.dumps(row) + "\n" for row in resumed_rows)
         self.tensorboard = self.wandb = None
         if config.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(log_dir=str(run_dir))
+            purge = resumed_rows[-1]["step"] + 1 if resumed_rows else None
+            self.tensorboard = SummaryWriter(log_dir=str(run_dir), purge_step=purge)
         if config.logging.wandb:
             self.wandb = self._start_wandb(run_dir, config, name)
 
@@ -106,9 +111,17 @@ class RolloutRecorder:
     with the step that trained it, its prompt and reply, reward and checks, policy version,
     staleness and finish reason: what the model really did."""
 
-    def __init__(self, run_dir: Path, fraction: float):
+    def __init__(self, run_dir: Path, fraction: float, resumed_step: int | None = None):
+        """`resumed_step`: a resumed run keeps the records of the steps up to its checkpoint's."""
         self.fraction = fraction
-        self.file = open(run_dir / "rollouts.jsonl", "w") if fraction > 0 else None
+        path = run_dir / "rollouts.jsonl"
+        kept = []
+        if resumed_step is not None and path.is_file():
+            kept = [line for line in path.read_text().splitlines(keepends=True)  # a last line cut short: dropped
+                    if line.endswith("\n") and json.loads(line)["step"] <= resumed_step]
+        self.file = open(path, "w") if fraction > 0 else None
+        if self.file:
+            self.file.writelines(kept)
 
     def write(self, step: int, trained_version: int, records: list[dict]) -> None:
         if self.file is None:

@@ -88,6 +88,7 @@ class Rollout:
     pull_time_s: float  # the longest any group waited for a weight pull (groups waiting on one pull overlap)
     rollout_time_s: float  # from its first group's start to the batch being full
     records: list[dict]  # one per completion of the kept groups, for rollouts.jsonl
+    prompts: list[int] = field(default_factory=list)  # the prompt indices of the kept groups
 
 
 @dataclass
@@ -129,7 +130,8 @@ class RolloutCollector:
         self.latest = 0  # the newest version the trainer published: replicas pull it before their next group
         self.batches_done = 0
         self.filling = Filling()
-        self.running: set[asyncio.Task] = set()
+        self.running: dict[asyncio.Task, int] = {}  # groups generating, and their prompt indices
+        self.relaunch: list[int] = []  # prompts whose groups were stopped before they finished: started first
         self.finished: asyncio.Queue[Group | BaseException | None] = asyncio.Queue()
 
     def next_batch(self) -> int | None:
@@ -139,17 +141,47 @@ class RolloutCollector:
         return batch if batch < self.config.controller.steps else None
 
     def launch(self) -> None:
-        """Start the next training prompt's group."""
-        index = self.next_prompt
-        self.next_prompt += 1
+        """Start the next training prompt's group (a stopped one's first)."""
+        if self.relaunch:
+            index = self.relaunch.pop(0)
+        else:
+            index, self.next_prompt = self.next_prompt, self.next_prompt + 1
         task = asyncio.create_task(self.run_group(index, self.task.train_sample(index), self.sampling, "generate"))
-        self.running.add(task)
+        self.running[task] = index
         task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task) -> None:
-        self.running.discard(task)
+        self.running.pop(task, None)
         if not task.cancelled():
             self.finished.put_nowait(task.exception() or task.result())
+
+    async def settle(self, stop_running: bool) -> list[Rollout]:
+        """Bring the data position to rest for a checkpoint (while nothing launches groups or takes
+        them from `finished`): the groups still generating finish (or, with `stop_running`, are stopped
+        and their prompts kept to start first again), then every finished group joins its batch.
+        Returns the batches that became full."""
+        if stop_running:
+            stopped = dict(self.running)
+            for task in stopped:
+                task.cancel()
+            await asyncio.gather(*stopped, return_exceptions=True)
+            self.relaunch = sorted([*self.relaunch, *(i for t, i in stopped.items() if t.cancelled())])
+        elif self.running:
+            await asyncio.wait(set(self.running))
+        full = []
+        while not self.finished.empty():
+            if rollout := await self.next_rollout():
+                full.append(rollout)
+        return full
+
+    def snapshot(self) -> dict:
+        """The data position (call once settled): what `restore` needs to go on from here."""
+        return {"next_prompt": self.next_prompt, "batches_done": self.batches_done, "filling": self.filling,
+                "relaunch": list(self.relaunch), "latest": self.latest}
+
+    def restore(self, position: dict) -> None:
+        self.next_prompt, self.batches_done = position["next_prompt"], position["batches_done"]
+        self.filling, self.relaunch, self.latest = position["filling"], list(position["relaunch"]), position["latest"]
 
     def published(self, version: int) -> None:
         """A new policy version: replicas pull it before their next group; wake `next_rollout`."""
@@ -190,7 +222,7 @@ class RolloutCollector:
             pull_time_s=max(g.pull_time_s for g in f.groups),
             rollout_time_s=self.tracer.now() - min(g.launched for g in f.groups),
             records=[rollout_record(s, gid, self.task.train_sample(gid).prompt)
-                     for gid, group in f.kept.items() for s in group])
+                     for gid, group in f.kept.items() for s in group], prompts=list(f.kept))
 
     async def stop(self) -> None:
         for task in list(self.running):

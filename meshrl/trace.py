@@ -24,12 +24,15 @@ from meshrl.timeouts import Timeout, deadline
 
 
 class Tracer:
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, resume: bool = False):
+        """`resume`: go on with the spans already in trace.jsonl, the clock starting where they end."""
         self.run_dir = run_dir
-        self.file = open(run_dir / "trace.jsonl", "w")
-        self.origin = time.perf_counter()
+        path = run_dir / "trace.jsonl"
+        self.spans: list[dict] = read_spans(run_dir) if resume and path.is_file() else []
+        self.file = open(path, "w")
+        self.file.writelines(json.dumps(span) + "\n" for span in self.spans)
+        self.origin = time.perf_counter() - max((s["end"] for s in self.spans), default=0.0)
         self.locks: dict[tuple[str, int], asyncio.Lock] = defaultdict(asyncio.Lock)
-        self.spans: list[dict] = []
 
     @asynccontextmanager
     async def span(self, role: str, what: str, policy_version: int | None = None, replica: int = 0,
@@ -92,12 +95,14 @@ def chrome_trace(spans: list[dict]) -> dict:
 
 
 def read_spans(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "trace.jsonl").read_text().splitlines()]
+    """The spans of trace.jsonl (without a last line cut short by a killed run)."""
+    lines = (run_dir / "trace.jsonl").read_text().splitlines(keepends=True)
+    return [json.loads(line) for line in lines if line.endswith("\n")]
 
 
 COLOURS = {"generate": "#1f77b4", "evaluate": "#17becf", "pull": "#ff7f0e", "grade": "#2ca02c",
            "train": "#d62728", "optim_step": "#ff9896", "pi_old": "#e377c2", "reference": "#8c564b",
-           "publish": "#9467bd"}
+           "publish": "#9467bd", "save_state": "#7f7f7f"}
 
 
 def plot_timeline(spans: list[dict], path: Path, title: str = "") -> None:

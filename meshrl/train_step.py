@@ -13,6 +13,7 @@ a copy that trains nothing (no loss token), whose metrics add nothing.
 
 import asyncio
 import dataclasses
+import math
 from collections import defaultdict
 
 import torch
@@ -81,7 +82,7 @@ async def train_step(trainer, reference, episodes: list[Episode], config: Traine
             async with span("trainer", "pi_old", version, timeout=timeouts.trainer):
                 for batch, old in zip(group, await each_rank(trainer, "logprobs", group)):
                     batch.old_logprobs = old
-    sums, clip_by_update, losses, grad_norms = defaultdict(float), [], [], []
+    sums, clip_by_update, losses, grad_norms, skipped = defaultdict(float), [], [], [], 0
     for batches in updates:
         update = defaultdict(float)
         for group in rounds(batches, config.ranks):
@@ -91,9 +92,11 @@ async def train_step(trainer, reference, episodes: list[Episode], config: Traine
                 sums["ratio_max"] = max(sums["ratio_max"], metrics.pop("ratio_max"))
                 for k, v in metrics.items():
                     update[k] += v
-        async with span("trainer", "optim_step", version, timeout=timeouts.trainer):
-            grad_norms.append((await first(trainer.optim_step.call()))["grad_norm"])
         losses.append(update.pop("loss", 0.0))
+        async with span("trainer", "optim_step", version, timeout=timeouts.trainer):
+            result = await first(trainer.optim_step.call(skip=not math.isfinite(losses[-1])))
+        grad_norms.append(result["grad_norm"])
+        skipped += result["skipped"]
         clip_by_update.append((update["clip_low"] + update["clip_high"]) / max(update["tokens"], 1))
         for k, v in update.items():
             sums[k] += v
@@ -101,6 +104,7 @@ async def train_step(trainer, reference, episodes: list[Episode], config: Traine
     return {
         "loss": sum(losses) / len(losses),
         "updates": len(updates),
+        "updates_skipped": skipped,  # not applied: a NaN or infinite loss or gradient norm
         "tokens_trained": int(sum(len(e.tokens) for e in episodes)),
         "logprob_mismatch": sums["logprob_mismatch"] / tokens,
         "ratio_mean": sums["ratio"] / tokens,

@@ -56,8 +56,8 @@ def test_a_stalled_pull_replaces_the_replica_and_a_stalled_trainer_ends_the_run(
     run = subprocess.Popen(
         [sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path / "run"),
          "--controller.steps", "4", "--job.kind", "process", *TWO_HOSTS,
-         "--generator.impl", "stalling_actors:StallingPullGenerator", "--weight_sync.timeout_s", "5",
-         "--trainer.impl", "stalling_actors:StallingTrainer", "--trainer.timeout_s", "30"],
+         "--generator.impl", "faulty_actors:StallingPullGenerator", "--weight_sync.timeout_s", "5",
+         "--trainer.impl", "faulty_actors:StallingTrainer", "--trainer.timeout_s", "30"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "MESHRL_TEST_STALL_DIR": str(stall_dir)})
     actors = []

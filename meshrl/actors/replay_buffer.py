@@ -32,3 +32,11 @@ class ReplayBuffer(Actor):
     @endpoint
     async def stats(self) -> dict[str, int]:
         return {"buffer_depth": len(self.episodes), "episodes_evicted": self.evicted}
+
+    @endpoint
+    async def state(self) -> dict:
+        return {"episodes": list(self.episodes), "evicted": self.evicted}
+
+    @endpoint
+    async def load_state(self, state: dict) -> None:
+        self.episodes, self.evicted = deque(state["episodes"]), state["evicted"]

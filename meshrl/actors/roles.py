@@ -51,8 +51,9 @@ class Trainer(Protocol):
     async def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """The current policy's logprob of every target token [B, T], without training."""
 
-    async def optim_step(self) -> dict:
-        """One optimizer update: {"updates", "grad_norm"}."""
+    async def optim_step(self, skip: bool = False) -> dict:
+        """One optimizer update: {"updates", "grad_norm", "skipped"}. Not applied (the gradients dropped,
+        `skipped` true) when `skip` says the loss was NaN or infinite, or the gradient norm is."""
 
     async def weight_ring(self):
         """The `RingHandle` of this rank's ring, which generators pull its shards from."""
@@ -62,6 +63,12 @@ class Trainer(Protocol):
 
     async def save(self, path: str) -> None:
         """Write the current policy as an HF checkpoint (every rank is called; one writes)."""
+
+    async def save_state(self, path: str) -> None:
+        """Write the policy, the optimizer and the counters for an exact resume (every rank is called)."""
+
+    async def load_state(self, path: str) -> int:
+        """Restore what `save_state` wrote and publish that policy under its version; returns the version."""
 
 
 class ReplayBuffer(Protocol):
@@ -75,6 +82,11 @@ class ReplayBuffer(Protocol):
 
     async def stats(self) -> dict[str, int]:
         """{"buffer_depth", "episodes_evicted"}."""
+
+    async def state(self) -> dict:
+        """What `load_state` needs to hold the same episodes again (for a checkpoint); picklable."""
+
+    async def load_state(self, state: dict) -> None: ...
 
 
 class Reference(Protocol):

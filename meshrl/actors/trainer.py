@@ -66,17 +66,21 @@ class TitanTrainer(Actor):
         return policy_logprobs(self.model, batch.to(self.device), self.config.bf16_autocast).cpu()
 
     @endpoint
-    async def optim_step(self) -> dict:
-        """One optimizer update from the accumulated gradients (it publishes nothing)."""
+    async def optim_step(self, skip: bool = False) -> dict:
+        """One optimizer update from the accumulated gradients (it publishes nothing). Not applied when
+        the gradient norm is NaN or infinite, or when the caller says the loss was (`skip`): the
+        gradients are dropped and `skipped` is true (every rank decides alike: the norm is global)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if isinstance(grad_norm, DTensor):  # each rank holds its shards' part: the norm of them all
             grad_norm = grad_norm.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(params, self.config.max_grad_norm, grad_norm)
-        self.optimizer.step()
+        skipped = skip or not torch.isfinite(grad_norm).item()
+        if not skipped:
+            torch.nn.utils.clip_grads_with_norm_(params, self.config.max_grad_norm, grad_norm)
+            self.optimizer.step()
+            self.updates += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.updates += 1
-        return {"updates": self.updates, "grad_norm": float(grad_norm)}
+        return {"updates": self.updates, "grad_norm": float(grad_norm), "skipped": skipped}
 
     @endpoint
     async def weight_ring(self) -> RingHandle:
@@ -87,11 +91,44 @@ class TitanTrainer(Actor):
     async def publish_weights(self) -> int:
         """Put this rank's shard of the current policy into its weight ring as the next version (no
         waiting for readers, nothing gathered); return that version."""
+        return self._publish()
+
+    def _publish(self) -> int:
         self.policy_version += 1
         with torch.no_grad():
             state = self.model.state_dict()
             self.ring.publish({name: local(state[name]) for name in self.published}, self.policy_version)
         return self.policy_version
+
+    @endpoint
+    async def save_state(self, path: str) -> None:
+        """The policy and optimizer state into `path` with torch.distributed.checkpoint (every rank
+        writes its shards), and this rank's counters and RNG state beside them."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model, "optim": optim}, checkpoint_id=path, no_dist=self.world == 1)
+        torch.save({"policy_version": self.policy_version, "updates": self.updates, "rng": torch.get_rng_state()},
+                   Path(path) / f"rank{self.rank}.pt")
+
+    @endpoint
+    async def load_state(self, path: str) -> int:
+        """Restore what `save_state` wrote (on as many ranks as it was written from, or others), then
+        publish the restored policy under its own version for the generators; returns that version."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model, optim = get_state_dict(self.model, self.optimizer)
+        state = {"model": model, "optim": optim}
+        dcp.load(state, checkpoint_id=path, no_dist=self.world == 1)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        mine = Path(path) / f"rank{self.rank}.pt"
+        extra = torch.load(mine if mine.exists() else Path(path) / "rank0.pt")
+        self.updates = extra["updates"]
+        torch.set_rng_state(extra["rng"])
+        self.policy_version = extra["policy_version"] - 1
+        return self._publish()
 
     @endpoint
     async def save(self, path: str) -> None:

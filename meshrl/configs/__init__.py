@@ -7,6 +7,7 @@ command line without touching the controller.
 """
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -14,7 +15,8 @@ from meshrl.configs.job import JobConfig
 from meshrl.configs.overrides import ConfigError, apply_overrides
 from meshrl.tasks.sum_digits import SumDigitsConfig
 
-__all__ = ["CONFIGS", "Config", "ConfigError", "load_config", "register", "to_dict"]
+__all__ = ["CONFIGS", "Config", "ConfigError", "from_dict", "load_config", "register", "resumable_overrides",
+           "to_dict"]
 
 
 @dataclass
@@ -94,6 +96,7 @@ class TrainerConfig:
     seed: int = 0  # torch seed
     hosts: str = ""  # the job.hosts group the ranks go on, spread evenly over its hosts; "": the controller's host
     timeout_s: float = 1800.0  # one trainer call (a micro-batch, an optimizer step, a publish, the save): past it the run stops
+    max_bad_steps: int = 3  # steps in a row with a NaN or infinite loss or gradient norm (not applied) before the run stops
 
 
 @dataclass
@@ -150,6 +153,14 @@ class ControllerConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Checkpoints for exact resume (meshrl/checkpoint.py; `meshrl train --resume RUN_DIR`)."""
+
+    every: int = 10  # steps between checkpoints; one is also written after the last step and on Ctrl-C/SIGTERM (0: only those)
+    keep: int = 1  # the newest checkpoints kept (0: all); a new one is complete before an old one goes
+
+
+@dataclass
 class LoggingConfig:
     """Where metrics go besides metrics.jsonl (meshrl/loggers.py)."""
 
@@ -176,6 +187,7 @@ class Config:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     job: JobConfig = field(default_factory=JobConfig)
 
     @property
@@ -263,6 +275,41 @@ def load_config(name: str, overrides: list[str]) -> Config:
 
 def to_dict(config: Config) -> dict:
     return dataclasses.asdict(config)
+
+
+# What a resumed run may change: how long it runs, where and how it is placed, watched and bounded; not
+# what it computes (the model, the task, the losses, the batch shapes, the staleness bound, ...).
+RESUMABLE = ("controller.steps", "controller.eval_every", "checkpoint.", "logging.", "job.", "weight_sync.transport",
+             "weight_sync.checksums", "weight_sync.chunk_mb", ".hosts", ".cpus", ".num_threads", ".timeout_s",
+             ".max_restarts", "trainer.max_bad_steps", "generator.replicas", "grader.replicas")
+
+
+def resumable_overrides(saved: Config, config: Config) -> None:
+    """ConfigError naming the first field `config` changes from `saved` that a resume must keep."""
+    before, after = _flat(to_dict(saved)), _flat(to_dict(config))
+    for key in sorted(k for k in after if after[k] != before.get(k)):
+        if not any(key.startswith(p) if p.endswith(".") else key.endswith(p) if p.startswith(".") else key == p
+                   for p in RESUMABLE):
+            raise ConfigError(f"--{key} cannot change on resume: it would change what the run computes "
+                              f"(it was {before.get(key)!r}); a resume may change controller.steps and eval_every, "
+                              "the job and placement (hosts, cpus, threads, replicas), logging, checkpoints, "
+                              "timeouts and restart limits")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+    return out
+
+
+def from_dict(cls, data: dict):
+    """The inverse of `to_dict` (a run's config.json back into its Config); unknown keys are an error."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if unknown := set(data) - set(fields):
+        raise ConfigError(f"unknown config keys {sorted(unknown)} in {cls.__name__}")
+    hints = typing.get_type_hints(cls)
+    return cls(**{k: from_dict(hints[k], v) if dataclasses.is_dataclass(hints[k]) else v for k, v in data.items()})
 
 
 @register

@@ -1,10 +1,12 @@
-"""Fakes for the timeout tests: the real generator and trainer, with one call that never answers, as a
-hung weight transfer or a stuck collective would. Imported by the actor processes (conftest puts
-tests/ on their PYTHONPATH)."""
+"""Faults injected into the real generator and trainer: a call that never answers, as a hung weight
+transfer or a stuck collective would, and a loss that turns NaN. Imported by the actor processes
+(conftest puts tests/ on their PYTHONPATH)."""
 
 import asyncio
 import os
 from pathlib import Path
+
+import torch
 
 from monarch.actor import endpoint
 
@@ -29,8 +31,19 @@ class StallingTrainer(TitanTrainer):
     """The second optimizer step never answers."""
 
     @endpoint
-    async def optim_step(self) -> dict:
+    async def optim_step(self, skip: bool = False) -> dict:
         self.stall_count = getattr(self, "stall_count", 0) + 1
         if self.stall_count == 2:
             await asyncio.sleep(3600)
-        return await TitanTrainer.optim_step._method(self)
+        return await TitanTrainer.optim_step._method(self, skip)
+
+
+class NaNTrainer(TitanTrainer):
+    """From its second micro-batch on, every advantage is NaN (bad data), so the loss and the gradients are."""
+
+    @endpoint
+    async def forward_backward(self, batch) -> dict:
+        self.batches = getattr(self, "batches", 0) + 1
+        if self.batches >= 2:
+            batch.advantages = torch.full_like(batch.advantages, float("nan"))
+        return await TitanTrainer.forward_backward._method(self, batch)
