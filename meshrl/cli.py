@@ -203,8 +203,12 @@ def _train(controller) -> int:
         print(f"meshrl: error: {e}", file=sys.stderr)
         return 1
     if "stopped_by" in summary:
+        from meshrl.checkpoint import latest
+
+        newest = latest(run_dir)
+        resume = f"; go on with: meshrl train --resume {run_dir} (from {newest.name})" if newest else ""
         print(f"meshrl: stopped by {summary['stopped_by']} after {summary['steps']} steps; "
-              f"metrics, rollouts, trace and the policy (final/) are in {run_dir}", file=sys.stderr)
+              f"metrics, rollouts, trace and the policy (final/) are in {run_dir}{resume}", file=sys.stderr)
         return 128 + getattr(signal, summary["stopped_by"])
     for key in (k.removesuffix("_initial") for k in summary if k.endswith("_initial")):
         print(f"{key.replace('_', ' ')}: step 0 {summary[key + '_initial']:.3f} -> "

@@ -14,7 +14,6 @@ import asyncio
 import json
 import logging
 import math
-import signal
 import statistics
 import time
 from pathlib import Path
@@ -27,7 +26,8 @@ from meshrl import checkpoint
 from meshrl.actors import first, in_rank_order
 from meshrl.configs import Config, to_dict
 from meshrl.jobs import Hosts, make_job, plan
-from meshrl.launch import Actors, actor_classes, check_config, generator_args, note_fault, spawn_actors
+from meshrl.launch import (Actors, StopSignals, actor_classes, check_config, generator_args, note_fault,
+                           spawn_actors)
 from meshrl.loggers import MetricLoggers, RolloutRecorder
 from meshrl.model import ChatTokenizer, resolve_checkpoint
 from meshrl.plot import plot_curves
@@ -58,8 +58,7 @@ class Controller:
         self.tokenizer = ChatTokenizer(self.checkpoint)
         self.actors: Actors | None = None
         self.hosts: Hosts | None = None
-        self.stopped_by: str | None = None  # the signal that stopped the run
-        self.cancellable = False
+        self.signals = StopSignals()
         self.trainer_stuck = False  # a trainer call timed out
         self.transports: dict[str, str] = {}  # generator replica -> the weight transport it chose
         self.resume_from = resume_from
@@ -97,9 +96,9 @@ class Controller:
         try:
             self.hosts = await self._start_job()
             self.actors = await spawn_actors(self.config, self.classes, self.checkpoint, self.hosts)
-            self._catch_stop_signals()
+            self.signals.install()
             try:
-                self.cancellable = True
+                self.signals.cancellable = True
                 if resumed:
                     await self._restore_actors(resumed)
                 await self._start_pools()
@@ -111,7 +110,7 @@ class Controller:
                 self.rollout_task = asyncio.create_task(self._rollout_loop())
                 await self._train(metrics)
             except asyncio.CancelledError:
-                if self.stopped_by is None:
+                if self.signals.stopped_by is None:
                     raise
                 asyncio.current_task().uncancel()  # a requested stop: save and write what there is
             except (RoleFailed, SupervisionError, CallTimeout) as e:  # a role died or hung: write what there is
@@ -119,12 +118,12 @@ class Controller:
                 if isinstance(e, CallTimeout) and e.role == "trainer":
                     self.trainer_stuck = True  # it would not answer the save either
             finally:
-                self.cancellable = False
+                self.signals.cancellable = False
             if failure is None and self.rows and not self.mid_step:  # the end, or a clean stop between steps
                 await self._checkpoint(stop_running=True)
             saved = await self._save()
         finally:
-            self._release_stop_signals()
+            self.signals.release()
             metrics.close()
             self.recorder.close()
             await self._stop_actors()
@@ -137,7 +136,7 @@ class Controller:
         final = {k: v for k, v in rows[-1].items() if k.startswith("eval_")} if rows else {}
         summary = {**{f"{k}_initial": v for k, v in initial.items()}, **{f"{k}_final": v for k, v in final.items()},
                    "steps": len(rows), "wall_time_s": time.perf_counter() - start,
-                   **({"stopped_by": self.stopped_by} if self.stopped_by else {}),
+                   **({"stopped_by": self.signals.stopped_by} if self.signals.stopped_by else {}),
                    **({"failed": failure} if failure else {})}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         if failure:
@@ -208,6 +207,7 @@ class Controller:
                 self.rows.append(row)
                 metrics.log(row)
                 self.mid_step = False  # the step is whole: trained, published and logged
+                self.signals.release_hold()
                 bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=f"{row['accuracy']:.2f}")
                 if self.bad_steps:
                     logger.warning("step %d: %d of its updates had a NaN or infinite loss or gradient norm and "
@@ -322,29 +322,6 @@ class Controller:
         meshes = self.actors.procs if self.actors else []
         await asyncio.gather(*pools, *(mesh.stop() for mesh in meshes), return_exceptions=True)
 
-    def _catch_stop_signals(self) -> None:
-        """Ctrl-C (SIGINT) or SIGTERM cancels the training; `run` then saves and writes what it has.
-
-        Installed once the actors run: Monarch's runtime replaces the process's SIGINT handler beneath
-        Python's, so asyncio's own Ctrl-C handling never fires. A second signal while stopping is
-        ignored: stopping takes one actor call and the save."""
-        loop, task = asyncio.get_running_loop(), asyncio.current_task()
-
-        def stop(sig: signal.Signals) -> None:
-            if self.stopped_by is None:
-                self.stopped_by = sig.name
-                tqdm.write(f"{sig.name}: stopping; saving the policy trained so far")
-                if self.cancellable:
-                    task.cancel()
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop, sig)
-
-    def _release_stop_signals(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-
     async def _rollout_loop(self) -> None:
         """Keep groups in flight across the generator replicas, never more than max_policy_age ahead.
 
@@ -384,7 +361,8 @@ class Controller:
         while (episodes := await self._sample(trained_version, rollout.num_episodes)) is None:
             rollout = await self._next_rollout()
         t1 = time.perf_counter()
-        self.mid_step = True  # from here until the step is logged, a stop writes no checkpoint
+        self.mid_step = True  # from here until the step is logged: a stop waits, a checkpoint would be torn
+        self.signals.hold()
         train = await train_step(a.trainer, a.reference, episodes, self.config.trainer, self.tokenizer.pad_id,
                                  self.tracer.span, trained_version, self.config.reference.ranks, self.timeouts)
         t2 = time.perf_counter()

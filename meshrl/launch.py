@@ -1,11 +1,15 @@
 """Starting a run's actors: each role's implementation checked against its contract, its proc mesh
 spawned on the hosts its config names, and the config's cross-field checks, all before a step runs."""
 
+import asyncio
 import dataclasses
 import logging
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from tqdm import tqdm
 
 from meshrl.actors import load_actor_class, placement, spawn, spawn_ranks
 from meshrl.actors.roles import ROLES, missing_endpoints
@@ -97,3 +101,48 @@ def note_fault(failure) -> None:
     """Monarch's hook for a dead actor process that no one supervises: its default exits the whole
     program. Here the failed calls raise instead, and the pools replace replicas."""
     logger.debug("actor failure: %s", failure)
+
+
+class StopSignals:
+    """Ctrl-C (SIGINT) or SIGTERM cancels the training task while it is `cancellable`; the controller
+    then writes a checkpoint, saves the policy and writes what it has. `stopped_by` names the signal.
+
+    Installed once the actors run: Monarch's runtime replaces the process's SIGINT handler beneath
+    Python's, so asyncio's own Ctrl-C handling never fires. While a step trains (`hold`) a stop waits
+    for it to end, so that the checkpoint has whole steps; a second signal stops at once."""
+
+    def __init__(self):
+        self.stopped_by: str | None = None
+        self.cancellable = False
+        self.held = False
+        self.task: asyncio.Task | None = None
+
+    def install(self) -> None:
+        loop, self.task = asyncio.get_running_loop(), asyncio.current_task()
+
+        def stop(sig: signal.Signals) -> None:
+            if self.stopped_by is None:
+                self.stopped_by = sig.name
+                tqdm.write(f"{sig.name}: stopping after this step; saving a checkpoint and the policy "
+                           f"(again to stop at once)")
+                if self.cancellable and not self.held:
+                    self.task.cancel()
+            elif self.cancellable:  # the second: at once, without waiting for the step
+                self.task.cancel()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop, sig)
+
+    def hold(self) -> None:
+        """A stop asked for from now on waits for `release_hold`."""
+        self.held = True
+
+    def release_hold(self) -> None:
+        self.held = False
+        if self.stopped_by and self.cancellable:
+            self.task.cancel()  # the stop asked for while held
+
+    def release(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
