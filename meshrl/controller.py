@@ -65,7 +65,7 @@ class Controller:
         self.rows: list[dict] = []  # metrics.jsonl's rows
         self.initial: dict = {}  # the eval before training
         self.bad_steps = 0  # steps in a row with an update not applied (NaN or infinite)
-        self.mid_step = False  # the trainer's state is between two steps: no checkpoint now
+        self.mid_step = False  # a step is training: a checkpoint now would hold half of it
         self.rollouts_open = asyncio.Event()  # cleared while a checkpoint settles the data position
         self.rollouts_parked = asyncio.Event()  # the rollout loop waits for rollouts_open
         self.trainer_version = 0  # the newest version the trainer published
@@ -120,7 +120,10 @@ class Controller:
             finally:
                 self.signals.cancellable = False
             if failure is None and self.rows and not self.mid_step:  # the end, or a clean stop between steps
-                await self._checkpoint(stop_running=True)
+                try:
+                    await self._checkpoint(stop_running=True)
+                except (RoleFailed, SupervisionError, CallTimeout) as e:
+                    failure = f"the last checkpoint could not be written: {describe(e)}"
             saved = await self._save()
         finally:
             self.signals.release()
