@@ -33,7 +33,7 @@ from meshrl.model import ChatTokenizer, resolve_checkpoint
 from meshrl.plot import plot_curves
 from meshrl.replicas import Replica, ReplicaPool, RoleFailed, describe, processes
 from meshrl.rollout import Rollout, RolloutCollector
-from meshrl.tasks import make_task
+from meshrl.tasks import make_task, task_config
 from meshrl.timeouts import CallTimeout, Timeouts
 from meshrl.trace import Tracer
 from meshrl.train_step import train_step
@@ -52,7 +52,7 @@ class Controller:
         self.timeouts = Timeouts.of(config)
         self.config = config
         self.run_dir = run_dir
-        self.task = make_task(config.task, config.task_config)
+        self.task = make_task(config.task, task_config(config))
         self.classes = actor_classes(config)
         self.checkpoint = resolve_checkpoint(config.model.source)
         self.tokenizer = ChatTokenizer(self.checkpoint)
@@ -174,7 +174,7 @@ class Controller:
                                       lambda i: generator_args(cfg, i, self.checkpoint), cfg.generator.replicas,
                                       cfg.generator.max_restarts, setup=attach, on_replaced=write_processes,
                                       host=lambda i: self.hosts.host("generator", i), start_timeout=timeouts.generate)
-        self.graders = ReplicaPool("grader", self.classes["grader"], lambda i: (cfg.task, cfg.task_config),
+        self.graders = ReplicaPool("grader", self.classes["grader"], lambda i: (cfg.task, task_config(cfg)),
                                    cfg.grader.replicas, cfg.grader.max_restarts, on_replaced=write_processes,
                                    host=lambda i: self.hosts.host("grader", i), start_timeout=timeouts.grade)
         await asyncio.gather(self.generators.start(), self.graders.start())

@@ -40,11 +40,12 @@ def build_episodes(group: list[ScoredCompletion], group_id: int, advantage: str 
     return episodes
 
 
-def check_rates(scored: list[ScoredCompletion], total: int, prefix: str) -> dict[str, float]:
-    """The mean of each reward check over `total` completions (those not in `scored` count as 0):
-    `correct` as `{prefix}accuracy`, the others under their own names."""
-    names = dict.fromkeys(["correct", *(k for s in scored for k in s.reward_components)])
-    return {prefix + ("accuracy" if k == "correct" else k):
+def check_rates(scored: list[ScoredCompletion], total: int, prefix: str,
+                accuracy: str = "correct") -> dict[str, float]:
+    """The mean of each reward check over `total` completions (those not in `scored` count as 0): the
+    task's `accuracy` check as `{prefix}accuracy`, the others under their own names."""
+    names = dict.fromkeys([accuracy, *(k for s in scored for k in s.reward_components)])
+    return {prefix + ("accuracy" if k == accuracy else k):
             sum(s.reward_components.get(k, 0.0) for s in scored) / total if total else math.nan for k in names}
 
 
@@ -215,7 +216,7 @@ class RolloutCollector:
         return Rollout(
             num_episodes=len(episodes), equal_reward_groups=f.equal,
             groups_dropped=f.equal if cfg.drop_equal_reward_groups else 0, groups_stale=f.stale,
-            rewards=[s.reward for s in trained], checks=check_rates(trained, len(trained), prefix=""),
+            rewards=[s.reward for s in trained], checks=check_rates(trained, len(trained), "", self.task.accuracy),
             reward_errors=sum(g.completions - len(g.scored) for g in f.groups),
             tokens_generated=sum(g.tokens for g in f.groups),
             gen_time_s=max(g.gen_end for g in f.groups) - min(g.gen_start for g in f.groups),
@@ -231,7 +232,7 @@ class RolloutCollector:
 
     async def evaluate(self, step: int) -> dict[str, float]:
         """The newest policy on the task's fixed eval split (`eval_samples` per prompt at `eval_temperature`;
-        greedy by default): each reward check's mean as `eval_<check>` (`correct` as `eval_accuracy`).
+        greedy by default): each reward check's mean as `eval_<check>` (the task's accuracy check as `eval_accuracy`).
         Prints the rates and three example completions."""
         cfg = self.config.controller
         samples = self.task.eval_samples()
@@ -239,7 +240,7 @@ class RolloutCollector:
                             max_tokens=self.config.generator.max_tokens)
         groups = await asyncio.gather(*(self.run_group(i, s, sampling, "evaluate") for i, s in enumerate(samples)))
         scored = [s for g in groups for s in g.scored]
-        rates = check_rates(scored, sum(g.completions for g in groups), prefix="eval_")  # a failed reward counts as 0
+        rates = check_rates(scored, sum(g.completions for g in groups), "eval_", self.task.accuracy)  # failed: 0
         lines = [f"eval at step {step}: " + "  ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in rates.items())]
         for g in groups[:3]:
             reply = g.scored[0].completion.text.strip() if g.scored else "(its reward function failed)"

@@ -13,6 +13,7 @@ from typing import Callable
 
 from meshrl.configs.job import JobConfig
 from meshrl.configs.overrides import ConfigError, apply_overrides
+from meshrl.tasks.dataset import DatasetConfig
 from meshrl.tasks.sum_digits import SumDigitsConfig
 
 __all__ = ["CONFIGS", "Config", "ConfigError", "from_dict", "load_config", "register", "resumable_overrides",
@@ -177,8 +178,10 @@ class Config:
     """A whole run: one section per role, the task and its own section, logging, and where the roles run."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    task: str = "sum_digits"  # the task; its settings are the section of the same name
+    task: str = "sum_digits"  # sum_digits | dataset (settings: the section of the same name) | module:Class
+    task_args: str = ""  # a module:Class task's settings, as JSON for its Config dataclass ('{"size": 100}')
     sum_digits: SumDigitsConfig = field(default_factory=SumDigitsConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     grader: GraderConfig = field(default_factory=GraderConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -189,11 +192,6 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     job: JobConfig = field(default_factory=JobConfig)
-
-    @property
-    def task_config(self):
-        """The section named by `task`: each task has its own (e.g. `sum_digits`)."""
-        return getattr(self, self.task, None)
 
 
 CONFIGS: dict[str, Callable[[], Config]] = {}

@@ -40,6 +40,8 @@ class SumDigitsConfig:
 
 
 class SumDigits:
+    accuracy = "correct"
+
     def __init__(self, config: SumDigitsConfig):
         if config.num_terms < 2 or config.digits < 1:
             raise ValueError("sum_digits needs num_terms >= 2 and digits >= 1")

@@ -1,0 +1,185 @@
+"""Prompts and reference answers from a user's file: JSONL or Parquet, read with the `datasets`
+library (offline), with a reward chosen by name or given as `module:function`.
+
+Training takes the file's rows in a shuffled order, a new order each pass (seeded: the same index is
+the same row on a rerun or a resume). The eval split is a second file, or the last `eval_size` rows
+of the first, which training then never sees. Bad data (a missing or empty field, an unreadable
+row, an empty file) is one error naming the file and the row, before anything starts.
+"""
+
+import importlib
+import json
+import math
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshrl.tasks import Sample
+
+
+@dataclass
+class DatasetConfig:
+    """Prompts and answers from a JSONL or Parquet file (`--task dataset`)."""
+
+    path: str = ""  # the training rows: a .jsonl (or .json lines) or .parquet file
+    eval_path: str = ""  # held-out rows, same format; "": the last eval_size rows of `path`
+    eval_size: int = 64  # held-out rows taken from `path` when there is no eval_path (at most this many of eval_path)
+    prompt_field: str = "prompt"  # the user's message
+    answer_field: str = "answer"  # the reference answer
+    reward: str = "exact"  # exact (normalised text) | numeric (the last number) | math (the last \boxed{} or "Answer:" value) | module:function
+    seed: int = 0  # the order of the training rows
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_TAGGED = re.compile(r"Answer:\**\s*([^\n]+)")
+
+
+def normalise(text: str) -> str:
+    """Lower case, single spaces, no surrounding space, quotes or final full stop."""
+    return " ".join(text.lower().split()).strip(" \"'`").rstrip(".").strip()
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def _same(reply: str, answer: str) -> bool:
+    """Equal as numbers when both are, else equal once normalised."""
+    a, b = _number(normalise(reply)), _number(normalise(answer))
+    if a is not None and b is not None:
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+    return normalise(reply) == normalise(answer)
+
+
+def exact(text: str, answer: str) -> tuple[float, dict[str, float]]:
+    """1 when the whole reply is the answer (normalised)."""
+    correct = float(normalise(text) == normalise(answer))
+    return correct, {"correct": correct}
+
+
+def numeric(text: str, answer: str) -> tuple[float, dict[str, float]]:
+    """1 when the last number in the reply is the answer's value."""
+    numbers = _NUMBER.findall(text)
+    correct = float(bool(numbers) and _same(numbers[-1], answer))
+    return correct, {"correct": correct, "has_number": float(bool(numbers))}
+
+
+def math_answer(text: str, answer: str) -> tuple[float, dict[str, float]]:
+    """1 when the last \\boxed{...}, or failing that the text after the last "Answer:", is the answer
+    (as a number when both are numbers); `format` says whether the reply gave one at all."""
+    given = (_BOXED.findall(text) or [m.strip() for m in _TAGGED.findall(text)] or [None])[-1]
+    correct = float(given is not None and _same(given, answer))
+    return correct, {"correct": correct, "format": float(given is not None)}
+
+
+REWARDS = {"exact": exact, "numeric": numeric, "math": math_answer}
+
+
+def reward_function(name: str):
+    """A built-in reward, or `module:function` returning a float or (float, {check: value}); a float
+    alone becomes the check `correct` too."""
+    if name in REWARDS:
+        return REWARDS[name]
+    module, _, fn = name.partition(":")
+    if not fn:
+        raise ValueError(f"unknown dataset.reward {name!r}; built in: {', '.join(REWARDS)}, or module:function")
+    try:
+        user = getattr(importlib.import_module(module), fn)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load dataset.reward {name!r}: {e}") from None
+
+    def scored(text: str, answer: str) -> tuple[float, dict[str, float]]:
+        result = user(text, answer)
+        reward, checks = result if isinstance(result, tuple) else (result, {"correct": float(result)})
+        return float(reward), {k: float(v) for k, v in checks.items()}
+
+    return scored
+
+
+def read_rows(path: str, prompt_field: str, answer_field: str) -> list[Sample]:
+    """Every row of a JSONL or Parquet file as a Sample; ValueError naming the file and row if one is bad."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"dataset file {path!r} not found")
+    kind = "parquet" if file.suffix == ".parquet" else "json"
+    if kind == "json":  # datasets' own errors would name no row
+        for n, row in _json_lines(file):
+            _check_row(path, n, row, prompt_field, answer_field)
+    from datasets import Dataset
+
+    try:
+        rows = (Dataset.from_parquet if kind == "parquet" else Dataset.from_json)(str(file), keep_in_memory=True)
+    except Exception as e:  # datasets' own message: the file as a whole could not be read
+        raise ValueError(f"{path}: cannot be read as {kind}: {str(e).splitlines()[0]}") from None
+    if len(rows) == 0:
+        raise ValueError(f"{path}: no rows")
+    samples = []
+    for n, row in enumerate(rows, 1):
+        _check_row(path, n, row, prompt_field, answer_field)
+        samples.append(Sample(*(v if isinstance(v, str) else json.dumps(v) for v in (row[prompt_field],
+                                                                                      row[answer_field]))))
+    return samples
+
+
+def _check_row(path: str, n: int, row: dict, *fields: str) -> None:
+    for name in fields:
+        value = row.get(name)
+        if value is None or (isinstance(value, str) and not value.strip()):
+            raise ValueError(f"{path} row {n}: no {name!r} (fields: {', '.join(row)})")
+
+
+def _json_lines(file: Path) -> list[tuple[int, dict]]:
+    """(line number, object) of each non-blank line; ValueError naming the first that is not an object."""
+    rows = []
+    for n, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict):
+            raise ValueError(f"{file} row {n}: not a JSON object: {line[:80]!r}")
+        rows.append((n, row))
+    if not rows:
+        raise ValueError(f"{file}: no rows")
+    return rows
+
+
+class DatasetTask:
+    accuracy = "correct"
+
+    def __init__(self, config: DatasetConfig):
+        if not config.path:
+            raise ValueError("task dataset needs --dataset.path (a JSONL or Parquet file)")
+        rows = read_rows(config.path, config.prompt_field, config.answer_field)
+        if config.eval_path:
+            self.eval = read_rows(config.eval_path, config.prompt_field, config.answer_field)[:config.eval_size]
+            self.train = rows
+        else:
+            if len(rows) <= config.eval_size:
+                raise ValueError(f"{config.path} has {len(rows)} rows: too few to hold out dataset.eval_size "
+                                 f"({config.eval_size}) for eval and train on the rest; give a dataset.eval_path")
+            self.train, self.eval = rows[:-config.eval_size], rows[-config.eval_size:]
+        self.score = reward_function(config.reward)
+        self.seed = config.seed
+        self.orders: dict[int, list[int]] = {}
+
+    def train_sample(self, index: int) -> Sample:
+        epoch, position = divmod(index, len(self.train))
+        if epoch not in self.orders:
+            order = list(range(len(self.train)))
+            random.Random(f"{self.seed}-{epoch}").shuffle(order)
+            self.orders[epoch] = order
+        return self.train[self.orders[epoch][position]]
+
+    def eval_samples(self) -> list[Sample]:
+        return self.eval
+
+    def reward(self, text: str, answer: str) -> tuple[float, dict[str, float]]:
+        return self.score(text, answer)

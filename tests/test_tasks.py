@@ -1,0 +1,117 @@
+"""Tasks users bring: the dataset task's rewards (hand-checked) and its bad-data errors, the task API
+that loads a `module:Class` task, and smoke runs of both (real actors, vLLM, torchtitan, tiny model)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from meshrl.configs import load_config
+from meshrl.tasks import make_task, task_config
+from meshrl.tasks.dataset import DatasetConfig, DatasetTask, exact, math_answer, numeric
+
+
+@pytest.mark.parametrize("reward, text, answer, expected", [
+    (exact, "  Paris. ", "paris", {"correct": 1.0}),
+    (exact, "It is Paris", "Paris", {"correct": 0.0}),
+    (numeric, "3 + 4 is 7, so 7.0", "7", {"correct": 1.0, "has_number": 1.0}),
+    (numeric, "1,234 apples", "1234", {"correct": 1.0, "has_number": 1.0}),
+    (numeric, "7 then 8", "7", {"correct": 0.0, "has_number": 1.0}),
+    (numeric, "no idea", "7", {"correct": 0.0, "has_number": 0.0}),
+    (math_answer, r"so \boxed{12} and then \boxed{0.5}", "1/2", {"correct": 0.0, "format": 1.0}),
+    (math_answer, r"so \boxed{12} and then \boxed{0.5}", "0.50", {"correct": 1.0, "format": 1.0}),
+    (math_answer, "Answer: x+1\nAnswer: **42**", "42", {"correct": 0.0, "format": 1.0}),  # bold is not the value
+    (math_answer, "Answer: 42", "42", {"correct": 1.0, "format": 1.0}),
+    (math_answer, "42", "42", {"correct": 0.0, "format": 0.0}),
+])
+def test_dataset_rewards_by_hand(reward, text, answer, expected):
+    value, checks = reward(text, answer)
+    assert checks == expected and value == expected["correct"]
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_dataset_rows_split_cycle_in_a_seeded_order_and_take_a_users_reward(tmp_path):
+    rows = [{"question": f"q{i}", "solution": i} for i in range(10)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    task = DatasetTask(DatasetConfig(path=path, eval_size=3, prompt_field="question", answer_field="solution",
+                                     reward="user_task:longer_is_better"))
+    assert [s.prompt for s in task.eval_samples()] == ["q7", "q8", "q9"]  # the last rows, never trained
+    first_pass = {task.train_sample(i).prompt for i in range(7)}
+    assert first_pass == {f"q{i}" for i in range(7)}  # each training row once per pass
+    assert [task.train_sample(i).prompt for i in range(14)] != [f"q{i % 7}" for i in range(14)]  # shuffled
+    again = DatasetTask(DatasetConfig(path=path, eval_size=3, prompt_field="question", answer_field="solution"))
+    assert [again.train_sample(i) for i in range(20)] == [task.train_sample(i) for i in range(20)]  # seeded
+    assert task.train_sample(0).answer == json.dumps(rows[int(task.train_sample(0).prompt[1:])]["solution"])
+    assert task.reward("x" * 50, "1") == (0.5, {"correct": 0.5})
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "d.jsonl: no rows"),
+    ('{"prompt": "a", "answer": "1"}\n{"prompt": "b"\n', "d.jsonl row 2: not a JSON object"),
+    ('{"prompt": "a", "answer": "1"}\n[1, 2]\n', "d.jsonl row 2: not a JSON object"),
+    ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n{"answer": "3"}\n',
+     "d.jsonl row 3: no 'prompt'"),
+    ('{"prompt": "a", "answer": "1"}\n{"prompt": "  ", "answer": "2"}\n', "d.jsonl row 2: no 'prompt'"),
+])
+def test_bad_data_is_one_error_naming_the_file_and_row(content, message, tmp_path):
+    (tmp_path / "d.jsonl").write_text(content)
+    with pytest.raises(ValueError, match=message):
+        DatasetTask(DatasetConfig(path=str(tmp_path / "d.jsonl"), eval_size=1))
+
+
+def test_a_parquet_file_and_a_second_eval_file(tmp_path):
+    from datasets import Dataset
+
+    Dataset.from_list([{"prompt": f"p{i}", "answer": str(i)} for i in range(5)]).to_parquet(str(tmp_path / "t.parquet"))
+    path = write_jsonl(tmp_path / "e.jsonl", [{"prompt": "e0", "answer": "0"}, {"prompt": "e1", "answer": "1"}])
+    task = DatasetTask(DatasetConfig(path=str(tmp_path / "t.parquet"), eval_path=path, reward="numeric"))
+    assert {task.train_sample(i).prompt for i in range(5)} == {f"p{i}" for i in range(5)}
+    assert [s.prompt for s in task.eval_samples()] == ["e0", "e1"]
+
+
+def test_module_class_tasks_take_their_config_from_task_args():
+    config = load_config("smoke", ["--task", "user_task:Parity", "--task_args", '{"eval_size": 2}'])
+    task = make_task(config.task, task_config(config))
+    assert len(task.eval_samples()) == 2 and task.accuracy == "right"
+    with pytest.raises(ValueError, match="task_args for user_task:Parity: .*(its fields: eval_size, largest)"):
+        task_config(load_config("smoke", ["--task", "user_task:Parity", "--task_args", '{"size": 2}']))
+    with pytest.raises(ValueError, match="cannot load task 'user_task:Nope'"):
+        task_config(load_config("smoke", ["--task", "user_task:Nope"]))
+
+
+def smoke(tmp_path, *args) -> list[dict]:
+    run = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path),
+                          "--checkpoint.every", "0", *args], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_users_task_from_its_own_module_trains(tmp_path):
+    rows = smoke(tmp_path / "run", "--task", "user_task:Parity", "--task_args", '{"eval_size": 3}')
+    # its accuracy check is reported as accuracy; its other checks under their own names
+    assert {"accuracy", "one_word", "eval_accuracy", "eval_one_word"} <= rows[-1].keys() and "right" not in rows[-1]
+    prompts = [json.loads(line)["prompt"] for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert set(prompts) == {"Is 3 even or odd? Answer with one word.", "Is 10 even or odd? Answer with one word.",
+                            "Is 17 even or odd? Answer with one word.", "Is 24 even or odd? Answer with one word."}
+
+
+def test_a_jsonl_file_trains_through_the_dataset_task_and_bad_data_stops_before_anything_starts(tmp_path):
+    path = write_jsonl(tmp_path / "sums.jsonl", [{"q": f"What is {i} + {i}?", "a": 2 * i} for i in range(12)])
+    rows = smoke(tmp_path / "run", "--task", "dataset", "--dataset.path", path, "--dataset.prompt_field", "q",
+                 "--dataset.answer_field", "a", "--dataset.reward", "numeric", "--dataset.eval_size", "4")
+    assert [r["step"] for r in rows] == [1, 2] and {"accuracy", "has_number", "eval_accuracy"} <= rows[-1].keys()
+    trained = {json.loads(line)["prompt"] for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()}
+    assert len(trained) == 4 and trained <= {f"What is {i} + {i}?" for i in range(8)}  # never an eval row
+    (tmp_path / "bad.jsonl").write_text('{"q": "a", "a": 1}\n{"q": "b"}\n')
+    bad = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir",
+                          str(tmp_path / "bad"), "--task", "dataset", "--dataset.path", str(tmp_path / "bad.jsonl"),
+                          "--dataset.prompt_field", "q", "--dataset.answer_field", "a", "--dataset.eval_size", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == [f"meshrl: error: {tmp_path / 'bad.jsonl'} row 2: no 'a' (fields: q)"]
+    assert not (tmp_path / "bad").exists()

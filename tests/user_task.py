@@ -1,0 +1,40 @@
+"""A task as a user would write it in their own package (not in meshrl): `--task user_task:Parity`.
+Imported by the controller and by the grader processes (conftest puts tests/ on their PYTHONPATH)."""
+
+from dataclasses import dataclass
+
+from meshrl.tasks import Sample
+
+
+class Parity:
+    """Is a number even? Answered with "even" or "odd" anywhere in the reply."""
+
+    accuracy = "right"  # its own name for the check meshrl reports as accuracy
+
+    @dataclass
+    class Config:
+        eval_size: int = 4
+        largest: int = 99
+
+    def __init__(self, config: "Parity.Config"):
+        self.config = config
+
+    def _sample(self, n: int) -> Sample:
+        n %= self.config.largest + 1
+        return Sample(f"Is {n} even or odd? Answer with one word.", "even" if n % 2 == 0 else "odd")
+
+    def train_sample(self, index: int) -> Sample:
+        return self._sample(7 * index + 3)
+
+    def eval_samples(self) -> list[Sample]:
+        return [self._sample(1000 + i) for i in range(self.config.eval_size)]
+
+    def reward(self, text: str, answer: str) -> tuple[float, dict[str, float]]:
+        words = text.lower().split()
+        right = float(answer in words and ("odd" if answer == "even" else "even") not in words)
+        return right, {"right": right, "one_word": float(len(words) == 1)}
+
+
+def longer_is_better(text: str, answer: str) -> float:
+    """A dataset reward as a user's module:function: a float alone."""
+    return min(len(text) / 100, 1.0)
