@@ -80,6 +80,8 @@ def test_module_class_tasks_take_their_config_from_task_args():
     assert len(task.eval_samples()) == 2 and task.accuracy == "right"
     with pytest.raises(ValueError, match="task_args for user_task:Parity: .*(its fields: eval_size, largest)"):
         task_config(load_config("smoke", ["--task", "user_task:Parity", "--task_args", '{"size": 2}']))
+    with pytest.raises(ValueError, match="task_args 'eval_size=2' is not JSON"):
+        task_config(load_config("smoke", ["--task", "user_task:Parity", "--task_args", "eval_size=2"]))
     with pytest.raises(ValueError, match="cannot load task 'user_task:Nope'"):
         task_config(load_config("smoke", ["--task", "user_task:Nope"]))
 

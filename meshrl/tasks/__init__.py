@@ -56,7 +56,10 @@ def task_config(config):
     if config.task in BUILT_IN:
         return getattr(config, config.task)
     cls = task_class(config.task)
-    args = json.loads(config.task_args) if config.task_args else {}
+    try:
+        args = json.loads(config.task_args) if config.task_args else {}
+    except ValueError as e:
+        raise ValueError(f"task_args {config.task_args!r} is not JSON ({e})") from None
     if not hasattr(cls, "Config"):
         if args:
             raise ValueError(f"task {config.task} takes no task_args (it has no Config dataclass)")
