@@ -71,8 +71,6 @@ def commit(partial: Path, state: RunState, keep: int) -> Path:
         "prompts_generated_not_trained": sorted([*c["filling"].kept, *(i for r in state.queued for i in r.prompts)]),
         "buffered_episodes": len(state.buffer["episodes"])}, indent=2))
     final = partial.parent / f"step-{state.step}"
-    if final.exists():  # the same step written again (a stop right after a periodic checkpoint)
-        shutil.rmtree(final)
     os.rename(partial, final)
     done = checkpoints(partial.parent.parent)
     for _, old in done[:-keep] if keep > 0 else []:

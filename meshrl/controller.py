@@ -65,7 +65,6 @@ class Controller:
         self.rows: list[dict] = []  # metrics.jsonl's rows
         self.initial: dict = {}  # the eval before training
         self.bad_steps = 0  # steps in a row with an update not applied (NaN or infinite)
-        self.mid_step = False  # a step is training: a checkpoint now would hold half of it
         self.rollouts_open = asyncio.Event()  # cleared while a checkpoint settles the data position
         self.rollouts_parked = asyncio.Event()  # the rollout loop waits for rollouts_open
         self.trainer_version = 0  # the newest version the trainer published
@@ -119,7 +118,7 @@ class Controller:
                     self.trainer_stuck = True  # it would not answer the save either
             finally:
                 self.signals.cancellable = False
-            if failure is None and self.rows and not self.mid_step:  # the end, or a clean stop between steps
+            if failure is None and self.rows and not self.signals.held:  # the end, or a stop between steps
                 try:
                     await self._checkpoint(stop_running=True)
                 except (RoleFailed, SupervisionError, CallTimeout) as e:
@@ -209,8 +208,7 @@ class Controller:
                     row |= await self.collector.evaluate(step)
                 self.rows.append(row)
                 metrics.log(row)
-                self.mid_step = False  # the step is whole: trained, published and logged
-                self.signals.release_hold()
+                self.signals.release_hold()  # the step is whole: trained, published and logged
                 bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=f"{row['accuracy']:.2f}")
                 if self.bad_steps:
                     logger.warning("step %d: %d of its updates had a NaN or infinite loss or gradient norm and "
@@ -364,8 +362,7 @@ class Controller:
         while (episodes := await self._sample(trained_version, rollout.num_episodes)) is None:
             rollout = await self._next_rollout()
         t1 = time.perf_counter()
-        self.mid_step = True  # from here until the step is logged: a stop waits, a checkpoint would be torn
-        self.signals.hold()
+        self.signals.hold()  # until the step is logged a stop waits: a checkpoint now would hold half of it
         train = await train_step(a.trainer, a.reference, episodes, self.config.trainer, self.tokenizer.pad_id,
                                  self.tracer.span, trained_version, self.config.reference.ranks, self.timeouts)
         t2 = time.perf_counter()

@@ -114,7 +114,7 @@ class StopSignals:
     def __init__(self):
         self.stopped_by: str | None = None
         self.cancellable = False
-        self.held = False
+        self.held = False  # a step is training (the controller's hold): a stop waits for it
         self.task: asyncio.Task | None = None
 
     def install(self) -> None:
@@ -138,7 +138,7 @@ class StopSignals:
         self.held = True
 
     def release_hold(self) -> None:
-        self.held = False
+        self.held = False  # a step is training (the controller's hold): a stop waits for it
         if self.stopped_by and self.cancellable:
             self.task.cancel()  # the stop asked for while held
 
