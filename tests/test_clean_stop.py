@@ -1,5 +1,6 @@
-"""Ctrl-C (SIGINT) or SIGTERM in the middle of `meshrl train`: a clean stop within seconds, the policy
-saved, everything written kept, no actor process left behind (real actors, vLLM, torchtitan)."""
+"""Ctrl-C (SIGINT) or SIGTERM in the middle of `meshrl train`: a clean stop within seconds, a checkpoint
+of the whole steps done and the policy saved, everything written kept, no actor process left behind
+(real actors, vLLM, torchtitan)."""
 
 import json
 import signal
@@ -33,10 +34,14 @@ def test_signal_mid_run_saves_the_policy_and_leaves_no_process(tmp_path, sig):
             train.kill()
     assert took < 15, f"stopping took {took:.1f} s"
     assert train.returncode == 128 + sig
-    assert stderr.strip().splitlines()[-1].startswith(f"meshrl: stopped by {sig.name} after ")
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith(f"meshrl: stopped by {sig.name} after ") and f"--resume {run_dir}" in last, last
     time.sleep(1)
     assert not [p for p in actors if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     steps = len(metrics.read_text().splitlines())
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stopped_by"] == sig.name and summary["steps"] == steps >= 3
+    # the stop's checkpoint holds every step logged, and the groups still generating are to be redone
+    at_stop = json.loads((run_dir / "checkpoints" / f"step-{steps}" / "checkpoint.json").read_text())
+    assert at_stop["step"] == at_stop["policy_version"] == steps
     assert (run_dir / "final" / "model.safetensors").is_file() and (run_dir / "trace.json").is_file()
