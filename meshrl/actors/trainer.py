@@ -10,6 +10,7 @@ whole update, so the ranks' gradients are summed, not averaged; one optimizer st
 rank publishes its own shard into its own weight ring (meshrl/weight_sync/shards.py).
 """
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -108,7 +109,9 @@ class TitanTrainer(Actor):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model, optim = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model, "optim": optim}, checkpoint_id=path, no_dist=self.world == 1)
+        with warnings.catch_warnings():  # one rank: DCP says it saves in one process, as asked (no_dist)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({"model": model, "optim": optim}, checkpoint_id=path, no_dist=self.world == 1)
         torch.save({"policy_version": self.policy_version, "updates": self.updates, "rng": torch.get_rng_state()},
                    Path(path) / f"rank{self.rank}.pt")
 
@@ -121,7 +124,9 @@ class TitanTrainer(Actor):
 
         model, optim = get_state_dict(self.model, self.optimizer)
         state = {"model": model, "optim": optim}
-        dcp.load(state, checkpoint_id=path, no_dist=self.world == 1)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=path, no_dist=self.world == 1)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         mine = Path(path) / f"rank{self.rank}.pt"
         extra = torch.load(mine if mine.exists() else Path(path) / "rank0.pt")
