@@ -68,7 +68,8 @@ def commit(partial: Path, state: RunState, keep: int) -> Path:
     (partial / "checkpoint.json").write_text(json.dumps({
         "step": state.step, "policy_version": state.trainer_version, "next_prompt": c["next_prompt"],
         "batches_done": c["batches_done"], "prompts_to_redo": c["relaunch"],
-        "prompts_generated_not_trained": sorted([*c["filling"].kept, *(i for r in state.queued for i in r.prompts)]),
+        "prompts_generated_not_trained": sorted({*c["filling"].kept,
+                                                 *(rec["prompt_index"] for r in state.queued for rec in r.records)}),
         "buffered_episodes": len(state.buffer["episodes"])}, indent=2))
     final = partial.parent / f"step-{state.step}"
     os.rename(partial, final)

@@ -89,7 +89,6 @@ class Rollout:
     pull_time_s: float  # the longest any group waited for a weight pull (groups waiting on one pull overlap)
     rollout_time_s: float  # from its first group's start to the batch being full
     records: list[dict]  # one per completion of the kept groups, for rollouts.jsonl
-    prompts: list[int] = field(default_factory=list)  # the prompt indices of the kept groups
 
 
 @dataclass
@@ -223,7 +222,7 @@ class RolloutCollector:
             pull_time_s=max(g.pull_time_s for g in f.groups),
             rollout_time_s=self.tracer.now() - min(g.launched for g in f.groups),
             records=[rollout_record(s, gid, self.task.train_sample(gid).prompt)
-                     for gid, group in f.kept.items() for s in group], prompts=list(f.kept))
+                     for gid, group in f.kept.items() for s in group])
 
     async def stop(self) -> None:
         for task in list(self.running):
