@@ -1,18 +1,15 @@
 """Monarch actors, one role each. The controller finds each by the "module:Class" its config names."""
 
-import importlib
 import os
 
 import torch
 from monarch.actor import this_host
 
+from meshrl.plugins import load_object
+
 
 def load_actor_class(impl: str):
-    module, _, name = impl.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"cannot load actor implementation {impl!r}: {e}") from None
+    return load_object(impl, "actor implementation")
 
 
 def spawn(name: str, cls, *args, host=None):

@@ -6,10 +6,11 @@ no edit here; built-in tasks have a config section of their own (`--sum_digits.n
 """
 
 import dataclasses
-import importlib
 import json
 from dataclasses import dataclass
 from typing import Protocol
+
+from meshrl.plugins import load_object
 
 
 @dataclass
@@ -41,13 +42,9 @@ BUILT_IN = {"sum_digits": "meshrl.tasks.sum_digits:SumDigits", "dataset": "meshr
 def task_class(name: str) -> type:
     """A built-in task's class, or the class `module:Class` names."""
     target = BUILT_IN.get(name, name)
-    module, _, cls = target.partition(":")
-    if not cls:
+    if ":" not in target:
         raise ValueError(f"unknown task {name!r}; built in: {', '.join(sorted(BUILT_IN))}, or module:Class")
-    try:
-        return getattr(importlib.import_module(module), cls)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load task {name!r}: {e}") from None
+    return load_object(target, "task")
 
 
 def task_config(config):

@@ -7,7 +7,6 @@ of the first, which training then never sees. Bad data (a missing or empty field
 row, an empty file) is one error naming the file and the row, before anything starts.
 """
 
-import importlib
 import json
 import math
 import random
@@ -15,6 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshrl.plugins import load_object
 from meshrl.tasks import Sample
 
 
@@ -85,13 +85,9 @@ def reward_function(name: str):
     alone becomes the check `correct` too."""
     if name in REWARDS:
         return REWARDS[name]
-    module, _, fn = name.partition(":")
-    if not fn:
+    if ":" not in name:
         raise ValueError(f"unknown dataset.reward {name!r}; built in: {', '.join(REWARDS)}, or module:function")
-    try:
-        user = getattr(importlib.import_module(module), fn)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load dataset.reward {name!r}: {e}") from None
+    user = load_object(name, "dataset.reward")
 
     def scored(text: str, answer: str) -> tuple[float, dict[str, float]]:
         result = user(text, answer)
