@@ -38,6 +38,9 @@ def estimator(name: str):
     return ESTIMATORS[name]
 
 
+STEP_WISE = "step_wise_"  # controller.advantage step_wise_<estimator>: one Episode per turn (meshrl/rollout.py)
+
+
 def step_wise(final_rewards: list[float], steps_per_run: list[int], name: str = "grpo",
               divide_by_steps: bool = False, eps: float = 1e-6) -> list[list[float]]:
     """Multi-step runs of one group (as Trinity-RFT's step-wise GRPO): the group advantage comes from

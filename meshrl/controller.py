@@ -386,6 +386,8 @@ class Controller:
             "equal_reward_groups": rollout.equal_reward_groups,
             "groups_dropped": rollout.groups_dropped,
             "groups_stale": rollout.groups_stale,
+            "episodes": rollout.num_episodes,
+            "turns_mean": rollout.turns_mean,
             "generator_restarts": self.generators.restarts,
             "groups_requeued": self.generators.requeued,
             "grader_restarts": self.graders.restarts,

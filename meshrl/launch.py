@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from meshrl.actors import load_actor_class, placement, spawn, spawn_ranks
 from meshrl.actors.roles import ROLES, missing_endpoints
-from meshrl.advantages import estimator
+from meshrl.advantages import STEP_WISE, estimator
 from meshrl.configs import Config
 from meshrl.jobs import Hosts
 from meshrl.losses import check as check_loss
@@ -44,7 +44,9 @@ def check_config(config: Config) -> None:
     if ";" in config.generator.cpus and len(config.generator.cpus.split(";")) != config.generator.replicas:
         raise ValueError(f"generator.cpus {config.generator.cpus!r} names one set of cores per replica: "
                          f"it needs {config.generator.replicas} sets separated by ';'")
-    estimator(cfg.advantage)
+    if cfg.max_turns < 1:
+        raise ValueError("controller.max_turns must be at least 1")
+    estimator(cfg.advantage.removeprefix(STEP_WISE))
     check_loss(config.trainer.loss)
 
 

@@ -198,5 +198,23 @@ class ChatTokenizer:
         self.pad_id = read_hf_config(checkpoint).get("pad_token_id") or 0
 
     def encode_chat(self, user_message: str) -> list[int]:
-        text = self.template.render(messages=[{"role": "user", "content": user_message}], add_generation_prompt=True)
+        return self.encode_messages([{"role": "user", "content": user_message}])
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        """The conversation in the chat template, ending with the assistant's turn opened."""
+        text = self.template.render(messages=messages, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def continuation(self, messages: list[dict], reply_ids: list[int], new: list[dict]) -> list[int]:
+        """The tokens that follow a model turn's `reply_ids` (the last message of `messages`) when the
+        conversation goes on with the `new` messages: the template's end of the turn (less what the model
+        already generated of it), the new messages, and the next assistant turn opened. Only these are
+        tokenized, so the model's own tokens stay exactly as it sampled them."""
+        marker = "\x00reply\x00"
+        text = self.template.render(messages=[*messages[:-1], {"role": "assistant", "content": marker}, *new],
+                                    add_generation_prompt=True)
+        after = text[text.index(marker) + len(marker):]
+        ids = self.tokenizer.encode(after, add_special_tokens=False).ids
+        # the template's end-of-turn tokens that the reply already ends with (its EOS, when it stopped there)
+        ended = max(k for k in range(min(len(ids), len(reply_ids)) + 1) if reply_ids[len(reply_ids) - k:] == ids[:k])
+        return ids[ended:]

@@ -8,36 +8,48 @@ module decides what a batch is: which prompts, which groups are kept, and what t
 """
 
 import asyncio
+import dataclasses
 import math
+import statistics
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from meshrl.advantages import all_equal, estimator
+from meshrl.advantages import STEP_WISE, all_equal, estimator, step_wise
 from meshrl.configs import Config
 from meshrl.replicas import Replica, ReplicaPool
-from meshrl.tasks import Sample
+from meshrl.tasks import Sample, is_environment
 from meshrl.timeouts import Timeouts
-from meshrl.types import Episode, Prompt, Sampling, ScoredCompletion
+from meshrl.multiturn import converse
+from meshrl.types import Completion, Episode, Prompt, Sampling, ScoredCompletion, Trajectory
 
 
-def build_episodes(group: list[ScoredCompletion], group_id: int, advantage: str = "grpo",
-                   eps: float = 1e-6) -> list[Episode]:
-    """One prompt's scored completions -> flat Episodes carrying the group advantage."""
-    advantages = estimator(advantage)([s.reward for s in group], eps)
-    episodes = []
-    for scored, adv in zip(group, advantages):
-        c = scored.completion
-        n_prompt = len(c.prompt_token_ids)
-        episodes.append(Episode(
-            tokens=c.prompt_token_ids + c.token_ids,
-            loss_mask=[False] * n_prompt + [True] * len(c.token_ids),
-            behaviour_logprobs=[0.0] * n_prompt + c.logprobs,
-            advantage=adv,
-            policy_version=c.policy_version,
-            group_id=group_id,
-        ))
-    return episodes
+def build_episodes(group: list[ScoredCompletion], group_id: int, advantage: str = "grpo", eps: float = 1e-6,
+                   divide_by_turns: bool = False) -> list[Episode]:
+    """One prompt's scored completions (or trajectories) -> flat Episodes carrying the group advantage:
+    one per completion, trained on all its model turns; with a `step_wise_` estimator one per model turn
+    (everything before the turn as its prompt), each with its trajectory's advantage, divided by the
+    trajectory's number of turns with `divide_by_turns`."""
+    rewards = [s.reward for s in group]
+    turns = [c.turns if isinstance(c := s.completion, Trajectory) else [c] for s in group]
+    if advantage.startswith(STEP_WISE):
+        per_turn = step_wise(rewards, [len(t) for t in turns], advantage.removeprefix(STEP_WISE), divide_by_turns, eps)
+        return [episode([turn], a, group_id, version=min(t.policy_version for t in ts))
+                for ts, advantages in zip(turns, per_turn) for turn, a in zip(ts, advantages)]
+    return [episode(ts, a, group_id) for ts, a in zip(turns, estimator(advantage)(rewards, eps))]
+
+
+def episode(turns: list[Completion], advantage: float, group_id: int, version: int | None = None) -> Episode:
+    """The last turn's prompt and tokens, trained on the tokens of each of `turns` (the environment's
+    and the prompt's tokens are masked out); its version the oldest of its turns' unless given."""
+    last = turns[-1]
+    tokens = last.prompt_token_ids + last.token_ids
+    loss_mask, logprobs = [False] * len(tokens), [0.0] * len(tokens)
+    for turn in turns:
+        start, end = len(turn.prompt_token_ids), len(turn.prompt_token_ids) + len(turn.token_ids)
+        loss_mask[start:end], logprobs[start:end] = [True] * len(turn.token_ids), turn.logprobs
+    return Episode(tokens, loss_mask, logprobs, advantage,
+                   min(t.policy_version for t in turns) if version is None else version, group_id)
 
 
 def check_rates(scored: list[ScoredCompletion], total: int, prefix: str,
@@ -54,7 +66,8 @@ def rollout_record(scored: ScoredCompletion, group_id: int, prompt: str) -> dict
     c = scored.completion
     return {"prompt_index": c.prompt_index, "group": group_id, "prompt": prompt, "completion": c.text,
             "reward": scored.reward, "reward_components": scored.reward_components,
-            "policy_version": c.policy_version, "finish_reason": c.finish_reason}
+            "policy_version": c.policy_version, "finish_reason": c.finish_reason,
+            **({"turns": len(c.turns)} if isinstance(c, Trajectory) else {})}
 
 
 
@@ -77,7 +90,8 @@ class Group:
 class Rollout:
     """One generated, scored batch: its episodes wait in the replay buffer for the step that trains them."""
 
-    num_episodes: int
+    num_episodes: int  # one per completion, or per model turn with a step-wise estimator
+    turns_mean: float  # model turns per trained completion (1 unless the task is an environment)
     equal_reward_groups: int  # groups whose completions all got the same reward: no learning signal
     groups_dropped: int  # left out for want of signal (drop_equal_reward_groups)
     groups_stale: int  # finished too late for the staleness bound of the batch being filled; resampled
@@ -207,13 +221,15 @@ class RolloutCollector:
 
     async def _close(self, f: Filling) -> Rollout:
         cfg = self.config.controller
-        episodes = [e for gid, group in f.kept.items() for e in build_episodes(group, gid, cfg.advantage,
-                                                                                cfg.advantage_eps)]
+        episodes = [e for gid, group in f.kept.items()
+                    for e in build_episodes(group, gid, cfg.advantage, cfg.advantage_eps, cfg.divide_by_turns)]
         async with self.tracer.span("replay_buffer", "add", timeout=self.timeouts.replay_buffer):
             await self.replay_buffer.add.call_one(episodes)
         trained = [s for group in f.kept.values() for s in group]  # the rewards of the batch trained
         return Rollout(
             num_episodes=len(episodes), equal_reward_groups=f.equal,
+            turns_mean=statistics.fmean(len(s.completion.turns) if isinstance(s.completion, Trajectory) else 1
+                                        for s in trained) if trained else math.nan,
             groups_dropped=f.equal if cfg.drop_equal_reward_groups else 0, groups_stale=f.stale,
             rewards=[s.reward for s in trained], checks=check_rates(trained, len(trained), "", self.task.accuracy),
             reward_errors=sum(g.completions - len(g.scored) for g in f.groups),
@@ -248,27 +264,45 @@ class RolloutCollector:
         return rates
 
     async def run_group(self, index: int, sample: Sample, sampling: Sampling, what: str) -> Group:
-        """One prompt's completions from a generator replica (which first loads the newest weights),
-        graded by a grader replica. A replica that fails is replaced and the work redone elsewhere."""
+        """One prompt's completions (or, for an environment, conversations) from generator replicas (each
+        first loads the newest weights), graded by grader replicas. A replica that fails is replaced and
+        its call redone elsewhere."""
         launched = self.tracer.now()
-        prompt = Prompt(index, self.tokenizer.encode_chat(sample.prompt))
+        calls = []  # each generate call's span and the seconds it waited for a weight pull
+        tokens, oldest = 0, math.inf
 
-        async def generate(replica: Replica):
-            pull_time = await self._pull(replica)
-            async with self.tracer.span("generator", what, replica.policy_version, replica.index,
-                                        concurrent=True, timeout=self.timeouts.generate) as span:
-                completions = await replica.actor.generate.call_one([prompt], sampling=sampling)
-            return completions, pull_time, span
+        async def generate(prompts: list[Prompt], sampling: Sampling) -> list[Completion]:
+            nonlocal tokens, oldest
 
-        completions, pull_time, span = await self.generators.call(generate)
+            async def on(replica: Replica):
+                pull_time = await self._pull(replica)
+                async with self.tracer.span("generator", what, replica.policy_version, replica.index,
+                                            concurrent=True, timeout=self.timeouts.generate) as span:
+                    return await replica.actor.generate.call_one(prompts, sampling=sampling), span, pull_time
 
-        async def grade(replica: Replica):
-            async with self.tracer.span("grader", "grade", replica=replica.index, timeout=self.timeouts.grade):
-                return await replica.actor.score.call_one(completions, sample.answer)
+            completions, span, pull_time = await self.generators.call(on)
+            calls.append((span, pull_time))
+            tokens += sum(len(c.token_ids) for c in completions)
+            oldest = min(oldest, *(c.policy_version for c in completions))
+            return completions
 
-        scored = await self.graders.call(grade)
-        return Group(index, scored, len(completions), sum(len(c.token_ids) for c in completions),
-                     min(c.policy_version for c in completions), launched, span["start"], span["end"], pull_time)
+        def grade(endpoint: str, *args):
+            async def on(replica: Replica):
+                async with self.tracer.span("grader", endpoint, replica=replica.index, timeout=self.timeouts.grade):
+                    return await getattr(replica.actor, endpoint).call_one(*args)
+            return self.graders.call(on)
+
+        if is_environment(self.task):
+            scored, failed = await converse(
+                index, self.task.opening(sample), dataclasses.replace(sampling, stop=list(self.task.stop)),
+                self.config.controller.max_turns, self.config.generator.max_model_len, self.tokenizer, generate,
+                lambda conversations, last: grade("step", sample, conversations, last))
+            completions = len(scored) + failed
+        else:
+            first = await generate([Prompt(index, self.tokenizer.encode_chat(sample.prompt))], sampling)
+            scored, completions = await grade("score", first, sample.answer), len(first)
+        return Group(index, scored, completions, tokens, oldest, launched, calls[0][0]["start"], calls[-1][0]["end"],
+                     sum(pull_time for _, pull_time in calls))
 
     async def _pull(self, replica: Replica) -> float:
         """Bring `replica` to the newest published version; the seconds this call waited for it."""

@@ -1,4 +1,5 @@
 """The data that flows between actors: Prompt -> Completion -> ScoredCompletion -> Episode -> TrainBatch.
+A multi-turn rollout's Completions (one per model turn) make a Trajectory, scored as one.
 
 Each stage adds only what its producer knows: the generator knows tokens and logprobs, the grader
 knows rewards, the controller knows groups and advantages. The trainer sees only TrainBatch.
@@ -24,6 +25,7 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 48
+    stop: list[str] = field(default_factory=list)  # strings that end a turn (kept in its text), e.g. a tool call's end
 
 
 @dataclass
@@ -40,8 +42,34 @@ class Completion:
 
 
 @dataclass
+class Trajectory:
+    """A multi-turn rollout, as the controller assembled it: the model's turns in order, each generated
+    from everything before it (its prompt_token_ids are the previous turn's prompt and tokens, then the
+    environment's messages in the chat template's tokens)."""
+
+    turns: list[Completion]
+    text: str  # the conversation after the opening prompt, as the model saw it (special tokens included)
+
+    @property
+    def prompt_index(self) -> int:
+        return self.turns[0].prompt_index
+
+    @property
+    def policy_version(self) -> int:
+        return min(t.policy_version for t in self.turns)  # the oldest policy any of its turns sampled from
+
+    @property
+    def finish_reason(self) -> str:
+        return self.turns[-1].finish_reason
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t.token_ids) for t in self.turns)
+
+
+@dataclass
 class ScoredCompletion:
-    completion: Completion
+    completion: Completion | Trajectory
     reward: float
     reward_components: dict[str, float] = field(default_factory=dict)
 

@@ -38,3 +38,35 @@ class Parity:
 def longer_is_better(text: str, answer: str) -> float:
     """A dataset reward as a user's module:function: a float alone."""
     return min(len(text) / 100, 1.0)
+
+
+class FakeTool:
+    """A fake multi-turn environment for smoke runs of the tiny random model (which never calls a real
+    tool): the tool answers every model turn with `result <turn>` until the model has had `turns` turns."""
+
+    accuracy = "long"
+    stop = ["."]
+
+    @dataclass
+    class Config:
+        turns: int = 3
+
+    def __init__(self, config: "FakeTool.Config"):
+        self.config = config
+
+    def train_sample(self, index: int) -> Sample:
+        return Sample(f"Question {index}: say something.", "")
+
+    def eval_samples(self) -> list[Sample]:
+        return [self.train_sample(1000 + i) for i in range(2)]
+
+    def opening(self, sample: Sample) -> list[dict]:
+        return [{"role": "user", "content": sample.prompt}]
+
+    def step(self, sample: Sample, messages: list[dict]) -> list[dict] | None:
+        turns = sum(m["role"] == "assistant" for m in messages)
+        return [{"role": "tool", "content": f"result {turns}"}] if turns < self.config.turns else None
+
+    def reward(self, sample: Sample, messages: list[dict]) -> tuple[float, dict[str, float]]:
+        length = sum(len(m["content"]) for m in messages if m["role"] == "assistant")
+        return min(length / 100, 1.0), {"long": float(length > 50)}

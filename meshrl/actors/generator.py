@@ -57,7 +57,8 @@ class VLLMGenerator(Actor):
         s = sampling or Sampling(temperature=self.config.temperature, top_p=self.config.top_p,
                                  max_tokens=self.config.max_tokens)
         params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
-                                logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
+                                logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, stop=s.stop or None,
+                                include_stop_str_in_output=True)
         version = self.policy_version
         loop = asyncio.get_running_loop()
         futures = []

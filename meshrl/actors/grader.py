@@ -1,13 +1,26 @@
-"""The grader: turns one prompt's Completions into ScoredCompletions with the task's reward function."""
+"""The grader: scores completions with the task's reward function, and hosts a multi-turn environment
+(its answers to the model's turns, its reward at the end), so user code runs in an actor that is
+replaced if it dies, not in the controller."""
 
 import logging
+from dataclasses import dataclass, field
 
 from monarch.actor import Actor, endpoint
 
-from meshrl.tasks import make_task
+from meshrl.tasks import Sample, make_task
 from meshrl.types import Completion, ScoredCompletion
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EnvReply:
+    """An environment's answer to one conversation's latest model turn."""
+
+    messages: list[dict] | None = None  # the next messages: the conversation goes on
+    reward: float = 0.0  # else it is over, with this reward
+    checks: dict[str, float] = field(default_factory=dict)
+    failed: bool = False  # the environment raised (logged): the conversation is left out and counted
 
 
 class Grader(Actor):
@@ -26,3 +39,20 @@ class Grader(Actor):
                 continue
             scored.append(ScoredCompletion(completion, float(reward), components))
         return scored
+
+    @endpoint
+    async def step(self, sample: Sample, conversations: list[list[dict]], last: bool) -> list[EnvReply]:
+        """The environment's answer to each conversation's latest model turn; with `last` (the model has
+        no turn left) every conversation ends and is scored."""
+        replies = []
+        for messages in conversations:
+            try:
+                if not last and (new := self.task.step(sample, messages)) is not None:
+                    replies.append(EnvReply(messages=new))
+                    continue
+                reward, checks = self.task.reward(sample, messages)
+                replies.append(EnvReply(reward=float(reward), checks=checks))
+            except Exception:
+                logger.exception("environment failed on %r", messages[-1]["content"])
+                replies.append(EnvReply(failed=True))
+        return replies

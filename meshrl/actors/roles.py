@@ -40,6 +40,10 @@ class Grader(Protocol):
     async def score(self, completions: list[Completion], expected_answer: str) -> list[ScoredCompletion]:
         """Completions whose reward function raises are left out (the caller counts them)."""
 
+    async def step(self, sample, conversations: list[list[dict]], last: bool) -> list:
+        """For a multi-turn task (an `Environment`): one `EnvReply` per conversation, the environment's
+        next messages or, once it ends the conversation or `last`, its reward and checks."""
+
 
 class Trainer(Protocol):
     """Trains on TrainBatches and publishes weights; computes no advantages.

@@ -15,6 +15,7 @@ from meshrl.configs.job import JobConfig
 from meshrl.configs.overrides import ConfigError, apply_overrides
 from meshrl.tasks.dataset import DatasetConfig
 from meshrl.tasks.sum_digits import SumDigitsConfig
+from meshrl.tasks.zorplex import ZorplexConfig
 
 __all__ = ["CONFIGS", "Config", "ConfigError", "from_dict", "load_config", "register", "resumable_overrides",
            "to_dict"]
@@ -144,7 +145,9 @@ class ControllerConfig:
     steps: int = 20  # steps (each publishes one policy version)
     prompts_per_step: int = 8  # prompts (groups) per step
     group_size: int = 8  # completions per prompt
-    advantage: str = "grpo"  # grpo | dr_grpo | rloo (meshrl/advantages.py)
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo (meshrl/advantages.py); step_wise_<one of them>: an Episode per turn
+    divide_by_turns: bool = False  # step_wise_*: each turn's advantage divided by its trajectory's turns
+    max_turns: int = 4  # multi-turn tasks (environments): model turns per conversation at most
     drop_equal_reward_groups: bool = False  # DAPO's dynamic sampling: groups without signal are not trained
     max_sample_rounds: int = 4  # with drop_equal_reward_groups: prompt blocks sampled at most to fill a batch
     eval_every: int = 0  # 0: evaluate only before the first and after the last step
@@ -178,10 +181,11 @@ class Config:
     """A whole run: one section per role, the task and its own section, logging, and where the roles run."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    task: str = "sum_digits"  # sum_digits | dataset (settings: the section of the same name) | module:Class
+    task: str = "sum_digits"  # sum_digits | dataset | zorplex (settings: the section of the same name) | module:Class
     task_args: str = ""  # a module:Class task's settings, as JSON for its Config dataclass ('{"size": 100}')
     sum_digits: SumDigitsConfig = field(default_factory=SumDigitsConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    zorplex: ZorplexConfig = field(default_factory=ZorplexConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     grader: GraderConfig = field(default_factory=GraderConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -1,5 +1,6 @@
 """Tasks: where prompts and rewards come from. A task maps a training index to a Sample, holds a fixed
-eval split, and scores a reply with named checks. Chosen by name (`--task sum_digits`, `--task
+eval split, and scores a reply with named checks. An environment is a multi-turn task: it answers the
+model's turns (a tool's result, say) until the conversation ends, then scores the whole conversation. Chosen by name (`--task sum_digits`, `--task
 dataset`) or by `module:Class` (`--task mypkg.tasks:MyTask`), so a task in a user's own package needs
 no edit here; built-in tasks have a config section of their own (`--sum_digits.num_terms 3`), a
 `module:Class` task is built from its `Config` dataclass with `--task_args '{"size": 100}'`.
@@ -7,7 +8,7 @@ no edit here; built-in tasks have a config section of their own (`--sum_digits.n
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from meshrl.plugins import load_object
@@ -17,6 +18,7 @@ from meshrl.plugins import load_object
 class Sample:
     prompt: str  # the user's message; the chat template is applied by the controller
     answer: str
+    info: dict = field(default_factory=dict)  # what an environment needs besides the answer (its hidden state)
 
 
 class Task(Protocol):
@@ -36,7 +38,37 @@ class Task(Protocol):
         reply as a reward error: it is left out of training and counted."""
 
 
-BUILT_IN = {"sum_digits": "meshrl.tasks.sum_digits:SumDigits", "dataset": "meshrl.tasks.dataset:DatasetTask"}
+class Environment(Protocol):
+    """A multi-turn task. The controller opens the conversation with `opening`, lets the model take a turn
+    (which ends at the model's end of turn or at one of the `stop` strings, kept), and asks `step` for the
+    environment's answer, until `step` ends it or the model has taken `controller.max_turns` turns; then
+    `reward` scores the whole conversation. Only the model's tokens are trained."""
+
+    accuracy: str
+    stop: list[str]  # strings that end a model turn, e.g. the end of a tool call
+
+    def train_sample(self, index: int) -> Sample: ...
+
+    def eval_samples(self) -> list[Sample]: ...
+
+    def opening(self, sample: Sample) -> list[dict]:
+        """The messages that open the conversation ({"role": ..., "content": ...}; the chat template is
+        applied by the controller)."""
+
+    def step(self, sample: Sample, messages: list[dict]) -> list[dict] | None:
+        """The messages that answer the model's turn (the last of `messages`), or None: the conversation
+        is over."""
+
+    def reward(self, sample: Sample, messages: list[dict]) -> tuple[float, dict[str, float]]:
+        """The conversation's reward and the checks it is made of (`accuracy` among them)."""
+
+
+def is_environment(task) -> bool:
+    return callable(getattr(task, "step", None))
+
+
+BUILT_IN = {"sum_digits": "meshrl.tasks.sum_digits:SumDigits", "dataset": "meshrl.tasks.dataset:DatasetTask",
+            "zorplex": "meshrl.tasks.zorplex:Zorplex"}
 
 
 def task_class(name: str) -> type:

@@ -1,0 +1,179 @@
+"""Multi-turn rollouts: the chat-template tokens between turns, episodes (one per trajectory, or one per
+turn with step-wise advantages, checked by hand on fake completions), the Zorplex environment's rules,
+a conversation of real SmolLM2 in vLLM with the environment in a real grader actor (its loss mask
+decoded), and smoke runs through `meshrl train`."""
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from meshrl.actors import spawn
+from meshrl.actors.generator import VLLMGenerator
+from meshrl.actors.grader import Grader
+from meshrl.configs import GeneratorConfig, WeightSyncConfig
+from meshrl.model import ChatTokenizer, resolve_checkpoint
+from meshrl.multiturn import converse
+from meshrl.rollout import build_episodes
+from meshrl.tasks.zorplex import Zorplex, ZorplexConfig
+from meshrl.types import Completion, Sampling, ScoredCompletion, Trajectory
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return resolve_checkpoint("smollm2")
+
+
+def test_the_tokens_between_turns_are_the_templates_and_the_models_own_stay(tiny_checkpoint):
+    tokenizer = ChatTokenizer(tiny_checkpoint)
+    opening = [{"role": "user", "content": "What is the value of zorp?"}]
+    tool = [{"role": "tool", "content": "17"}]
+    reply = tokenizer.tokenizer.encode("LOOKUP[zorp]", add_special_tokens=False).ids
+    eos = tokenizer.tokenizer.token_to_id("<|im_end|>")
+    conversation = [*opening, {"role": "assistant", "content": "LOOKUP[zorp]"}]
+    whole = tokenizer.encode_messages([*conversation, *tool])
+    for ids in (reply, reply + [eos]):  # stopped at the tool call's "]", or at its end of turn
+        after = tokenizer.continuation(conversation, ids, tool)
+        assert tokenizer.encode_messages(opening) + ids + after == whole
+    assert tokenizer.tokenizer.decode(tokenizer.continuation(conversation, reply + [eos], tool),
+                                      skip_special_tokens=False) == "\n<|im_start|>tool\n17<|im_end|>\n<|im_start|>assistant\n"
+
+
+def fake_turn(prompt: list[int], tokens: list[int], version: int) -> Completion:
+    """A fake Completion: its logprobs are -(token id), to see where each lands."""
+    return Completion(0, prompt, tokens, [-float(t) for t in tokens], "", version, "stop")
+
+
+def test_episodes_of_trajectories_and_step_wise_advantages_by_hand():
+    # trajectory A: prompt [1, 2], model [3], environment [4], model [5, 6]; trajectory B: one turn
+    a1 = fake_turn([1, 2], [3], version=2)
+    a2 = fake_turn([1, 2, 3, 4], [5, 6], version=3)
+    b1 = fake_turn([1, 2], [7, 8], version=3)
+    group = [ScoredCompletion(Trajectory([a1, a2], ""), 1.0), ScoredCompletion(Trajectory([b1], ""), 0.0)]
+
+    whole = build_episodes(group, group_id=9, advantage="rloo")  # rloo: 1 - 0 = 1 and 0 - 1 = -1
+    assert [e.tokens for e in whole] == [[1, 2, 3, 4, 5, 6], [1, 2, 7, 8]]
+    assert whole[0].loss_mask == [False, False, True, False, True, True]
+    assert whole[0].behaviour_logprobs == [0.0, 0.0, -3.0, 0.0, -5.0, -6.0]
+    assert [e.advantage for e in whole] == [1.0, -1.0]
+    assert [e.policy_version for e in whole] == [2, 3]  # a trajectory is as old as its oldest turn
+
+    steps = build_episodes(group, group_id=9, advantage="step_wise_rloo")
+    assert [e.tokens for e in steps] == [[1, 2, 3], [1, 2, 3, 4, 5, 6], [1, 2, 7, 8]]
+    assert [e.loss_mask for e in steps] == [[False, False, True], [False, False, False, False, True, True],
+                                            [False, False, True, True]]
+    assert [e.advantage for e in steps] == [1.0, 1.0, -1.0]  # the trajectory's advantage on each of its turns
+    assert [e.policy_version for e in steps] == [2, 2, 3]
+    divided = build_episodes(group, group_id=9, advantage="step_wise_rloo", divide_by_turns=True)
+    assert [e.advantage for e in divided] == [0.5, 0.5, -1.0]
+    grpo = build_episodes(group, group_id=9, advantage="step_wise_grpo")  # mean 0.5, std 0.5: +-1
+    assert [round(e.advantage, 4) for e in grpo] == [1.0, 1.0, -1.0]
+
+
+def test_zorplex_answers_tool_calls_and_scores_the_conversation():
+    env = Zorplex(ZorplexConfig(level=2))
+    sample = env.train_sample(3)
+    (w1, v1), (w2, v2) = sample.info["values"].items()
+    assert sample.answer == str(v1 + v2) and w1 in sample.prompt and w2 in sample.prompt
+    assert env.train_sample(3) == sample and env.train_sample(4) != sample and env.eval_samples()[0] != sample
+    opening = env.opening(sample)
+    assert opening[-1] == {"role": "user", "content": sample.prompt} and "LOOKUP[blick]" in str(opening)
+
+    def say(*turns):
+        messages = list(opening)
+        for text in turns:
+            messages.append({"role": "assistant", "content": text})
+            if (answer := env.step(sample, messages)) is None:
+                return messages, None
+            messages += answer
+        return messages, answer
+
+    assert say(f"LOOKUP[{w1}]")[1] == [{"role": "tool", "content": str(v1)}]
+    assert say("LOOKUP[nosuch]")[1] == [{"role": "tool", "content": "unknown word"}]
+    assert say("I do not know.")[1] is None and say(f"Answer: 3 LOOKUP[{w1}]")[1] is None
+    right, _ = say(f"LOOKUP[{w1}]", f"LOOKUP[{w2}]", f"Answer: {v1 + v2}")
+    assert env.reward(sample, right) == (1.1, {"correct": 1.0, "tagged": 1.0, "tool_call": 1.0})
+    guessed, _ = say(f"LOOKUP[{w1}]", f"Answer: {v1 + v2}")  # right, but one word never looked up
+    assert env.reward(sample, guessed) == (1.0, {"correct": 1.0, "tagged": 1.0, "tool_call": 0.0})
+    untagged, _ = say(f"LOOKUP[{w1}]", f"LOOKUP[{w2}]", f"It is {v1 + v2}.")
+    assert env.reward(sample, untagged) == (pytest.approx(0.1), {"correct": 0.0, "tagged": 0.0, "tool_call": 1.0})
+    with pytest.raises(ValueError, match="zorplex level"):
+        Zorplex(ZorplexConfig(level=3))
+
+
+def test_smollm2_looks_up_in_the_environment_and_only_its_own_tokens_are_trained(smollm2):
+    """Real SmolLM2 in vLLM (greedy), the Zorplex environment in a real grader actor: conversations
+    with tool results in between, whose loss mask covers exactly the model's tokens."""
+    tokenizer = ChatTokenizer(smollm2)
+    env = Zorplex(ZorplexConfig())
+    samples = env.eval_samples()[:6]
+
+    async def run():
+        gen_procs, generator = spawn("generator", VLLMGenerator, GeneratorConfig(num_threads=2), WeightSyncConfig(),
+                                     str(smollm2))
+        grader_procs, grader = spawn("grader", Grader, "zorplex", ZorplexConfig())
+        try:
+            async def generate(prompts, sampling):
+                return await generator.generate.call_one(prompts, sampling=sampling)
+
+            results = []
+            for i, sample in enumerate(samples):
+                step = (lambda s: lambda conversations, last: grader.step.call_one(s, conversations, last))(sample)
+                results.append(await converse(i, env.opening(sample), Sampling(n=1, temperature=0.0, max_tokens=24,
+                                              stop=env.stop), 3, 512, tokenizer, generate, step))
+            return results
+        finally:
+            await gen_procs.stop()
+            await grader_procs.stop()
+
+    results = asyncio.run(run())
+    decode = lambda ids: tokenizer.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    looked_up = 0
+    for sample, (scored, failed) in zip(samples, results):
+        assert failed == 0 and len(scored) == 1
+        opening = tokenizer.encode_messages(env.opening(sample))
+        for s, whole in zip(scored, build_episodes(scored, 0)):
+            turns = s.completion.turns
+            assert whole.tokens[:len(opening)] == opening and not any(whole.loss_mask[:len(opening)])
+            trained = [t for t, m in zip(whole.tokens, whole.loss_mask) if m]
+            assert decode(trained) == "".join(decode(t.token_ids) for t in turns)  # the model's tokens, all of them
+            assert [lp for lp, m in zip(whole.behaviour_logprobs, whole.loss_mask) if m] == [
+                lp for t in turns for lp in t.logprobs]
+            between = [t for t, m in zip(whole.tokens[len(opening):], whole.loss_mask[len(opening):]) if not m]
+            value = sample.info["values"].get(turns[0].text.removeprefix("LOOKUP[").removesuffix("]"), "unknown word")
+            if len(turns) == 2 and turns[0].text.startswith("LOOKUP["):  # the tool's answer, in the template
+                looked_up += 1
+                assert decode(between) == f"<|im_end|>\n<|im_start|>tool\n{value}<|im_end|>\n<|im_start|>assistant\n"
+                assert f"tool\n{value}" in s.completion.text
+            step_wise = build_episodes([s], 0, "step_wise_grpo")
+            assert [decode([t for t, m in zip(e.tokens, e.loss_mask) if m]) for e in step_wise] == [
+                decode(t.token_ids) for t in turns]
+    assert looked_up >= 2  # greedy SmolLM2 looks up most words after the worked example
+
+
+def smoke(tmp_path, *args) -> tuple[list[dict], list[dict]]:
+    run = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path),
+                          "--checkpoint.every", "0", *args], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    read = lambda name: [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]  # noqa: E731
+    return read("metrics.jsonl"), read("rollouts.jsonl")
+
+
+def test_step_wise_grpo_trains_a_users_environment_turn_by_turn(tmp_path):
+    metrics, rollouts = smoke(tmp_path, "--task", "user_task:FakeTool", "--controller.advantage", "step_wise_grpo",
+                              "--controller.max_turns", "3")
+    assert [m["step"] for m in metrics] == [1, 2]
+    # 2 prompts x 4 conversations x 3 turns each: one episode per turn
+    assert [(m["turns_mean"], m["episodes"]) for m in metrics] == [(3.0, 24), (3.0, 24)]
+    assert all(r["turns"] == 3 and "<|im_start|>tool\nresult 1<|im_end|>" in r["completion"]
+               and "<|im_start|>tool\nresult 2<|im_end|>" in r["completion"] for r in rollouts)
+    assert {"accuracy", "eval_accuracy"} <= metrics[-1].keys()
+
+
+def test_zorplex_smoke_run(tmp_path):
+    metrics, rollouts = smoke(tmp_path, "--task", "zorplex", "--zorplex.eval_size", "2", "--zorplex.level", "2")
+    assert [m["step"] for m in metrics] == [1, 2] and {"accuracy", "tagged", "tool_call"} <= metrics[-1].keys()
+    assert [m["episodes"] for m in metrics] == [8, 8]  # one per trajectory by default
+    assert {r["prompt"] for r in rollouts} <= {Zorplex(ZorplexConfig(level=2)).train_sample(i).prompt for i in range(4)}
