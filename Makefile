@@ -4,11 +4,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo demo-zorplex test install clean
 
 demo: $(STAMP)
 	$(BIN)/meshrl prepare-model
 	$(BIN)/meshrl train --config sum_digits_smollm2 --run-dir runs/demo
+
+# The multi-turn tool-use demo (README: Multi-turn environments and tool use)
+demo-zorplex: $(STAMP)
+	$(BIN)/meshrl prepare-model
+	$(BIN)/meshrl train --config zorplex_smollm2 --run-dir runs/zorplex
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -v tests

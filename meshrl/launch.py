@@ -44,6 +44,9 @@ def check_config(config: Config) -> None:
     if ";" in config.generator.cpus and len(config.generator.cpus.split(";")) != config.generator.replicas:
         raise ValueError(f"generator.cpus {config.generator.cpus!r} names one set of cores per replica: "
                          f"it needs {config.generator.replicas} sets separated by ';'")
+    if config.generator.temperature == 0 or (cfg.eval_samples > 1 and cfg.eval_temperature == 0):
+        raise ValueError("greedy sampling gives one answer per prompt: generator.temperature must be above 0, "
+                         "and so must controller.eval_temperature when eval_samples is above 1")
     if cfg.max_turns < 1:
         raise ValueError("controller.max_turns must be at least 1")
     estimator(cfg.advantage.removeprefix(STEP_WISE))

@@ -58,6 +58,9 @@ def run_cli(*args):
     (["train", "--config", "smoke", "--model.source", "/no/such/model"], "model '/no/such/model' not found"),
     (["train", "--config", "smoke", "--replay_buffer.max_policy_age", "-1"], "max_policy_age must be at least 0"),
     (["train", "--config", "smoke", "--controller.group_size", "1"], "group_size must be at least 2"),
+    (["train", "--config", "smoke", "--controller.eval_samples", "4"], "greedy sampling gives one answer per prompt"),
+    (["train", "--config", "smoke", "--controller.advantage", "step_wise_ppo"], "unknown advantage estimator 'ppo'"),
+    (["train", "--config", "smoke", "--task", "zorplex", "--zorplex.level", "5"], "zorplex level must be one of"),
     (["train", "--config", "smoke", "--generator.impl", "no_module:Gen"], "cannot load actor implementation"),
     (["train", "--config", "smoke", "--generator.impl", "meshrl.actors.grader:Grader"],
      "meshrl.actors.grader:Grader cannot be the generator: it has no generate, attach_weights, pull_weights, "
