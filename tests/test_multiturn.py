@@ -12,7 +12,7 @@ import pytest
 
 from meshrl.actors import spawn
 from meshrl.actors.generator import VLLMGenerator
-from meshrl.actors.grader import Grader
+from meshrl.actors.grader import EnvReply, Grader
 from meshrl.configs import GeneratorConfig, WeightSyncConfig
 from meshrl.model import ChatTokenizer, resolve_checkpoint
 from meshrl.multiturn import converse
@@ -70,6 +70,40 @@ def test_episodes_of_trajectories_and_step_wise_advantages_by_hand():
     assert [e.advantage for e in divided] == [0.5, 0.5, -1.0]
     grpo = build_episodes(group, group_id=9, advantage="step_wise_grpo")  # mean 0.5, std 0.5: +-1
     assert [round(e.advantage, 4) for e in grpo] == [1.0, 1.0, -1.0]
+
+
+def test_conversations_end_at_max_turns_when_out_of_context_or_when_the_environment_fails(tiny_checkpoint):
+    """`converse` with a fake generator (each turn "hi" plus the end of turn) and a fake environment
+    that always answers unless told it is the last turn, and fails on conversation 2's second turn."""
+    tokenizer = ChatTokenizer(tiny_checkpoint)
+    hi = tokenizer.tokenizer.encode("hi", add_special_tokens=False).ids + [tokenizer.tokenizer.token_to_id("<|im_end|>")]
+    calls = []
+
+    async def generate(prompts, sampling):
+        calls.append((len(prompts), sampling.n))
+        return [fake_turn(p.token_ids, hi, version=len(calls)) for p in prompts for _ in range(sampling.n)]
+
+    async def step(conversations, last):
+        replies = []
+        for i, messages in enumerate(conversations):
+            turns = sum(m["role"] == "assistant" for m in messages)
+            fails = len(conversations) == 3 and i == 2 and turns == 2
+            replies.append(EnvReply(failed=fails) if fails or last else EnvReply([{"role": "tool", "content": "x"}]))
+        return replies
+
+    opening = [{"role": "user", "content": "go"}]
+    scored, failed = asyncio.run(converse(0, opening, Sampling(n=3, max_tokens=4), 3, 512, tokenizer, generate, step))
+    assert failed == 1 and [len(s.completion.turns) for s in scored] == [3, 3]
+    assert calls == [(1, 3), (3, 1), (2, 1)]  # the group's first turn, then one call per turn for those going on
+    assert [s.completion.policy_version for s in scored] == [1, 1]  # as old as their first turn
+    assert scored[0].completion.text == "hi<|im_end|>\n<|im_start|>tool\nx<|im_end|>\n<|im_start|>assistant\n" * 2 + \
+        "hi<|im_end|>"
+    between = tokenizer.continuation([*opening, {"role": "assistant", "content": ""}], hi,
+                                     [{"role": "tool", "content": "x"}])
+    second_prompt = len(tokenizer.encode_messages(opening)) + len(hi) + len(between)
+    scored, failed = asyncio.run(converse(0, opening, Sampling(n=1, max_tokens=4), 3, second_prompt + 4, tokenizer,
+                                          generate, step))
+    assert failed == 0 and len(scored[0].completion.turns) == 2  # a third turn would not fit
 
 
 def test_zorplex_answers_tool_calls_and_scores_the_conversation():
@@ -163,8 +197,8 @@ def smoke(tmp_path, *args) -> tuple[list[dict], list[dict]]:
 
 def test_step_wise_grpo_trains_a_users_environment_turn_by_turn(tmp_path):
     metrics, rollouts = smoke(tmp_path, "--task", "user_task:FakeTool", "--controller.advantage", "step_wise_grpo",
-                              "--controller.max_turns", "3")
-    assert [m["step"] for m in metrics] == [1, 2]
+                              "--controller.max_turns", "3", "--replay_buffer.max_policy_age", "1")
+    assert [m["step"] for m in metrics] == [1, 2] and max(m["staleness_max"] for m in metrics) <= 1
     # 2 prompts x 4 conversations x 3 turns each: one episode per turn
     assert [(m["turns_mean"], m["episodes"]) for m in metrics] == [(3.0, 24), (3.0, 24)]
     assert all(r["turns"] == 3 and "<|im_start|>tool\nresult 1<|im_end|>" in r["completion"]

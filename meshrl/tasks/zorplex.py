@@ -3,8 +3,8 @@ the model cannot know a value without calling the tool (`LOOKUP[word]`, answered
 and must end with the answer after "Answer:". Level 1 asks for one word's value, level 2 for the sum
 of two.
 
-SmolLM2-135M-Instruct never calls the tool from instructions alone (measured: 0 of 32 greedy replies, no
-well-formed call in 256 sampled ones), so by default the conversation opens with one worked example of
+SmolLM2-135M-Instruct does not call the tool from instructions alone (measured: 0 of 32 greedy replies,
+no call of the word asked about in 256 sampled ones), so by default the conversation opens with one worked example of
 the same level; with it the model calls the tool often enough, at level 1, for RL to have a signal.
 """
 
