@@ -286,9 +286,9 @@ class RolloutCollector:
             oldest = min(oldest, *(c.policy_version for c in completions))
             return completions
 
-        def grade(endpoint: str, *args):
+        def grade(endpoint: str, *args):  # a reward (score) or an environment's answer (step): a "grade" span
             async def on(replica: Replica):
-                async with self.tracer.span("grader", endpoint, replica=replica.index, timeout=self.timeouts.grade):
+                async with self.tracer.span("grader", "grade", replica=replica.index, timeout=self.timeouts.grade):
                     return await getattr(replica.actor, endpoint).call_one(*args)
             return self.graders.call(on)
 
