@@ -17,6 +17,7 @@ from meshrl.advantages import STEP_WISE, estimator
 from meshrl.configs import Config
 from meshrl.jobs import Hosts
 from meshrl.losses import check as check_loss
+from meshrl.tasks import is_environment, task_class
 
 if TYPE_CHECKING:
     from monarch._src.actor.actor_mesh import ActorMesh
@@ -71,8 +72,9 @@ def actor_classes(config: Config) -> dict[str, type]:
     if config.trainer.loss.kl_coef > 0:
         roles["reference"] = config.reference
     classes = {role: load_actor_class(role_config.impl) for role, role_config in roles.items()}
+    multi_turn = is_environment(task_class(config.task))
     for role, cls in classes.items():
-        if missing := missing_endpoints(role, cls):
+        if missing := missing_endpoints(role, cls, multi_turn):
             raise ValueError(f"{roles[role].impl} cannot be the {role}: it has no {', '.join(missing)} endpoint "
                              f"(the contract is meshrl.actors.roles.{ROLES[role].__name__})")
     return classes

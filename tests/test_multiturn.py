@@ -13,7 +13,8 @@ import pytest
 from meshrl.actors import spawn
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.grader import EnvReply, Grader
-from meshrl.configs import GeneratorConfig, WeightSyncConfig
+from meshrl.configs import GeneratorConfig, WeightSyncConfig, load_config
+from meshrl.launch import actor_classes
 from meshrl.model import ChatTokenizer, resolve_checkpoint
 from meshrl.multiturn import converse
 from meshrl.rollout import build_episodes
@@ -185,6 +186,13 @@ def test_smollm2_looks_up_in_the_environment_and_only_its_own_tokens_are_trained
             assert [decode([t for t, m in zip(e.tokens, e.loss_mask) if m]) for e in step_wise] == [
                 decode(t.token_ids) for t in turns]
     assert looked_up >= 2  # greedy SmolLM2 looks up most words after the worked example
+
+
+def test_a_grader_without_step_serves_single_turn_tasks_only():
+    single = load_config("smoke", ["--grader.impl", "user_task:ScoreOnlyGrader"])
+    assert actor_classes(single)["grader"].__name__ == "ScoreOnlyGrader"
+    with pytest.raises(ValueError, match="user_task:ScoreOnlyGrader cannot be the grader: it has no step endpoint"):
+        actor_classes(load_config("smoke", ["--grader.impl", "user_task:ScoreOnlyGrader", "--task", "zorplex"]))
 
 
 def smoke(tmp_path, *args) -> tuple[list[dict], list[dict]]:

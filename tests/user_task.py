@@ -3,6 +3,8 @@ Imported by the controller and by the grader processes (conftest puts tests/ on 
 
 from dataclasses import dataclass
 
+from monarch.actor import Actor, endpoint
+
 from meshrl.tasks import Sample
 
 
@@ -70,3 +72,11 @@ class FakeTool:
     def reward(self, sample: Sample, messages: list[dict]) -> tuple[float, dict[str, float]]:
         length = sum(len(m["content"]) for m in messages if m["role"] == "assistant")
         return min(length / 100, 1.0), {"long": float(length > 50)}
+
+
+class ScoreOnlyGrader(Actor):
+    """A user's grader written for single-turn tasks: no `step` endpoint (never spawned in the tests)."""
+
+    @endpoint
+    async def score(self, completions, expected_answer):
+        return []

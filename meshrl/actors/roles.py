@@ -41,7 +41,7 @@ class Grader(Protocol):
         """Completions whose reward function raises are left out (the caller counts them)."""
 
     async def step(self, sample, conversations: list[list[dict]], last: bool) -> list:
-        """For a multi-turn task (an `Environment`): one `EnvReply` per conversation, the environment's
+        """Needed only for a multi-turn task (an `Environment`): one `EnvReply` per conversation, the environment's
         next messages or, once it ends the conversation or `last`, its reward and checks."""
 
 
@@ -104,7 +104,12 @@ ROLES: dict[str, type] = {"generator": Generator, "grader": Grader, "trainer": T
                           "replay_buffer": ReplayBuffer, "reference": Reference}
 
 
-def missing_endpoints(role: str, cls: type) -> list[str]:
-    """The endpoints of `role`'s contract that `cls` does not define."""
-    wanted = [name for name in vars(ROLES[role]) if not name.startswith("_")]
+MULTI_TURN_ONLY = {"step"}  # a grader for single-turn tasks need not answer conversations
+
+
+def missing_endpoints(role: str, cls: type, multi_turn: bool = True) -> list[str]:
+    """The endpoints of `role`'s contract that `cls` does not define (those only multi-turn tasks
+    call, only when `multi_turn`)."""
+    wanted = [name for name in vars(ROLES[role]) if not name.startswith("_")
+              and (multi_turn or name not in MULTI_TURN_ONLY)]
     return [name for name in wanted if not hasattr(cls, name)]
