@@ -145,7 +145,7 @@ class StopSignals:
         self.held = True
 
     def release_hold(self) -> None:
-        self.held = False  # a step is training (the controller's hold): a stop waits for it
+        self.held = False
         if self.stopped_by and self.cancellable:
             self.task.cancel()  # the stop asked for while held
 

@@ -21,7 +21,6 @@ Step = Callable[[list[list[dict]], bool], Awaitable[list]]  # -> one grader.EnvR
 class Conversation:
     messages: list[dict]  # as the environment sees it: the opening, then each turn and answer
     turns: list[Completion]
-    next_ids: list[int] | None = None  # the next turn's prompt: everything so far, the assistant's turn opened
 
     def take(self, completion: Completion) -> None:
         self.turns.append(completion)
@@ -54,23 +53,27 @@ async def converse(index: int, opening: list[dict], sampling: Sampling, max_turn
                                            reply.checks))
 
     for turn in range(1, max_turns + 1):
-        going = []
+        going, prompts, full = [], [], []
         for conversation, reply in zip(live, await step([c.messages for c in live], turn == max_turns)):
             if reply.failed or reply.messages is None:
                 finish(conversation, reply)
                 continue
             last = conversation.turns[-1]
-            conversation.next_ids = (last.prompt_token_ids + last.token_ids
-                                     + tokenizer.continuation(conversation.messages, last.token_ids, reply.messages))
+            # the next turn's prompt: everything so far, the environment's messages, the assistant's turn opened
+            ids = (last.prompt_token_ids + last.token_ids
+                   + tokenizer.continuation(conversation.messages, last.token_ids, reply.messages))
             conversation.messages += reply.messages
-            going.append(conversation)
-        live = [c for c in going if len(c.next_ids) + sampling.max_tokens <= max_model_len]
-        if full := [c for c in going if len(c.next_ids) + sampling.max_tokens > max_model_len]:
+            if len(ids) + sampling.max_tokens > max_model_len:
+                full.append(conversation)
+            else:
+                going.append(conversation)
+                prompts.append(Prompt(index, ids))
+        if full:  # out of context: scored as they stand
             for conversation, reply in zip(full, await step([c.messages for c in full], True)):
-                finish(conversation, reply)  # out of context: scored as it stands
-        if not live:
+                finish(conversation, reply)
+        if not going:
             break
-        completions = await generate([Prompt(index, c.next_ids) for c in live], dataclasses.replace(sampling, n=1))
-        for conversation, completion in zip(live, completions):
+        for conversation, completion in zip(going, await generate(prompts, dataclasses.replace(sampling, n=1))):
             conversation.take(completion)
+        live = going
     return scored, failed

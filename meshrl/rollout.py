@@ -21,7 +21,7 @@ from meshrl.replicas import Replica, ReplicaPool
 from meshrl.tasks import Sample, is_environment
 from meshrl.timeouts import Timeouts
 from meshrl.multiturn import converse
-from meshrl.types import Completion, Episode, Prompt, Sampling, ScoredCompletion, Trajectory
+from meshrl.types import Completion, Episode, Prompt, Sampling, ScoredCompletion, Trajectory, model_turns
 
 
 def build_episodes(group: list[ScoredCompletion], group_id: int, advantage: str = "grpo", eps: float = 1e-6,
@@ -31,7 +31,7 @@ def build_episodes(group: list[ScoredCompletion], group_id: int, advantage: str 
     (everything before the turn as its prompt), each with its trajectory's advantage, divided by the
     trajectory's number of turns with `divide_by_turns`."""
     rewards = [s.reward for s in group]
-    turns = [c.turns if isinstance(c := s.completion, Trajectory) else [c] for s in group]
+    turns = [model_turns(s.completion) for s in group]
     if advantage.startswith(STEP_WISE):
         per_turn = step_wise(rewards, [len(t) for t in turns], advantage.removeprefix(STEP_WISE), divide_by_turns, eps)
         return [episode([turn], a, group_id, version=min(t.policy_version for t in ts))
@@ -228,8 +228,7 @@ class RolloutCollector:
         trained = [s for group in f.kept.values() for s in group]  # the rewards of the batch trained
         return Rollout(
             num_episodes=len(episodes), equal_reward_groups=f.equal,
-            turns_mean=statistics.fmean(len(s.completion.turns) if isinstance(s.completion, Trajectory) else 1
-                                        for s in trained) if trained else math.nan,
+            turns_mean=statistics.fmean(len(model_turns(s.completion)) for s in trained) if trained else math.nan,
             groups_dropped=f.equal if cfg.drop_equal_reward_groups else 0, groups_stale=f.stale,
             rewards=[s.reward for s in trained], checks=check_rates(trained, len(trained), "", self.task.accuracy),
             reward_errors=sum(g.completions - len(g.scored) for g in f.groups),

@@ -67,6 +67,11 @@ class Trajectory:
         return sum(len(t.token_ids) for t in self.turns)
 
 
+def model_turns(completion: "Completion | Trajectory") -> list[Completion]:
+    """The model's turns: a trajectory's, or the one completion."""
+    return completion.turns if isinstance(completion, Trajectory) else [completion]
+
+
 @dataclass
 class ScoredCompletion:
     completion: Completion | Trajectory

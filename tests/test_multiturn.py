@@ -177,9 +177,10 @@ def test_smollm2_looks_up_in_the_environment_and_only_its_own_tokens_are_trained
             assert [lp for lp, m in zip(whole.behaviour_logprobs, whole.loss_mask) if m] == [
                 lp for t in turns for lp in t.logprobs]
             between = [t for t, m in zip(whole.tokens[len(opening):], whole.loss_mask[len(opening):]) if not m]
-            value = sample.info["values"].get(turns[0].text.removeprefix("LOOKUP[").removesuffix("]"), "unknown word")
             if len(turns) == 2 and turns[0].text.startswith("LOOKUP["):  # the tool's answer, in the template
                 looked_up += 1
+                value = sample.info["values"].get(turns[0].text.removeprefix("LOOKUP[").removesuffix("]"),
+                                                  "unknown word")
                 assert decode(between) == f"<|im_end|>\n<|im_start|>tool\n{value}<|im_end|>\n<|im_start|>assistant\n"
                 assert f"tool\n{value}" in s.completion.text
             step_wise = build_episodes([s], 0, "step_wise_grpo")
