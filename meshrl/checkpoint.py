@@ -4,9 +4,9 @@
 - `trainer/`: the policy and the optimizer state, written by every trainer rank with
   `torch.distributed.checkpoint` (sharded, so it loads unchanged on any number of ranks), and each
   rank's counters and torch RNG state.
-- `state.pt`: the controller's side: the step and policy version, the data position (the next prompt,
-  the batch being filled, the prompts whose groups were still generating), full batches not yet
-  trained and the replay buffer's episodes, the metrics so far and the eval before training.
+- `state.pt`: the controller's side: the step and policy version, the work buffer's position (the
+  next prompt, prompts to start again, the batch being filled, complete batches not yet trained), the
+  metrics so far and the eval before training.
 - `checkpoint.json`: the same position in words, for people and tests.
 
 A checkpoint is written into `.step-N.partial/` and renamed into place once complete, so a run
@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from meshrl.actors import first, in_rank_order
+
 DIR = "checkpoints"
 _STEP = re.compile(r"^step-(\d+)$")
 
@@ -32,12 +34,34 @@ class RunState:
 
     step: int  # steps done
     trainer_version: int  # the policy version published after it
-    collector: dict  # RolloutCollector.snapshot(): next prompt, batches done, the batch being filled, prompts to redo
-    queued: list  # full batches (Rollouts) not yet trained; their episodes are in `buffer`
-    buffer: dict  # the replay buffer's state
+    work: dict  # WorkBuffer.snapshot(): what to generate next, and what was generated but not trained
     rows: list[dict]  # metrics.jsonl so far
     initial: dict  # the eval before training
-    counters: dict = field(default_factory=dict)  # replica restarts and requeued groups so far
+    counters: dict = field(default_factory=dict)  # replica restarts and retried calls so far
+
+
+class Checkpointer:
+    """Writes a run's checkpoints (the trainer's state by its ranks, the controller's beside it) and
+    reads the trainer's back."""
+
+    def __init__(self, run_dir: Path, keep: int, trainer, tracer, timeouts):
+        self.run_dir, self.keep, self.trainer, self.tracer, self.timeouts = Path(run_dir), keep, trainer, tracer, timeouts
+
+    async def write(self, state: RunState) -> Path:
+        """Checkpoint `state` (taken at a step's end, while the trainer is idle) as step-N."""
+        final = self.run_dir / DIR / f"step-{state.step}"
+        if final.exists():
+            return final
+        partial = begin(self.run_dir, state.step)
+        async with self.tracer.span("trainer", "save_state", state.trainer_version, timeout=self.timeouts.trainer):
+            await in_rank_order(self.trainer.save_state.call(str(partial / "trainer")))
+        return commit(partial, state, self.keep)
+
+    async def restore_trainer(self, checkpoint: Path) -> int:
+        """The trainer's policy, optimizer and counters from `checkpoint`, published again under its
+        version (the generators load it before they sample); returns that version."""
+        async with self.tracer.span("trainer", "load_state", timeout=self.timeouts.trainer):
+            return await first(self.trainer.load_state.call(str(checkpoint / "trainer")))
 
 
 def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -64,13 +88,12 @@ def commit(partial: Path, state: RunState, keep: int) -> Path:
     """Write the controller's state into `partial`, rename it into place, and keep only the newest
     `keep` checkpoints (0: all). Returns the checkpoint's directory."""
     torch.save(state, partial / "state.pt")
-    c = state.collector
+    w = state.work
+    untrained = {*w["filling"].kept, *(r["prompt_index"] for b in w["ready"].values() for r in b.records)}
     (partial / "checkpoint.json").write_text(json.dumps({
-        "step": state.step, "policy_version": state.trainer_version, "next_prompt": c["next_prompt"],
-        "batches_done": c["batches_done"], "prompts_to_redo": c["relaunch"],
-        "prompts_generated_not_trained": sorted({*c["filling"].kept,
-                                                 *(rec["prompt_index"] for r in state.queued for rec in r.records)}),
-        "buffered_episodes": len(state.buffer["episodes"])}, indent=2))
+        "step": state.step, "policy_version": state.trainer_version, "next_prompt": w["next_prompt"],
+        "batches_complete": w["filling"].index, "prompts_to_redo": w["redo"],
+        "prompts_generated_not_trained": sorted(untrained), **w["totals"]}, indent=2))
     final = partial.parent / f"step-{state.step}"
     os.rename(partial, final)
     done = checkpoints(partial.parent.parent)

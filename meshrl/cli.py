@@ -102,13 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "bench":
             _bench_sync_vs_async(args, rest)
         else:  # bad input fails here, before anything starts; a failure during the run keeps its traceback
-            controller = (_prepare_resume(args.resume, rest) if args.resume else
-                          _prepare_train(args.config, rest, args.run_dir))
+            run = (_prepare_resume(args.resume, rest) if args.resume else _prepare_train(args.config, rest, args.run_dir))
             if args.dry_run:
-                _dry_run(controller)
+                _dry_run(run)
     except (ConfigError, ModelError, ValueError) as e:
         return _error(str(e))
-    return _train(controller) if args.command == "train" and not args.dry_run else 0
+    return _train(run) if args.command == "train" and not args.dry_run else 0
 
 
 def _error(message: str) -> int:
@@ -160,19 +159,19 @@ def _bench_sync_vs_async(args, overrides: list[str]) -> None:
 
 
 def _prepare_train(name: str, overrides: list[str], run_dir: Path | None):
-    """The run's Controller: the config, the model and every role's implementation checked."""
-    from meshrl.controller import Controller
+    """The Run: the config, the model and every role's implementation checked."""
+    from meshrl.run import Run
 
     config = load_config(name, overrides)
-    return Controller(config, run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return Run(config, run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 def _prepare_resume(run_dir: Path, overrides: list[str]):
-    """The Controller that continues `run_dir` from its newest complete checkpoint."""
+    """The Run that continues `run_dir` from its newest complete checkpoint."""
     from meshrl.checkpoint import latest
     from meshrl.configs import Config, from_dict, resumable_overrides
     from meshrl.configs.overrides import apply_overrides
-    from meshrl.controller import Controller
+    from meshrl.run import Run
 
     if not (run_dir / "config.json").is_file():
         raise ValueError(f"{run_dir} is not a run directory (no config.json)")
@@ -181,24 +180,24 @@ def _prepare_resume(run_dir: Path, overrides: list[str]):
     resumable_overrides(saved, config)
     if (newest := latest(run_dir)) is None:
         raise ValueError(f"{run_dir} has no complete checkpoint to resume from (checkpoints/step-N)")
-    return Controller(config, run_dir, resume_from=newest)
+    return Run(config, run_dir, resume_from=newest)
 
 
-def _dry_run(controller) -> None:
+def _dry_run(run) -> None:
     """The plan of a checked config; the job object is built (its settings checked) but not started."""
     from meshrl.jobs import describe, make_job
 
-    make_job(controller.config.job, controller.run_dir / "job")
-    print("\n".join(describe(controller.config, controller.placement)))
-    print(f"model: {controller.checkpoint}\nchecked; nothing started (--dry-run)")
+    make_job(run.config.job, run.run_dir / "job")
+    print("\n".join(describe(run.config, run.placement)))
+    print(f"model: {run.model_path}\nchecked; nothing started (--dry-run)")
 
 
-def _train(controller) -> int:
+def _train(run) -> int:
     from meshrl.replicas import RoleFailed
 
-    run_dir = controller.run_dir
+    run_dir = run.run_dir
     try:
-        summary = asyncio.run(controller.run())
+        summary = asyncio.run(run.run())
     except RoleFailed as e:  # a role could no longer work: what there is was written; one line says what
         print(f"meshrl: error: {e}", file=sys.stderr)
         return 1

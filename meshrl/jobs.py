@@ -20,7 +20,7 @@ from monarch.job import JobState, JobTrait, LocalJob, ProcessJob, SlurmJob
 from meshrl.configs.job import JobConfig
 
 KINDS = ("local", "process", "workers", "slurm", "kubernetes")
-PLACED = ("trainer", "reference", "generator", "grader", "replay_buffer")  # the roles with a `hosts` field
+PLACED = ("trainer", "reference", "generator", "grader")  # the roles with a `hosts` field
 
 
 def host_groups(job: JobConfig) -> dict[str, int]:
@@ -65,10 +65,8 @@ def plan(config) -> dict[str, RolePlacement]:
                 raise ValueError(f"{role}.ranks ({section.ranks}) must be a multiple of the hosts in its group "
                                  f"{group!r} ({hosts}): each host runs as many ranks")
             per_host = section.ranks // hosts
-        elif role in ("generator", "grader"):
+        else:  # generator, grader
             per_host = -(-section.replicas // hosts)
-        else:
-            per_host = 1
         placements[role] = RolePlacement(group, hosts, per_host)
     check_job(job, groups)
     return placements
@@ -84,10 +82,8 @@ def describe(config, placement: dict[str, RolePlacement]) -> list[str]:
         where = f"group {p.group} ({_n(p.hosts, 'host')})" if p.group else "the controller's host"
         if role in ("trainer", "reference"):
             what = f"{_n(getattr(config, role).ranks, 'rank')}, {p.procs_per_host} per host"
-        elif role in ("generator", "grader"):
-            what = f"{_n(getattr(config, role).replicas, 'replica')} (one process each, round-robin over the hosts)"
         else:
-            what = "one process"
+            what = f"{_n(getattr(config, role).replicas, 'replica')} (one process each, round-robin over the hosts)"
         lines.append(f"{role}: {what} on {where}")
     return lines
 

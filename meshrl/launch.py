@@ -1,14 +1,17 @@
 """Starting a run's actors: each role's implementation checked against its contract, its proc mesh
-spawned on the hosts its config names, and the config's cross-field checks, all before a step runs."""
+spawned on the hosts its config names, and the config's cross-field checks, all before a step runs;
+the dtype weights are published in; and the stop signals."""
 
 import asyncio
 import dataclasses
 import logging
 import signal
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
+from monarch.actor import Actor, endpoint
 from tqdm import tqdm
 
 from meshrl.actors import load_actor_class, placement, spawn, spawn_ranks
@@ -38,8 +41,16 @@ def check_config(config: Config) -> None:
         raise ValueError("trainer.mini_batches and trainer.micro_batch_size must be at least 1")
     if config.logging.wandb_mode not in ("auto", "online", "offline"):
         raise ValueError(f"unknown logging.wandb_mode {config.logging.wandb_mode!r}; known: auto, online, offline")
-    if config.replay_buffer.max_policy_age < 0:
-        raise ValueError("replay_buffer.max_policy_age must be at least 0")
+    if cfg.max_policy_age < 0:
+        raise ValueError("controller.max_policy_age must be at least 0")
+    if not 0 <= cfg.max_failed_fraction <= 1:
+        raise ValueError("controller.max_failed_fraction must be between 0 and 1")
+    if config.generator.top_p != 1:
+        raise ValueError(f"generator.top_p {config.generator.top_p:g}: training samples must come from the whole "
+                         "distribution at generator.temperature, which the trainer's logprobs follow; keep it 1 "
+                         "(controller.eval_top_p sets eval's)")
+    if config.weight_sync.dtype not in ("auto", "bfloat16", "float32", "float16"):
+        raise ValueError(f"unknown weight_sync.dtype {config.weight_sync.dtype!r}; known: auto, bfloat16, float32, float16")
     if min(config.generator.replicas, config.grader.replicas, config.trainer.ranks, config.reference.ranks) < 1:
         raise ValueError("generator.replicas, grader.replicas, trainer.ranks and reference.ranks must be at least 1")
     if ";" in config.generator.cpus and len(config.generator.cpus.split(";")) != config.generator.replicas:
@@ -60,15 +71,13 @@ class Actors:
     actors follow roles.Generator and roles.Grader); meshrl/actors/roles.py says what each must answer."""
 
     trainer: "ActorMesh[roles.Trainer]"
-    replay_buffer: "ActorMesh[roles.ReplayBuffer]"
     procs: list  # the proc meshes, to stop
     reference: "ActorMesh[roles.Reference] | None" = None
 
 
 def actor_classes(config: Config) -> dict[str, type]:
     """The implementation each role's config names (checked before anything starts)."""
-    roles = {"generator": config.generator, "grader": config.grader, "trainer": config.trainer,
-             "replay_buffer": config.replay_buffer}
+    roles = {"generator": config.generator, "grader": config.grader, "trainer": config.trainer}
     if config.trainer.loss.kl_coef > 0:
         roles["reference"] = config.reference
     classes = {role: load_actor_class(role_config.impl) for role, role_config in roles.items()}
@@ -82,13 +91,10 @@ def actor_classes(config: Config) -> dict[str, type]:
 
 async def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Path, hosts: Hosts) -> Actors:
     """One proc mesh per role besides the pools, on the hosts each role's config names: the trainer's
-    (`trainer.ranks` processes), the replay buffer's and the reference's (`reference.ranks`)."""
+    (`trainer.ranks` processes) and the reference's (`reference.ranks`)."""
     procs, trainer = await spawn_ranks("trainer", classes["trainer"], config.trainer.ranks, config.trainer,
                                        config.weight_sync, str(checkpoint), hosts=hosts.of("trainer"))
     actors, meshes = {"trainer": trainer}, [procs]
-    procs, actors["replay_buffer"] = spawn("replay_buffer", classes["replay_buffer"], config.replay_buffer,
-                                           host=hosts.host("replay_buffer", 0))
-    meshes.append(procs)
     if "reference" in classes:
         procs, actors["reference"] = await spawn_ranks("reference", classes["reference"], config.reference.ranks,
                                                        config.reference, str(checkpoint),
@@ -110,46 +116,87 @@ def note_fault(failure) -> None:
     logger.debug("actor failure: %s", failure)
 
 
+class Stopped(Exception):
+    """A stop was asked for while a step trained: raised once the step is whole."""
+
+
 class StopSignals:
-    """Ctrl-C (SIGINT) or SIGTERM cancels the training task while it is `cancellable`; the controller
-    then writes a checkpoint, saves the policy and writes what it has. `stopped_by` names the signal.
+    """Ctrl-C (SIGINT) or SIGTERM stops a run: `stopped_by` names the signal, and the controller's
+    loops (`task`) are cancelled at once, or, while a step trains or a checkpoint is written
+    (`holding`), stopped as soon as that ends (Stopped), so that the stop's checkpoint has whole steps. A second signal
+    ends the process within seconds whatever it is doing (`on_hard_stop`: it writes what it can, stops
+    every actor process and exits).
 
     Installed once the actors run: Monarch's runtime replaces the process's SIGINT handler beneath
-    Python's, so asyncio's own Ctrl-C handling never fires. While a step trains (`hold`) a stop waits
-    for it to end, so that the checkpoint has whole steps; a second signal stops at once."""
+    Python's, so asyncio's own Ctrl-C handling never fires."""
 
     def __init__(self):
         self.stopped_by: str | None = None
-        self.cancellable = False
-        self.held = False  # a step is training (the controller's hold): a stop waits for it
-        self.task: asyncio.Task | None = None
+        self.held = False  # a step is training, or a checkpoint being written: a stop waits for it
+        self.task: asyncio.Task | None = None  # what a stop cancels: the controller's loops, while they run
+        self.on_hard_stop: Callable[[str], None] | None = None  # the second signal's: never returns
 
     def install(self) -> None:
-        loop, self.task = asyncio.get_running_loop(), asyncio.current_task()
-
-        def stop(sig: signal.Signals) -> None:
-            if self.stopped_by is None:
-                self.stopped_by = sig.name
-                tqdm.write(f"{sig.name}: stopping after this step; saving a checkpoint and the policy "
-                           f"(again to stop at once)")
-                if self.cancellable and not self.held:
-                    self.task.cancel()
-            elif self.cancellable:  # the second: at once, without waiting for the step
-                self.task.cancel()
-
+        loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop, sig)
+            loop.add_signal_handler(sig, self.request, sig.name)
 
-    def hold(self) -> None:
-        """A stop asked for from now on waits for `release_hold`."""
+    def request(self, name: str) -> None:
+        """A stop asked for by signal `name` (the handler; tests call it too)."""
+        if self.stopped_by is not None:
+            tqdm.write(f"{name} again: stopping now, without a checkpoint")
+            if self.on_hard_stop:
+                self.on_hard_stop(name)
+            return
+        self.stopped_by = name
+        tqdm.write(f"{name}: stopping after this step; saving a checkpoint and the policy (again to stop at once)")
+        if self.task and not self.held:
+            self.task.cancel()
+
+    @contextmanager
+    def holding(self):
+        """A stop asked for meanwhile waits for the block to end, then raises Stopped."""
         self.held = True
-
-    def release_hold(self) -> None:
-        self.held = False
-        if self.stopped_by and self.cancellable:
-            self.task.cancel()  # the stop asked for while held
+        try:
+            yield
+        finally:
+            self.held = False
+        if self.stopped_by:
+            raise Stopped(self.stopped_by)
 
     def release(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+class DtypeProbe(Actor):
+    """Asked on a generator's host which dtype vLLM serves there (its hardware decides `auto`)."""
+
+    @endpoint
+    async def served(self, dtype: str) -> str:
+        from meshrl.actors.generator import vllm_dtype
+
+        return vllm_dtype(dtype)
+
+
+VLLM_DTYPES = {"half": "float16", "float": "float32"}  # vLLM's other names for them
+
+
+async def weight_dtype(config: Config, hosts: Hosts, local: bool) -> str:
+    """The dtype versions are published in: `weight_sync.dtype`, or for `auto` the one the generators
+    serve (vLLM's on generator 0's host, asked there unless it is this one, `local`), so that the served
+    policy is exactly the trained one, not a rounded copy."""
+    if config.weight_sync.dtype != "auto":
+        return config.weight_sync.dtype
+    if local:
+        from meshrl.actors.generator import vllm_dtype
+
+        served = vllm_dtype(config.generator.dtype)
+    else:
+        procs, probe = spawn("dtype_probe", DtypeProbe, host=hosts.host("generator", 0))
+        try:
+            served = await probe.served.call_one(config.generator.dtype)
+        finally:
+            await procs.stop()
+    return VLLM_DTYPES.get(served, served)

@@ -159,10 +159,16 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def response_logits(model, batch: TrainBatch) -> torch.Tensor:
-    """Logits [N, V] at the batch's N loss positions only: the LM head (a fifth of SmolLM2's weights)
-    and the log-softmax over the vocabulary skip the prompt positions. `model` is a policy from
-    `model.load_policy`, whose forward stops before the LM head."""
-    return model.lm_head(model(batch.input_ids)[batch.loss_mask])
+    """Logits [N, V] at the batch's N loss positions only, divided by each sequence's sampling
+    temperature: those of the distribution its tokens were drawn from (float32 then). The LM head (a
+    fifth of SmolLM2's weights) and the log-softmax over the vocabulary skip the prompt positions.
+    `model` is a policy from `model.load_policy`, whose forward stops before the LM head."""
+    mask = batch.loss_mask
+    logits = model.lm_head(model(batch.input_ids)[mask])
+    if batch.temperature is None or bool((batch.temperature == 1).all()):
+        return logits
+    temperature = batch.temperature.to(logits.device).unsqueeze(-1).expand(mask.shape)[mask]
+    return logits.float() / temperature.unsqueeze(-1)
 
 
 def on_positions(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -138,14 +138,16 @@ def build_policy(hf_config: dict):
     return config.build(), Llama3StateDictAdapter(config, None)
 
 
-def published_weights(checkpoint: Path):
-    """What the trainer publishes (torchtitan's names and full shapes, in the checkpoint's dtype; a
-    tied LM head once, as the embedding) and the adapter that maps those tensors to HF names.
-    The model is built on the meta device: shapes only, no memory."""
+def published_weights(checkpoint: Path, dtype: str = "auto"):
+    """What the trainer publishes (torchtitan's names and full shapes, in `dtype`: the one the generators
+    serve, "auto" for the checkpoint's; a tied LM head once, as the embedding) and the adapter that maps
+    those tensors to HF names. The model is built on the meta device: shapes only, no memory."""
     hf_config = read_hf_config(checkpoint)
     with torch.device("meta"):
         model, adapter = build_policy(hf_config)
-    dtype = getattr(torch, hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16")
+    if dtype == "auto":
+        dtype = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
+    dtype = getattr(torch, dtype)
     shapes = {name: (tuple(t.shape), dtype) for name, t in model.state_dict().items()
               if not (name == "lm_head.weight" and hf_config.get("tie_word_embeddings", False))}
     return WeightLayout.of(shapes), adapter

@@ -1,11 +1,14 @@
 """A pool of replicas of one role (generators, graders): each call goes to the least-loaded healthy
-replica, and a replica that fails (its process killed, its endpoint raising) is stopped and replaced
-on a fresh proc mesh while its calls are retried on the others.
+replica, and a replica that fails is stopped and replaced on a fresh proc mesh while its calls are
+retried on the others.
 
-The pool knows nothing of what the calls do: `call(fn)` runs `fn(replica)` and, if the replica
-fails, runs it again on another. A call is therefore retried whole, so each piece of work (one
-prompt's group) is done once by a healthy replica and never silently dropped. After `max_restarts`
-replacements the pool gives up: the call raises `RoleFailed` with one clear line.
+Failures by kind. A replica fails when its process died (Monarch's SupervisionError), a call to it
+timed out (CallTimeout), or it says its engine is broken (an endpoint raising `ReplicaBroken`): it is
+replaced and the call redone whole elsewhere, so each piece of work (one prompt's group) is done once
+by a healthy replica and never silently dropped. Any other error an endpoint raises is the call's own
+(vLLM rejecting a request, a tokenizer or environment error): the replica serves on and the caller
+gets `CallFailed`, with one line saying why. After `max_restarts` replacements the pool gives up: the
+call raises `RoleFailed` with one clear line.
 """
 
 import asyncio
@@ -16,10 +19,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, TypeVar
 
-from monarch.actor import Actor, endpoint
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+from monarch.actor import Actor, ActorError, endpoint
 
 from meshrl.actors import in_rank_order, spawn
-from meshrl.timeouts import Timeout, deadline
+from meshrl.actors.roles import ReplicaBroken
+from meshrl.timeouts import CallTimeout, Timeout, bounded, deadline
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -27,6 +32,14 @@ T = TypeVar("T")
 
 class RoleFailed(RuntimeError):
     """A role can no longer do its work (its replicas kept failing, or a single actor died)."""
+
+
+class CallFailed(RuntimeError):
+    """An endpoint raised an error of the call's own: the replica is fine, the work is not."""
+
+
+class ReplicaLost(RuntimeError):
+    """The replica failed while this call waited for it: redo the call elsewhere."""
 
 
 class ProcessInfo(Actor):
@@ -37,7 +50,7 @@ class ProcessInfo(Actor):
         return socket.gethostname(), os.getpid()
 
 
-def describe(error: BaseException) -> str:
+def error_line(error: BaseException) -> str:
     """One line for an actor call's failure: which call, and the last line of why (a remote
     traceback's exception, or "the process ... failed: Killed(sig=9)")."""
     text = str(error).split("Stack backtrace:")[0]  # Monarch's Rust errors append their frames
@@ -64,65 +77,80 @@ class Replica:
     load: int = 0  # calls in flight
     policy_version: int = 0  # what it serves (generators)
     pulling: asyncio.Lock = field(default_factory=asyncio.Lock)
+    calls: asyncio.Lock = field(default_factory=asyncio.Lock)  # the tracer's, for actors that serve one call at a time
     busy_since: float | None = None
     busy_s: float = 0.0  # seconds with at least one call in flight
 
 
+def replica_name(role: str, index: int, count: int) -> str:
+    """ "generator0", "generator1", ...; "generator" when there is one."""
+    return f"{role}{index}" if count > 1 else role
+
+
+def monarch_replicas(name: Callable[[int], str], cls: type, make_args: Callable[[int], tuple],
+                     host: Callable[[int], object] | None = None,
+                     setup: Callable[[Replica], Awaitable[None]] | None = None,
+                     start_timeout: Timeout | None = None) -> Callable[[int], Awaitable[Replica]]:
+    """How a pool starts replica i of `cls(*make_args(i))`: on a proc mesh of its own on `host(i)` (a
+    host mesh of one host; default the controller's), then `setup` (a generator attaches to the
+    weight ring), all within `start_timeout`; nothing left running if it fails or is cancelled."""
+
+    async def start(index: int) -> Replica:
+        procs, actor = spawn(name(index), cls, *make_args(index), host=host(index) if host else None)
+        try:
+            async with deadline(start_timeout, name(index), "start"):
+                [(where, pid)] = await processes(procs, name(index))
+                replica = Replica(index, procs, actor, where, pid)
+                if setup:
+                    await setup(replica)
+            return replica
+        except BaseException:
+            await asyncio.shield(bounded(procs.stop(), start_timeout, f"stopping {name(index)}"))
+            raise
+
+    return start
+
+
 class ReplicaPool:
-    def __init__(self, role: str, cls: type, make_args: Callable[[int], tuple], count: int, max_restarts: int,
-                 setup: Callable[[Replica], Awaitable[None]] | None = None,
-                 on_replaced: Callable[[], None] | None = None, host: Callable[[int], object] | None = None,
-                 start_timeout: Timeout | None = None):
-        """`count` replicas of `cls(*make_args(i))`, replica i on `host(i)` (a host mesh; default the
-        controller's host); `setup` runs on every replica, replacements included, before it takes
-        work (a generator attaches to the weight ring); a replica not started and set up within
-        `start_timeout` counts as failed; `on_replaced` is called once a replacement serves (the
-        controller rewrites processes.json)."""
-        self.role, self.cls, self.make_args, self.count = role, cls, make_args, count
-        self.max_restarts, self.setup, self.on_replaced = max_restarts, setup, on_replaced
-        self.host, self.start_timeout = host or (lambda index: None), start_timeout
+    def __init__(self, role: str, start: Callable[[int], Awaitable[Replica]], count: int, max_restarts: int,
+                 on_replaced: Callable[[], None] | None = None, stop_timeout: Timeout | None = None):
+        """`count` replicas, replica i started by `start(i)` (`monarch_replicas`, or a test's fakes),
+        replacements too; `on_replaced` is called once a replacement serves (the controller rewrites
+        processes.json); stopping a replica's mesh is bounded by `stop_timeout`."""
+        self.role, self.start_replica, self.count = role, start, count
+        self.max_restarts, self.on_replaced, self.stop_timeout = max_restarts, on_replaced, stop_timeout
         self.replicas: list[Replica] = []
         self.restarts = 0
         self.retired_busy_s = 0.0  # busy seconds of replicas since replaced
-        self.requeued = 0  # calls retried on another replica after theirs failed
+        self.retried = 0  # calls redone on another replica after theirs failed
         self.failed: RoleFailed | None = None
         self.changed = asyncio.Condition()  # a replica became healthy, or the pool gave up
         self.respawning: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        self.replicas = list(await asyncio.gather(*(self._spawn(i) for i in range(self.count))))
+        self.replicas = list(await asyncio.gather(*(self.start_replica(i) for i in range(self.count))))
 
     def name(self, index: int) -> str:
-        return f"{self.role}{index}" if self.count > 1 else self.role
-
-    async def _spawn(self, index: int) -> Replica:
-        name = self.name(index)
-        procs, actor = spawn(name, self.cls, *self.make_args(index), host=self.host(index))
-        try:
-            async with deadline(self.start_timeout, name, "start"):
-                [(host, pid)] = await processes(procs, name)
-                replica = Replica(index, procs, actor, host, pid)
-                if self.setup:
-                    await self.setup(replica)
-            return replica
-        except BaseException:  # cancelled or failed while starting: leave no process behind
-            await asyncio.shield(procs.stop())
-            raise
+        return replica_name(self.role, index, self.count)
 
     async def call(self, fn: Callable[[Replica], Awaitable[T]]) -> T:
-        """`fn` on the least-loaded healthy replica; on another if that one fails."""
+        """`fn` on the least-loaded healthy replica; on another if that one fails. CallFailed if `fn`'s
+        call raised an error of its own."""
         while True:
             replica = await self._least_loaded()
             self._track(replica, +1)
             try:
                 return await fn(replica)
-            except RoleFailed:
-                raise
-            except Exception as e:  # CancelledError is not an Exception: a cancelled call is not retried
-                self.requeued += 1
-                await self._replace(replica, e)
+            except ActorError as e:
+                if not isinstance(e.exception, ReplicaBroken):
+                    raise CallFailed(error_line(e)) from None
+                reason = e
+            except (SupervisionError, CallTimeout, ReplicaLost) as e:  # CancelledError is not retried
+                reason = e
             finally:
                 self._track(replica, -1)
+            self.retried += 1
+            await self._replace(replica, reason)
 
     def busy_seconds(self) -> float:
         """Seconds the replicas, all together, had at least one call in flight."""
@@ -140,7 +168,8 @@ class ReplicaPool:
         for task in list(self.respawning):
             task.cancel()
         await asyncio.gather(*self.respawning, return_exceptions=True)
-        await asyncio.gather(*(r.procs.stop() for r in self.replicas), return_exceptions=True)
+        await asyncio.gather(*(bounded(r.procs.stop(), self.stop_timeout, f"stopping {self.name(r.index)}")
+                               for r in self.replicas), return_exceptions=True)
 
     def _track(self, replica: Replica, delta: int) -> None:
         replica.load += delta
@@ -151,19 +180,22 @@ class ReplicaPool:
             replica.busy_since = None
 
     async def _least_loaded(self) -> Replica:
-        async with self.changed:
-            await self.changed.wait_for(lambda: self.failed or any(r.healthy for r in self.replicas))
+        healthy = [r for r in self.replicas if r.healthy]
+        if not healthy or self.failed:
+            async with self.changed:
+                await self.changed.wait_for(lambda: self.failed or any(r.healthy for r in self.replicas))
             if self.failed:
                 raise self.failed
-            return min((r for r in self.replicas if r.healthy), key=lambda r: r.load)
+            healthy = [r for r in self.replicas if r.healthy]
+        return min(healthy, key=lambda r: r.load)
 
-    async def _replace(self, replica: Replica, error: Exception) -> None:
-        """Take a failed replica out of service and spawn its replacement in the background (once per
+    async def _replace(self, replica: Replica, error: BaseException) -> None:
+        """Take a failed replica out of service and start its replacement in the background (once per
         failure, however many of its calls report it); its calls go on on the other replicas."""
         if not replica.healthy:
             return
         replica.healthy = False
-        reason = describe(error)
+        reason = error_line(error)
         if self.restarts >= self.max_restarts:
             await self._give_up(f"{self.role} {replica.index} (pid {replica.pid}) failed after "
                                 f"{self.restarts} replacements (max_restarts {self.max_restarts}): {reason}")
@@ -175,14 +207,14 @@ class ReplicaPool:
         task.add_done_callback(self.respawning.discard)
 
     async def _respawn(self, replica: Replica) -> None:
-        try:
-            await replica.procs.stop()
-        except Exception:  # a dead mesh may refuse to stop; its replacement does not depend on it
+        try:  # a dead mesh may refuse to stop, or never answer; its replacement does not depend on it
+            await bounded(replica.procs.stop(), self.stop_timeout, f"stopping the failed {self.name(replica.index)}")
+        except Exception:
             pass
         try:
-            fresh = await self._spawn(replica.index)
+            fresh = await self.start_replica(replica.index)
         except Exception as e:
-            await self._give_up(f"{self.role} {replica.index} could not be replaced: {e}")
+            await self._give_up(f"{self.role} {replica.index} could not be replaced: {error_line(e)}")
             return
         async with self.changed:
             self.retired_busy_s += replica.busy_s

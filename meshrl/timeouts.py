@@ -1,13 +1,17 @@
 """Timeouts for the actor calls the controller makes: a call that does not answer in time is handled
 as its actor having died, never as a hang. A generator or grader replica that times out is replaced
-like a crashed one (its group redone elsewhere); the trainer, the reference or the replay buffer
-timing out ends the run with one line naming the call. Each role's config sets its own limit
-(`generator.timeout_s`, `weight_sync.timeout_s` for weight pulls, `trainer.timeout_s`, ...).
+like a crashed one (its group redone elsewhere); the trainer or the reference timing out ends the
+run with one line naming the call. Each role's config sets its own limit (`generator.timeout_s`,
+`weight_sync.timeout_s` for weight pulls, `trainer.timeout_s`, ...). Calls made while stopping are
+bounded too (`controller.stop_timeout_s`): past it the stop goes on without them.
 """
 
 import asyncio
+import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 
 class CallTimeout(RuntimeError):
@@ -33,7 +37,7 @@ class Timeouts:
     grade: Timeout | None = None
     trainer: Timeout | None = None  # one trainer call: a micro-batch, an optimizer step, a publish, the save
     reference: Timeout | None = None
-    replay_buffer: Timeout | None = None
+    stop: Timeout | None = None  # each call made while stopping: the stop's checkpoint, the save, stopping meshes
 
     @staticmethod
     def of(config) -> "Timeouts":
@@ -43,7 +47,7 @@ class Timeouts:
             grade=Timeout(config.grader.timeout_s, "grader.timeout_s"),
             trainer=Timeout(config.trainer.timeout_s, "trainer.timeout_s"),
             reference=Timeout(config.reference.timeout_s, "reference.timeout_s"),
-            replay_buffer=Timeout(config.replay_buffer.timeout_s, "replay_buffer.timeout_s"))
+            stop=Timeout(config.controller.stop_timeout_s, "controller.stop_timeout_s"))
 
 
 @asynccontextmanager
@@ -59,3 +63,15 @@ async def deadline(timeout: Timeout | None, role: str, what: str):
         if not limit.expired():  # a TimeoutError of the call's own, not ours
             raise
         raise CallTimeout(role, what, timeout.seconds, timeout.key) from None
+
+
+async def bounded(call, timeout: Timeout | None, what: str):
+    """Await `call` (a coroutine) for at most `timeout`; past it, one warning line and None: for calls
+    made while stopping (a checkpoint, the save, stopping meshes), after which the stop goes on."""
+    if timeout is None or timeout.seconds <= 0:
+        return await call
+    try:
+        return await asyncio.wait_for(call, timeout.seconds)
+    except TimeoutError:
+        logger.warning("%s did not finish within %g s (%s); going on without it", what, timeout.seconds, timeout.key)
+        return None

@@ -6,21 +6,22 @@ start and end (seconds since the run started) and the policy version it concerns
 `trace.jsonl`; at the end they are also written as a Chrome/Perfetto trace (`trace.json`, open it
 at ui.perfetto.dev) and drawn as `timeline.png`, one lane per actor.
 
-Most actors serve one call at a time, so the tracer sends such an actor one call at a time too (a
-lock per actor): a span then covers the actor's own work, not time spent queued behind another call.
-A generator batches its calls (continuous batching): its `generate` spans are `concurrent` and overlap.
-A span also bounds its calls by their role's timeout (meshrl/timeouts.py): a call that does not
-answer in time raises CallTimeout instead of hanging the run.
+An actor that serves one call at a time (a grader) is sent one call at a time too, under a lock its
+replica owns (a replacement has a fresh one): a span then covers the actor's own work, not time spent
+queued behind another call. A generator batches its calls (continuous batching): its `generate` spans
+overlap. A span also bounds its calls by their role's timeout (meshrl/timeouts.py): a call that does
+not answer in time raises CallTimeout instead of hanging the run.
 """
 
 import asyncio
 import json
 import time
-from collections import defaultdict
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from pathlib import Path
 
 from meshrl.timeouts import Timeout, deadline
+
+_NO_LOCK = nullcontext()  # an async context manager too
 
 
 class Tracer:
@@ -32,21 +33,16 @@ class Tracer:
         self.file = open(path, "w")
         self.file.writelines(json.dumps(span) + "\n" for span in self.spans)
         self.origin = time.perf_counter() - max((s["end"] for s in self.spans), default=0.0)
-        self.locks: dict[tuple[str, int], asyncio.Lock] = defaultdict(asyncio.Lock)
 
     @asynccontextmanager
     async def span(self, role: str, what: str, policy_version: int | None = None, replica: int = 0,
-                   concurrent: bool = False, timeout: Timeout | None = None):
-        """Times the calls made inside and bounds them by `timeout`; yields the span, whose
-        `policy_version` the caller may set once the call has told it (a pull learns its version from
-        the call's result). A call that times out ends its span too."""
-        if concurrent:
-            async with self._span(role, what, policy_version, replica) as span, deadline(timeout, role, what):
-                yield span
-        else:
-            async with (self.locks[(role, replica)], self._span(role, what, policy_version, replica) as span,
-                        deadline(timeout, role, what)):
-                yield span
+                   timeout: Timeout | None = None, lock: asyncio.Lock | None = None):
+        """Times the calls made inside and bounds them by `timeout`, once `lock` (if any) is held;
+        yields the span, whose `policy_version` the caller may set once the call has told it (a pull
+        learns its version from the call's result). A call that times out ends its span too."""
+        async with lock or _NO_LOCK, self._span(role, what, policy_version, replica) as span, \
+                deadline(timeout, role, what):
+            yield span
 
     @asynccontextmanager
     async def _span(self, role: str, what: str, policy_version: int | None, replica: int):
@@ -63,19 +59,19 @@ class Tracer:
         """Seconds since the run started."""
         return time.perf_counter() - self.origin
 
-    def close(self) -> None:
-        """Flush trace.jsonl and write trace.json and timeline.png from the spans."""
+    def close(self, plot: bool = True) -> None:
+        """Flush trace.jsonl and write trace.json and (with `plot`) timeline.png from the spans."""
         self.file.close()
         (self.run_dir / "trace.json").write_text(json.dumps(chrome_trace(self.spans)))
-        if self.spans:
+        if self.spans and plot:
             plot_timeline(self.spans, self.run_dir / "timeline.png")
 
 
 @asynccontextmanager
 async def no_span(role: str, what: str, policy_version: int | None = None, replica: int = 0,
-                  concurrent: bool = False, timeout: Timeout | None = None):
-    """Tracer.span's stand-in where nothing is traced (the timeout still holds)."""
-    async with deadline(timeout, role, what):
+                  timeout: Timeout | None = None, lock: asyncio.Lock | None = None):
+    """Tracer.span's stand-in where nothing is traced (the lock and the timeout still hold)."""
+    async with lock or _NO_LOCK, deadline(timeout, role, what):
         yield {}
 
 
@@ -112,7 +108,7 @@ def plot_timeline(spans: list[dict], path: Path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lanes = sorted({lane(s) for s in spans}, key=lambda name: ("generator grader replay_buffer reference trainer"
+    lanes = sorted({lane(s) for s in spans}, key=lambda name: ("generator grader reference trainer"
                                                                 .find(name.split()[0]), name))
     kinds = sorted({s["what"] for s in spans}, key=lambda what: (what not in COLOURS, list(COLOURS).index(what)
                                                                   if what in COLOURS else 0, what))

@@ -89,6 +89,7 @@ class Episode:
     advantage: float
     policy_version: int
     group_id: int
+    temperature: float = 1.0  # the sampling temperature its tokens were drawn at: the trainer's logits are divided by it
 
     @property
     def num_response_tokens(self) -> int:
@@ -104,6 +105,8 @@ class TrainBatch:
     `loss_tokens` and `loss_sequences` count the whole optimizer step, so micro-batches accumulate
     to one mean. `ref_logprobs` are the reference model's, when a KL penalty needs them;
     `old_logprobs` the trainer's own at the start of the step, for every update but the step's first.
+    `temperature` is each sequence's sampling temperature: logprobs are taken from logits / temperature,
+    the distribution the generator sampled from.
     """
 
     input_ids: torch.Tensor  # [B, T] int64
@@ -113,6 +116,7 @@ class TrainBatch:
     advantages: torch.Tensor  # [B] float32
     loss_tokens: int
     loss_sequences: int
+    temperature: torch.Tensor | None = None  # [B] float32; None: 1
     ref_logprobs: torch.Tensor | None = None  # [B, T] float32
     old_logprobs: torch.Tensor | None = None  # [B, T] float32
 
@@ -131,7 +135,9 @@ class TrainBatch:
             loss_mask[i, :t] = torch.tensor(e.loss_mask[1:])
             behaviour[i, :t] = torch.tensor(e.behaviour_logprobs[1:])
         advantages = torch.tensor([e.advantage for e in episodes], dtype=torch.float32)
-        return TrainBatch(input_ids, target_ids, loss_mask, behaviour, advantages, loss_tokens, loss_sequences)
+        temperature = torch.tensor([e.temperature for e in episodes], dtype=torch.float32)
+        return TrainBatch(input_ids, target_ids, loss_mask, behaviour, advantages, loss_tokens, loss_sequences,
+                          temperature)
 
     def to(self, device: torch.device) -> "TrainBatch":
         """The same batch with every tensor on `device`."""

@@ -14,6 +14,7 @@ import os
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.actors import has_bf16_math, pin_cpus, resolve_device
+from meshrl.actors.roles import ReplicaBroken
 from meshrl.configs import GeneratorConfig, WeightSyncConfig
 from meshrl.model import published_weights
 from meshrl.types import Completion, Prompt, Sampling
@@ -36,9 +37,13 @@ class VLLMGenerator(Actor):
         from vllm import LLM
 
         self.config = config
+        # processed logprobs: those of the distribution each token was sampled from (after the temperature),
+        # which the trainer's logprobs of logits / temperature are compared with
         self.llm = LLM(checkpoint, dtype=vllm_dtype(config.dtype), max_model_len=config.max_model_len,
-                       gpu_memory_utilization=config.memory_fraction, seed=config.seed, enforce_eager=True)
-        self.layout, self.adapter = published_weights(checkpoint)  # what the trainer's ranks publish, together
+                       gpu_memory_utilization=config.memory_fraction, seed=config.seed, enforce_eager=True,
+                       logprobs_mode="processed_logprobs")
+        # what the trainer's ranks publish, together
+        self.layout, self.adapter = published_weights(checkpoint, weight_sync.dtype)
         self.transport = weight_sync.transport
         self.ring: ShardedReader | None = None
         self.pulling = asyncio.Lock()  # one pull at a time: they share the reader's buffer
@@ -47,6 +52,7 @@ class VLLMGenerator(Actor):
         self.request_ids = itertools.count()
         self.waiting: dict[str, asyncio.Future] = {}  # request id -> its final RequestOutput
         self.driver: asyncio.Task | None = None
+        self.broken: ReplicaBroken | None = None  # the engine failed: every call raises it
 
     @concurrent_endpoint
     async def generate(self, prompts: list[Prompt], *, sampling: Sampling | None = None) -> list[Completion]:
@@ -54,6 +60,8 @@ class VLLMGenerator(Actor):
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        if self.broken:
+            raise self.broken
         s = sampling or Sampling(temperature=self.config.temperature, top_p=self.config.top_p,
                                  max_tokens=self.config.max_tokens)
         params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
@@ -94,9 +102,10 @@ class VLLMGenerator(Actor):
                     if output.finished and (future := self.waiting.pop(output.request_id, None)):
                         future.set_result(output)
                 await asyncio.sleep(0)
-        except Exception as e:  # the engine is broken: every caller learns why
+        except Exception as e:  # the engine is broken: every caller learns why, and the replica is replaced
+            self.broken = ReplicaBroken(f"vLLM's engine failed: {e!r}")
             for future in self.waiting.values():
-                future.set_exception(e)
+                future.set_exception(self.broken)
             self.waiting.clear()
             raise
 

@@ -3,14 +3,23 @@
 A second implementation of a role (`--generator.impl mypkg.gen:MyGenerator`) is a Monarch `Actor`
 whose endpoints (all `async`, decorated with `@endpoint`) match its role's Protocol here; the
 controller checks the names before it spawns anything. The constructor takes the arguments that
-`meshrl.controller.spawn_actors` passes to that role.
+`meshrl.launch.spawn_actors` passes to that role.
+
+Errors are work's, not replicas': an exception a generator's or grader's endpoint raises fails that
+call's group (counted in `groups_failed`, the run goes on). A replica is replaced only when its
+process dies, a call to it times out, or it raises `ReplicaBroken` (its engine can serve no more).
 """
 
 from typing import Protocol
 
 import torch
 
-from meshrl.types import Completion, Episode, Prompt, Sampling, ScoredCompletion, TrainBatch
+from meshrl.types import Completion, Prompt, Sampling, ScoredCompletion, TrainBatch
+
+
+class ReplicaBroken(RuntimeError):
+    """Raised by a generator or grader endpoint when the replica itself can no longer serve (its
+    engine failed): the controller replaces it and redoes the call elsewhere."""
 
 
 class Generator(Protocol):
@@ -19,8 +28,10 @@ class Generator(Protocol):
 
     async def generate(self, prompts: list[Prompt], *, sampling: Sampling | None = None) -> list[Completion]:
         """`sampling.n` completions per prompt, each stamped with the (oldest) policy version it sampled
-        from. The controller sends one prompt's group per call, many calls at once: make it a
-        `concurrent_endpoint` that batches them, or throughput falls to one group at a time."""
+        from, with the logprob of each sampled token under the distribution it was sampled from (at
+        `sampling.temperature`: vLLM's processed logprobs). The controller sends one prompt's group
+        per call, many calls at once: make it a `concurrent_endpoint` that batches them, or throughput
+        falls to one group at a time."""
 
     async def attach_weights(self, rings: list) -> str:
         """Pull weights from the trainer's rings (a `RingHandle` per trainer rank, in rank order) from
@@ -35,7 +46,7 @@ class Generator(Protocol):
 
 class Grader(Protocol):
     """Scores one prompt's group. Constructed with (task name, task config). Raising (rather than
-    leaving a completion out) counts as the replica failing: it is replaced and the group regraded."""
+    leaving a completion out) fails the group."""
 
     async def score(self, completions: list[Completion], expected_answer: str) -> list[ScoredCompletion]:
         """Completions whose reward function raises are left out (the caller counts them)."""
@@ -75,24 +86,6 @@ class Trainer(Protocol):
         """Restore what `save_state` wrote and publish that policy under its version; returns the version."""
 
 
-class ReplayBuffer(Protocol):
-    """Holds Episodes; never hands out one older than its staleness bound.
-    Constructed with (ReplayBufferConfig,)."""
-
-    async def add(self, episodes: list[Episode]) -> None: ...
-
-    async def sample(self, policy_version: int, num_episodes: int) -> list[Episode] | None:
-        """The oldest `num_episodes` fresh enough for `policy_version`, or None if too few."""
-
-    async def stats(self) -> dict[str, int]:
-        """{"buffer_depth", "episodes_evicted"}."""
-
-    async def state(self) -> dict:
-        """What `load_state` needs to hold the same episodes again (for a checkpoint); picklable."""
-
-    async def load_state(self, state: dict) -> None: ...
-
-
 class Reference(Protocol):
     """The frozen initial policy for the KL penalty. Constructed with (ReferenceConfig, checkpoint path)."""
 
@@ -100,8 +93,7 @@ class Reference(Protocol):
         """log p_ref of every target token [B, T]."""
 
 
-ROLES: dict[str, type] = {"generator": Generator, "grader": Grader, "trainer": Trainer,
-                          "replay_buffer": ReplayBuffer, "reference": Reference}
+ROLES: dict[str, type] = {"generator": Generator, "grader": Grader, "trainer": Trainer, "reference": Reference}
 
 
 MULTI_TURN_ONLY = {"step"}  # a grader for single-turn tasks need not answer conversations

@@ -39,8 +39,8 @@ class TitanTrainer(Actor):
         self.model.to(self.device).train()
         shard(self.model, me)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        # This rank's rows of each tensor the generators load, in torchtitan's names, the checkpoint's dtype.
-        full, _ = published_weights(self.checkpoint)
+        # This rank's rows of each tensor the generators load, in torchtitan's names and the dtype they serve.
+        full, _ = published_weights(self.checkpoint, weight_sync.dtype)
         self.published = [spec.name for spec in full.specs]
         self.ring = WeightRing(shard_layout(full, self.rank, self.world), weight_sync.slots, weight_sync.chunk_mb,
                                weight_sync.checksums)
@@ -49,7 +49,8 @@ class TitanTrainer(Actor):
 
     @endpoint
     async def forward_backward(self, batch: TrainBatch) -> dict:
-        """Accumulate the loss's gradient over one micro-batch; returns the loss's metric sums."""
+        """Accumulate the loss's gradient over one micro-batch; returns the loss's metric sums. Logprobs
+        are taken from logits / the batch's sampling temperature: the distribution its tokens came from."""
         batch = batch.to(self.device)
         mask = batch.loss_mask
         with autocast(self.device, self.config.bf16_autocast):

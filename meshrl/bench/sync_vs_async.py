@@ -1,6 +1,6 @@
 """`meshrl bench sync-vs-async`: the same workload trained synchronously, then asynchronously.
 
-Both runs use the same actors, placement and controller; only `replay_buffer.max_policy_age`
+Both runs use the same actors, placement and controller; only `controller.max_policy_age`
 differs (0 for sync, the config's bound, at least 1, for async). The most that overlapping
 generation with training can give is `ideal_speedup` = (t_gen + t_train) / max(t_gen, t_train),
 from the phase times the sync run measured.
@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 
 from meshrl.configs import load_config
-from meshrl.controller import Controller
+from meshrl.run import Run
 from meshrl.report import read_rows, summarize
 
 
@@ -32,7 +32,7 @@ def mode_figures(rows: list[dict], summary: dict) -> dict:
         "mean_rollout_time_s": statistics.fmean(r["rollout_time_s"] for r in rows),
         # everything a step does besides waiting for its batch: train, publish, bookkeeping
         "mean_train_phase_s": statistics.fmean(r["step_time_s"] - r["wait_time_s"] for r in rows),
-        "episodes_evicted": rows[-1]["episodes_evicted"],
+        "groups_stale": sum(r["groups_stale"] for r in rows),
         "reward_vs_time": curve,
         "reward_per_step": [r["reward_mean"] for r in rows],
     }
@@ -42,9 +42,9 @@ def run(config_name: str, steps: int, run_dir: Path, overrides: list[str]) -> di
     result = {"config": config_name, "steps": steps}
     for mode in ("sync", "async"):
         config = load_config(config_name, [*overrides, "--controller.steps", str(steps)])
-        age = 0 if mode == "sync" else max(config.replay_buffer.max_policy_age, 1)
-        config.replay_buffer.max_policy_age = age
-        summary = asyncio.run(Controller(config, run_dir / mode).run())
+        age = 0 if mode == "sync" else max(config.controller.max_policy_age, 1)
+        config.controller.max_policy_age = age
+        summary = asyncio.run(Run(config, run_dir / mode).run())
         result[mode] = {"max_policy_age": age, **mode_figures(read_rows(run_dir / mode), summary)}
     sync = result["sync"]
     t_gen, t_train = sync["mean_rollout_time_s"], sync["mean_train_phase_s"]

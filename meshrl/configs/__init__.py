@@ -35,7 +35,7 @@ class GeneratorConfig:
     impl: str = "meshrl.actors.generator:VLLMGenerator"  # the actor class, module:Class
     max_tokens: int = 48  # tokens per completion at most
     temperature: float = 1.0  # sampling temperature of training rollouts
-    top_p: float = 1.0  # nucleus sampling
+    top_p: float = 1.0  # nucleus sampling of training rollouts: must stay 1 (the trainer's logprobs are of the whole distribution at `temperature`)
     max_model_len: int = 512  # vLLM's context length
     dtype: str = "auto"  # vLLM's weight dtype: auto (bfloat16 where the device has bf16 math, else float32) | bfloat16 | float32
     memory_fraction: float = 0.2  # vLLM's gpu_memory_utilization; on CPU a share of host memory
@@ -110,6 +110,7 @@ class WeightSyncConfig:
     chunk_mb: int = 16  # RDMA reads a slot in chunks of this size, concurrently
     checksums: bool = False  # CRC32 every published version and verify it on load (stress tests)
     timeout_s: float = 300.0  # one generator's pull of a version (read and load): past it the replica is replaced
+    dtype: str = "auto"  # what versions are published in: auto (the dtype the generators serve) | bfloat16 | float32
 
 
 @dataclass
@@ -127,24 +128,15 @@ class ReferenceConfig:
 
 
 @dataclass
-class ReplayBufferConfig:
-    """Holds episodes until trained. Episodes sampled from a policy more than max_policy_age versions
-    behind the trainer are evicted, never trained on: 0 is synchronous training; 1 lets the generator
-    sample the next batch while the trainer trains on this one."""
-
-    impl: str = "meshrl.actors.replay_buffer:ReplayBuffer"  # the actor class, module:Class
-    max_policy_age: int = 0  # the staleness bound, in steps (published versions)
-    hosts: str = ""  # the job.hosts group it goes on (its first host); "": the controller's host
-    timeout_s: float = 120.0  # one call: past it the run stops
-
-
-@dataclass
 class ControllerConfig:
     """The training loop. Eval rates are means over eval_samples completions per held-out prompt."""
 
     steps: int = 20  # steps (each publishes one policy version)
     prompts_per_step: int = 8  # prompts (groups) per step
     group_size: int = 8  # completions per prompt
+    max_policy_age: int = 0  # the staleness bound, in steps: episodes of batch b come from versions b - max_policy_age to b (0: synchronous; 1: generation one step ahead)
+    max_failed_fraction: float = 0.5  # the run stops once more than this share of a batch's prompts_per_step groups failed (a call of theirs raised)
+    stop_timeout_s: float = 120.0  # each call made while stopping (the stop's checkpoint, the save, stopping meshes): past it the stop goes on without it
     advantage: str = "grpo"  # grpo | dr_grpo | rloo (meshrl/advantages.py); step_wise_<one of them>: an Episode per turn
     divide_by_turns: bool = False  # step_wise_*: each turn's advantage divided by its trajectory's turns
     max_turns: int = 4  # multi-turn tasks (environments): model turns per conversation at most
@@ -153,6 +145,7 @@ class ControllerConfig:
     eval_every: int = 0  # 0: evaluate only before the first and after the last step
     eval_temperature: float = 0.0  # 0: greedy; e.g. 1.0 with eval_samples 4 for the mean@4 of sampled answers
     eval_samples: int = 1  # completions per eval prompt
+    eval_top_p: float = 1.0  # nucleus sampling of eval completions (training samples the whole distribution)
     advantage_eps: float = 1e-6  # added to the group std (grpo)
 
 
@@ -190,7 +183,6 @@ class Config:
     grader: GraderConfig = field(default_factory=GraderConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
-    replay_buffer: ReplayBufferConfig = field(default_factory=ReplayBufferConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -232,7 +224,7 @@ def zorplex_smollm2() -> Config:
 
 def _async(config: Config) -> Config:
     """Generation on core 0, training on core 1, the generator sampling one step ahead of the trainer."""
-    config.replay_buffer.max_policy_age = 1
+    config.controller.max_policy_age = 1
     config.generator.cpus, config.generator.num_threads = "0", 1
     config.trainer.cpus, config.trainer.num_threads = "1", 1
     return config
@@ -257,11 +249,10 @@ def smoke() -> Config:
 
 def _two_hosts(config: Config, kind: str) -> Config:
     """The trainer on one host and the generator on another, weights over RDMA between them; the
-    generator samples one step ahead (max_policy_age 1). Grader and replay buffer stay beside the
-    controller. The model path and the run directory must be on a filesystem every host sees."""
+    generator samples one step ahead (max_policy_age 1). The grader stays beside the controller. The model path and the run directory must be on a filesystem every host sees."""
     config.job.kind, config.job.hosts = kind, "trainer:1,generators:1"
     config.trainer.hosts, config.generator.hosts = "trainer", "generators"
-    config.replay_buffer.max_policy_age = 1
+    config.controller.max_policy_age = 1
     return config
 
 
@@ -297,7 +288,8 @@ def to_dict(config: Config) -> dict:
 # what it computes (the model, the task, the losses, the batch shapes, the staleness bound, ...).
 RESUMABLE = ("controller.steps", "controller.eval_every", "checkpoint.", "logging.", "job.", "weight_sync.transport",
              "weight_sync.checksums", "weight_sync.chunk_mb", ".hosts", ".cpus", ".num_threads", ".timeout_s",
-             ".max_restarts", "trainer.max_bad_steps", "generator.replicas", "grader.replicas")
+             ".max_restarts", "trainer.max_bad_steps", "generator.replicas", "grader.replicas", "controller.stop_timeout_s",
+             "controller.max_failed_fraction")
 
 
 def resumable_overrides(saved: Config, config: Config) -> None:
@@ -331,8 +323,9 @@ def from_dict(cls, data: dict):
 @register
 def bench_smoke() -> Config:
     """`meshrl bench sync-vs-async` on the tiny model: both modes in a few minutes."""
-    config = _async(smoke())
+    config = smoke()
     config.controller = ControllerConfig(steps=8, prompts_per_step=4, group_size=8)
+    config = _async(config)
     config.generator.max_tokens = 32
     config.sum_digits.eval_size = 8
     return config

@@ -4,18 +4,23 @@ library (offline), with a reward chosen by name or given as `module:function`.
 Training takes the file's rows in a shuffled order, a new order each pass (seeded: the same index is
 the same row on a rerun or a resume). The eval split is a second file, or the last `eval_size` rows
 of the first, which training then never sees. Bad data (a missing or empty field, an unreadable
-row, an empty file) is one error naming the file and the row, before anything starts.
+row, an empty file) is one error naming the file and the row, before anything starts; rows whose
+prompts are too long for the generator are skipped at load, their count and row numbers said once.
 """
 
 import json
+import logging
 import math
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from meshrl.plugins import load_object
 from meshrl.tasks import Sample
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -154,17 +159,36 @@ class DatasetTask:
         if not config.path:
             raise ValueError("task dataset needs --dataset.path (a JSONL or Parquet file)")
         rows = read_rows(config.path, config.prompt_field, config.answer_field)
+        numbered = list(enumerate(rows, 1))  # (row number in its file, sample)
         if config.eval_path:
-            self.eval = read_rows(config.eval_path, config.prompt_field, config.answer_field)[:config.eval_size]
-            self.train = rows
+            self.eval = list(enumerate(read_rows(config.eval_path, config.prompt_field, config.answer_field),
+                                       1))[:config.eval_size]
+            self.train, self.eval_file = numbered, config.eval_path
         else:
             if len(rows) <= config.eval_size:
                 raise ValueError(f"{config.path} has {len(rows)} rows: too few to hold out dataset.eval_size "
                                  f"({config.eval_size}) for eval and train on the rest; give a dataset.eval_path")
-            self.train, self.eval = rows[:-config.eval_size], rows[-config.eval_size:]
+            self.train, self.eval = numbered[:-config.eval_size], numbered[-config.eval_size:]
+            self.eval_file = config.path
+        self.path = config.path
         self.score = reward_function(config.reward)
         self.seed = config.seed
         self.orders: dict[int, list[int]] = {}
+
+    def keep_only(self, fits: Callable[[str], bool], why: str) -> None:
+        """Skip the rows whose prompt does not `fits` (`why` says how), saying how many and which, once,
+        so that no group is sent that the generator must refuse. Called before the first sample."""
+        for split, file in (("train", self.path), ("eval", self.eval_file)):
+            rows = getattr(self, split)
+            kept = [(n, s) for n, s in rows if fits(s.prompt)]
+            if len(kept) < len(rows):
+                skipped = [n for n, s in rows if not fits(s.prompt)]
+                logger.warning("%s: %d of its %d %s rows skipped, their prompts %s: rows %s", file, len(skipped),
+                               len(rows), split, why, ", ".join(map(str, skipped[:10])) + (", ..." if len(skipped) > 10
+                                                                                             else ""))
+            if not kept:
+                raise ValueError(f"{file}: no {split} row has a prompt that fits: all are {why}")
+            setattr(self, split, kept)
 
     def train_sample(self, index: int) -> Sample:
         epoch, position = divmod(index, len(self.train))
@@ -172,10 +196,10 @@ class DatasetTask:
             order = list(range(len(self.train)))
             random.Random(f"{self.seed}-{epoch}").shuffle(order)
             self.orders[epoch] = order
-        return self.train[self.orders[epoch][position]]
+        return self.train[self.orders[epoch][position]][1]
 
     def eval_samples(self) -> list[Sample]:
-        return self.eval
+        return [s for _, s in self.eval]
 
     def reward(self, text: str, answer: str) -> tuple[float, dict[str, float]]:
         return self.score(text, answer)

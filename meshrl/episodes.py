@@ -1,0 +1,90 @@
+"""Episode building: a complete batch's groups become flat, trainer-ready Episodes with their group
+advantages, together with the batch's rollout metrics and the records rollouts.jsonl keeps. Pure
+functions: the controller's side of the data, after the grader and before the trainer."""
+
+import math
+import statistics
+from typing import Callable
+
+from meshrl.advantages import STEP_WISE, estimator, step_wise
+from meshrl.configs import ControllerConfig
+from meshrl.types import Completion, Episode, ScoredCompletion, Trajectory, model_turns
+from meshrl.work_buffer import Batch, Filling
+
+
+def build_episodes(group: list[ScoredCompletion], group_id: int, advantage: str = "grpo", eps: float = 1e-6,
+                   divide_by_turns: bool = False, temperature: float = 1.0) -> list[Episode]:
+    """One prompt's scored completions (or trajectories) -> flat Episodes carrying the group advantage:
+    one per completion, trained on all its model turns; with a `step_wise_` estimator one per model turn
+    (everything before the turn as its prompt), each with its trajectory's advantage, divided by the
+    trajectory's number of turns with `divide_by_turns`. `temperature`: the one they were sampled at."""
+    rewards = [s.reward for s in group]
+    turns = [model_turns(s.completion) for s in group]
+    if advantage.startswith(STEP_WISE):
+        per_turn = step_wise(rewards, [len(t) for t in turns], advantage.removeprefix(STEP_WISE), divide_by_turns, eps)
+        return [episode([turn], a, group_id, temperature, version=min(t.policy_version for t in ts))
+                for ts, advantages in zip(turns, per_turn) for turn, a in zip(ts, advantages)]
+    return [episode(ts, a, group_id, temperature) for ts, a in zip(turns, estimator(advantage)(rewards, eps))]
+
+
+def episode(turns: list[Completion], advantage: float, group_id: int, temperature: float = 1.0,
+            version: int | None = None) -> Episode:
+    """The last turn's prompt and tokens, trained on the tokens of each of `turns` (the environment's
+    and the prompt's tokens are masked out); its version the oldest of its turns' unless given."""
+    last = turns[-1]
+    tokens = last.prompt_token_ids + last.token_ids
+    loss_mask, logprobs = [False] * len(tokens), [0.0] * len(tokens)
+    for turn in turns:
+        start, end = len(turn.prompt_token_ids), len(turn.prompt_token_ids) + len(turn.token_ids)
+        loss_mask[start:end], logprobs[start:end] = [True] * len(turn.token_ids), turn.logprobs
+    return Episode(tokens, loss_mask, logprobs, advantage,
+                   min(t.policy_version for t in turns) if version is None else version, group_id, temperature)
+
+
+def check_rates(scored: list[ScoredCompletion], total: int, prefix: str,
+                accuracy: str = "correct") -> dict[str, float]:
+    """The mean of each reward check over `total` completions (those not in `scored` count as 0): the
+    task's `accuracy` check as `{prefix}accuracy`, the others under their own names."""
+    names = dict.fromkeys([accuracy, *(k for s in scored for k in s.reward_components)])
+    return {prefix + ("accuracy" if k == accuracy else k):
+            sum(s.reward_components.get(k, 0.0) for s in scored) / total if total else math.nan for k in names}
+
+
+def rollout_record(scored: ScoredCompletion, group_id: int, prompt: str) -> dict:
+    """One completion as rollouts.jsonl keeps it (the recorder adds the step and the staleness)."""
+    c = scored.completion
+    return {"prompt_index": c.prompt_index, "group": group_id, "prompt": prompt, "completion": c.text,
+            "reward": scored.reward, "reward_components": scored.reward_components,
+            "policy_version": c.policy_version, "finish_reason": c.finish_reason,
+            **({"turns": len(c.turns)} if isinstance(c, Trajectory) else {})}
+
+
+def batch_builder(cfg: ControllerConfig, task, temperature: float, now: Callable[[], float]):
+    """The work buffer's `build`: a complete Filling -> its Batch. `now()`: the tracer's clock."""
+
+    def build(f: Filling) -> Batch:
+        episodes = [e for gid, group in f.kept.items()
+                    for e in build_episodes(group, gid, cfg.advantage, cfg.advantage_eps, cfg.divide_by_turns,
+                                            temperature)]
+        trained = [s for group in f.kept.values() for s in group]  # the rewards of the batch trained
+        rewards = [s.reward for s in trained]
+        stats = {
+            "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
+            "reward_std": statistics.pstdev(rewards) if rewards else math.nan,
+            **check_rates(trained, len(trained), "", task.accuracy),
+            "reward_errors": sum(g.completions - len(g.scored) for g in f.groups),
+            "equal_reward_groups": f.equal,
+            "groups_dropped": f.equal if cfg.drop_equal_reward_groups else 0,
+            "groups_stale": f.stale,
+            "groups_failed": f.failed,
+            "episodes": len(episodes),
+            "turns_mean": statistics.fmean(len(model_turns(s.completion)) for s in trained) if trained else math.nan,
+            "tokens_generated": sum(g.tokens for g in f.groups),
+            "gen_time_s": max(g.gen_end for g in f.groups) - min(g.gen_start for g in f.groups),
+            "rollout_time_s": now() - min(g.launched for g in f.groups),
+            "pull_time_s": max(g.pull_time_s for g in f.groups),  # groups waiting on one pull overlap
+        }
+        records = [rollout_record(s, gid, task.train_sample(gid).prompt) for gid, group in f.kept.items() for s in group]
+        return Batch(f.index, episodes, stats, records)
+
+    return build

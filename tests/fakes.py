@@ -1,0 +1,282 @@
+"""Fakes for tests of the controller's logic in one process, in milliseconds: a fake generator, grader
+and trainer that follow their role contracts (meshrl/actors/roles.py), a fake of Monarch's actor
+handles over them, a fake task and tokenizer, and `run_fake` that drives the real Controller,
+RolloutCollector, WorkBuffer, ReplicaPool, Checkpointer and metric rows with them.
+
+A `Script` sees every fake actor call before it runs (each one an await point of the loops) and can
+delay it (by yielding to the event loop: deterministic), fail it (the call's own error, or the
+replica's process dying), or ask for a stop there, as a signal would."""
+
+import asyncio
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+from monarch.actor import ActorError
+
+from meshrl import checkpoint
+from meshrl.configs import Config, ControllerConfig
+from meshrl.controller import Controller
+from meshrl.launch import StopSignals
+from meshrl.loggers import MetricLoggers, RolloutRecorder
+from meshrl.losses import policy_loss
+from meshrl.metric_rows import MetricRows
+from meshrl.replicas import Replica, ReplicaPool
+from meshrl.tasks import Sample
+from meshrl.timeouts import Timeout, Timeouts
+from meshrl.trace import Tracer
+from meshrl.types import Completion, ScoredCompletion
+
+PROMPT_ID = 100  # FakeTokenizer: a prompt's first token is PROMPT_ID + its index, so the trainer can tell
+
+
+@dataclass
+class Script:
+    """What happens at each fake actor call (`calls` counts them, in the order they are made)."""
+
+    stop_at: int = 0  # ask for a stop (as a first SIGINT) at this call
+    yields: dict[str, int] = field(default_factory=dict)  # "generate": yield this often before answering
+    reject: set[int] = field(default_factory=set)  # prompts whose generate call raises an error of its own
+    equal: set[int] = field(default_factory=set)  # prompts whose completions all get reward 1: no signal
+    die_at: dict[str, int] = field(default_factory=dict)  # "generate": the replica dies at this call of it
+    hang_at: dict[str, int] = field(default_factory=dict)  # "generate": this call never answers
+    calls: list[str] = field(default_factory=list)
+    signals: StopSignals | None = None
+
+    async def point(self, endpoint: str, replica) -> None:
+        self.calls.append(endpoint)
+        count = self.calls.count(endpoint)
+        if len(self.calls) == self.stop_at and self.signals:
+            self.signals.request("SIGINT")
+        for _ in range(self.yields.get(endpoint, 0)):
+            await asyncio.sleep(0)
+        if getattr(replica, "dead", False) or self.die_at.get(endpoint) == count:
+            replica.dead = True
+            raise SupervisionError(f"Endpoint call {endpoint}() failed: the process exited with code 1 (fake)")
+        if self.hang_at.get(endpoint) == count:
+            await asyncio.sleep(3600)
+
+
+class FakeValueMesh:
+    """What awaiting `mesh.endpoint.call()` gives: every rank's answer."""
+
+    def __init__(self, values: list):
+        self.values = values
+
+    def items(self):
+        return [({"procs": r}, v) for r, v in enumerate(self.values)]
+
+
+class FakeEndpoint:
+    def __init__(self, mesh: "FakeMesh", name: str):
+        self.mesh, self.name = mesh, name
+
+    async def call_one(self, *args, **kwargs):
+        [actor] = self.mesh.actors
+        return await self._on(actor, *args, **kwargs)
+
+    def call(self, *args, **kwargs):
+        async def every_rank():
+            return FakeValueMesh(list(await asyncio.gather(*(self._on(a, *args, **kwargs) for a in self.mesh.actors))))
+        return every_rank()
+
+    async def _on(self, actor, *args, **kwargs):
+        await self.mesh.script.point(self.name, actor)
+        try:
+            return await getattr(actor, self.name)(*args, **kwargs)
+        except Exception as e:  # an endpoint's own error reaches the caller as Monarch's ActorError
+            raise ActorError(e) from None
+
+
+class FakeMesh:
+    """Monarch's actor-mesh handle over plain objects, one per rank: `mesh.endpoint.call_one()`,
+    `mesh.endpoint.call()`, `mesh.slice(procs=r)`."""
+
+    def __init__(self, actors: list, script: Script):
+        self.actors, self.script = actors, script
+
+    def __getattr__(self, name: str) -> FakeEndpoint:
+        return FakeEndpoint(self, name)
+
+    def slice(self, procs: int) -> "FakeMesh":
+        return FakeMesh([self.actors[procs]], self.script)
+
+
+class FakeProcs:
+    def __init__(self):
+        self.stopped = False
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+
+@dataclass
+class FakeWeights:
+    """What the fake trainer published: the fake generators' weight ring."""
+
+    version: int = 0
+
+
+class FakeGenerator:
+    """roles.Generator: `group_size` completions of `length` tokens; a completion's text is its reward
+    ("1" or "0", alternating within a group so it has a learning signal)."""
+
+    def __init__(self, weights: FakeWeights, script: Script, length: int = 3):
+        self.weights, self.script, self.length = weights, script, length
+        self.version = 0
+
+    async def generate(self, prompts, *, sampling=None) -> list[Completion]:
+        out = []
+        for p in prompts:
+            index = p.token_ids[0] - PROMPT_ID
+            if index in self.script.reject:
+                raise ValueError(f"prompt {index} is longer than the model's context (fake)")
+            out += [Completion(p.index, p.token_ids, [7 + j for j in range(self.length)], [-0.5] * self.length,
+                               "1" if index in self.script.equal else str(j % 2), self.version, "stop")
+                    for j in range(sampling.n)]
+        return out
+
+    async def attach_weights(self, rings: list) -> str:
+        return "fake"
+
+    async def pull_weights(self) -> int:
+        self.version = self.weights.version
+        return self.version
+
+    async def weight_sync_stats(self) -> dict:
+        return {"transport": "fake", "torn_reads": 0, "corrupt_reads": 0}
+
+
+class FakeGrader:
+    """roles.Grader: a completion's reward is the number its text is."""
+
+    async def score(self, completions: list[Completion], expected_answer: str) -> list[ScoredCompletion]:
+        return [ScoredCompletion(c, float(c.text), {"correct": float(c.text)}) for c in completions]
+
+
+class FakeTrainer:
+    """roles.Trainer: computes the real loss's metrics on the behaviour logprobs, trains nothing, and
+    notes which prompts each step trained (`trained`: one list per optimizer update)."""
+
+    def __init__(self, weights: FakeWeights, loss):
+        self.weights, self.loss = weights, loss
+        self.version, self.updates, self.trained, self.pending = 0, 0, [], []
+
+    async def forward_backward(self, batch) -> dict:
+        rows = batch.loss_mask.any(-1)
+        self.pending += [int(i) - PROMPT_ID for i in batch.input_ids[rows, 0]]
+        return policy_loss(batch.behaviour_logprobs.clone(), batch, self.loss)[1]
+
+    async def logprobs(self, batch) -> torch.Tensor:
+        return batch.behaviour_logprobs
+
+    async def optim_step(self, skip: bool = False) -> dict:
+        self.updates += 1
+        self.trained.append(sorted(self.pending))
+        self.pending = []
+        return {"updates": self.updates, "grad_norm": 1.0, "skipped": skip}
+
+    async def weight_ring(self):
+        return "ring"
+
+    async def publish_weights(self) -> int:
+        self.version += 1
+        self.weights.version = self.version
+        return self.version
+
+    async def save(self, path: str) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+    async def save_state(self, path: str) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "rank0.json").write_text(json.dumps({"version": self.version, "updates": self.updates}))
+
+    async def load_state(self, path: str) -> int:
+        state = json.loads((Path(path) / "rank0.json").read_text())
+        self.version, self.updates = state["version"] - 1, state["updates"]
+        return await self.publish_weights()
+
+
+class FakeTask:
+    accuracy = "correct"
+
+    def train_sample(self, index: int) -> Sample:
+        return Sample(f"prompt {index}", "1")
+
+    def eval_samples(self) -> list[Sample]:
+        return [Sample(f"prompt {-1 - i}", "1") for i in range(2)]
+
+
+class FakeTokenizer:
+    pad_id = 0
+
+    def encode_chat(self, prompt: str) -> list[int]:
+        return [PROMPT_ID + int(prompt.split()[-1]), 5, 6]
+
+
+def fake_config(steps: int = 4, prompts: int = 3, group: int = 2, max_policy_age: int = 0, replicas: int = 2,
+                **controller) -> Config:
+    config = Config()
+    config.controller = ControllerConfig(steps=steps, prompts_per_step=prompts, group_size=group,
+                                         max_policy_age=max_policy_age, **controller)
+    config.generator.replicas = replicas
+    config.trainer.micro_batch_size = 2
+    config.logging.tensorboard = False
+    config.checkpoint.every = 0
+    return config
+
+
+@dataclass
+class FakeRun:
+    """What one `run_fake` did."""
+
+    controller: Controller
+    trainer: FakeTrainer
+    rows: list[dict]
+    spawned: list[int]  # generator replicas started, by index (replacements too)
+
+
+async def run_fake(config: Config, run_dir: Path, script: Script | None = None, resume: bool = False,
+                   stop_timeout: float = 5.0, generate_timeout: float = 0) -> FakeRun:
+    """The real controller's loops over fake actors, from the newest checkpoint in `run_dir` with `resume`."""
+    script = script or Script()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    state_dir = checkpoint.latest(run_dir) if resume else None
+    state = checkpoint.load(state_dir) if state_dir else None
+    weights, spawned = FakeWeights(), []
+    signals = script.signals = StopSignals()
+    fake_trainer = FakeTrainer(weights, config.trainer.loss)
+    trainer = FakeMesh([fake_trainer], script)
+    timeouts = Timeouts(stop=Timeout(stop_timeout, "controller.stop_timeout_s"),
+                        generate=Timeout(generate_timeout, "generator.timeout_s"))
+
+    async def generator(index: int) -> Replica:
+        spawned.append(index)
+        return Replica(index, FakeProcs(), FakeMesh([FakeGenerator(weights, script)], script), "fake", os.getpid())
+
+    async def grader(index: int) -> Replica:
+        return Replica(index, FakeProcs(), FakeMesh([FakeGrader()], script), "fake", os.getpid())
+
+    generators = ReplicaPool("generator", generator, config.generator.replicas, config.generator.max_restarts)
+    graders = ReplicaPool("grader", grader, config.grader.replicas, config.grader.max_restarts)
+    await asyncio.gather(generators.start(), graders.start())
+    tracer = Tracer(run_dir, resume=resume)
+    rows = MetricRows(MetricLoggers(run_dir, config, "fake", resumed_rows=state.rows if state else ()),
+                      RolloutRecorder(run_dir, 1.0, state.step if state else None))
+    controller = Controller(config, FakeTask(), FakeTokenizer(), generators, graders, trainer, None, tracer, signals,
+                            checkpoint.Checkpointer(run_dir, 0, trainer, tracer, timeouts), rows, timeouts)
+    try:
+        if state:
+            await controller.restore(state, state_dir)
+        await controller.run()
+    finally:
+        rows.close()
+        tracer.close(plot=False)
+    return FakeRun(controller, fake_trainer, rows.rows, spawned)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]

@@ -1,0 +1,141 @@
+"""The controller's loops, collector, work buffer, replica pools and checkpoints, driven by fake actors
+that follow the role contracts (tests/fakes.py): the staleness gate, batch counting, failures by kind,
+and a stop at every await point of the loops followed by a resume. Milliseconds per run."""
+
+import asyncio
+import logging
+from collections import Counter
+
+import pytest
+from fakes import FakeTrainer, Script, fake_config, read_jsonl, run_fake
+
+from meshrl import checkpoint
+from meshrl.work_buffer import TooManyFailures
+
+
+def run(config, run_dir, script=None, **kw):
+    return asyncio.run(run_fake(config, run_dir, script, **kw))
+
+
+def trained_prompts(trainer: FakeTrainer) -> list[int]:
+    return [p for update in trainer.trained for p in set(update)]
+
+
+@pytest.mark.parametrize("age", [0, 1, 2])
+def test_episodes_are_never_older_than_max_policy_age_and_async_runs_ahead(tmp_path, age):
+    # a slow trainer: the generators would run far ahead if the gate let them
+    script = Script(yields={"forward_backward": 20, "generate": 2})
+    done = run(fake_config(steps=6, prompts=3, max_policy_age=age), tmp_path, script)
+    assert [r["step"] for r in done.rows] == list(range(1, 7))
+    records = read_jsonl(tmp_path / "rollouts.jsonl")
+    assert max(r["staleness"] for r in records) == age  # reaches the bound (async overlaps), never passes it
+    assert max(r["staleness_max"] for r in done.rows) == age
+    assert sorted(trained_prompts(done.trainer)) == list(range(18))  # every prompt once, none skipped
+
+
+def test_sync_training_alternates_generation_and_training(tmp_path):
+    calls = []
+
+    class Watch(Script):
+        async def point(self, endpoint, replica):
+            calls.append(endpoint)
+            await super().point(endpoint, replica)
+
+    run(fake_config(steps=3, prompts=2, max_policy_age=0), tmp_path, Watch(yields={"generate": 3}))
+    training = [c for c in calls if c in ("generate", "forward_backward", "publish_weights")]
+    # each step: its batch's generate calls, then training; no generate call while a step trains
+    phases = [c for i, c in enumerate(training) if i == 0 or c != training[i - 1]]
+    assert phases[:7] == ["generate", "forward_backward", "publish_weights"] * 2 + ["generate"]
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_equal_reward_groups_are_counted_and_with_dynamic_sampling_replaced_by_new_prompts(tmp_path, drop):
+    config = fake_config(steps=3, prompts=2, drop_equal_reward_groups=drop, max_sample_rounds=4)
+    done = run(config, tmp_path, Script(equal={1, 2, 5}))
+    assert sum(r["equal_reward_groups"] for r in done.rows) == 3
+    trained = sorted(trained_prompts(done.trainer))
+    if drop:  # not trained; other prompts fill their places, every batch full
+        assert trained == [0, 3, 4, 6, 7, 8] and all(r["episodes"] == 4 for r in done.rows)
+        assert [r["groups_dropped"] for r in done.rows] == [r["equal_reward_groups"] for r in done.rows]
+    else:  # trained with zero advantage
+        assert trained == list(range(6)) and all(r["groups_dropped"] == 0 for r in done.rows)
+
+
+def test_a_group_whose_call_raises_fails_alone_and_the_run_goes_on(tmp_path, caplog):
+    script = Script(reject={4})
+    with caplog.at_level(logging.WARNING):
+        done = run(fake_config(steps=4, prompts=3), tmp_path, script)
+    assert [r["step"] for r in done.rows] == [1, 2, 3, 4]
+    assert sum(r["groups_failed"] for r in done.rows) == 1
+    assert done.rows[-1]["generator_restarts"] == 0 and done.spawned == [0, 1]  # no replica replaced
+    assert 4 not in trained_prompts(done.trainer) and sorted(trained_prompts(done.trainer)) == [
+        p for p in range(13) if p != 4]
+    assert "the group of prompt 4 failed and is not trained" in caplog.text and "longer than" in caplog.text
+
+
+def test_more_failed_groups_than_max_failed_fraction_stop_the_run_naming_the_first(tmp_path):
+    with pytest.raises(TooManyFailures, match=r"groups of batch 1 failed.*the first: prompt 3: .*prompt 3 is longer"):
+        run(fake_config(steps=4, prompts=2, max_failed_fraction=0.5), tmp_path, Script(reject={3, 4}))
+
+
+def test_a_dead_replica_is_replaced_and_its_group_redone_elsewhere(tmp_path):
+    done = run(fake_config(steps=4, prompts=3, max_policy_age=1), tmp_path, Script(die_at={"generate": 5}))
+    assert done.rows[-1]["generator_restarts"] == 1 and done.rows[-1]["generator_calls_retried"] >= 1
+    assert len(done.spawned) == 3  # two, and one replacement
+    assert sorted(trained_prompts(done.trainer)) == list(range(12))  # none lost, none twice
+    assert all(r["groups_failed"] == 0 for r in done.rows)
+
+
+def test_a_call_that_hangs_is_timed_out_and_its_replica_replaced(tmp_path):
+    done = run(fake_config(steps=3, prompts=2), tmp_path, Script(hang_at={"generate": 3}), generate_timeout=0.2)
+    assert done.rows[-1]["generator_restarts"] == 1
+    assert sorted(trained_prompts(done.trainer)) == list(range(6))
+
+
+def full_run_calls(config, tmp_path) -> list[str]:
+    script = Script()
+    run(config, tmp_path / "whole", script)
+    return script.calls
+
+
+@pytest.mark.parametrize("age", [0, 1, 2])
+def test_a_stop_at_every_await_point_then_a_resume_trains_every_prompt_exactly_once(tmp_path, age):
+    config = fake_config(steps=4, prompts=3, max_policy_age=age)
+    whole = full_run_calls(config, tmp_path)
+    uninterrupted = [sorted(set(u)) for u in run(config, tmp_path / "again").trainer.trained]
+    for k in range(1, len(whole) + 1):
+        run_dir = tmp_path / f"stop-at-{k}"
+        first = run(config, run_dir, Script(stop_at=k, yields={"generate": k % 3}))
+        saved = checkpoint.latest(run_dir)
+        assert first.controller.signals.stopped_by == "SIGINT"
+        assert (saved is None) == (not first.rows), k  # a checkpoint of every step logged, if any was
+        second = run(config, run_dir, resume=saved is not None)
+        steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+        assert steps == [1, 2, 3, 4], (k, steps)  # every step logged once
+        # every prompt trained once across the two halves, and none lost: the rest are still to do
+        halves = first.trainer.trained[:len(first.rows)] + second.trainer.trained
+        trained = Counter(p for update in halves for p in set(update))
+        assert set(trained.values()) == {1}, (k, trained)
+        left = second.controller.work.snapshot()
+        assert set(trained) | set(left["redo"]) == set(range(left["next_prompt"])), k
+        assert not set(trained) & set(left["redo"]), k
+        records = read_jsonl(run_dir / "rollouts.jsonl")
+        assert sorted({r["prompt_index"] for r in records}) == sorted(trained), k
+        assert max(r["staleness"] for r in records) <= age
+        if age == 0:  # synchronous: each step trains the prompts it would have trained uninterrupted
+            assert [sorted(set(u)) for u in halves] == uninterrupted, k
+
+
+def test_a_stop_whose_checkpoint_hangs_goes_on_without_it_after_stop_timeout(tmp_path, caplog):
+    class HangingSave(Script):
+        async def point(self, endpoint, replica):
+            await super().point(endpoint, replica)
+            if endpoint == "save_state":
+                await asyncio.sleep(3600)
+
+    config = fake_config(steps=100, prompts=2)
+    script = HangingSave(stop_at=40)
+    with caplog.at_level(logging.WARNING):
+        done = run(config, tmp_path, script, stop_timeout=0.3)
+    assert done.rows and checkpoint.latest(tmp_path) is None
+    assert "the stop's checkpoint did not finish within 0.3 s (controller.stop_timeout_s)" in caplog.text
