@@ -3,13 +3,21 @@
 The controller picks one by name (`controller.advantage`); the trainer never sees rewards.
 """
 
+import math
 import statistics
+
+
+def population_std(values: list[float]) -> float:
+    """The population standard deviation in floats (statistics.pstdev computes it exactly in fractions:
+    a tenth of a millisecond per group, which the controller pays for every group)."""
+    mean = math.fsum(values) / len(values)
+    return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
 
 
 def grpo(rewards: list[float], eps: float = 1e-6) -> list[float]:
     """GRPO (Shao et al. 2024): distance from the group mean, in units of the group's std."""
     mean = statistics.fmean(rewards)
-    std = statistics.pstdev(rewards)
+    std = population_std(rewards)
     return [(r - mean) / (std + eps) for r in rewards]
 
 

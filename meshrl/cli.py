@@ -57,6 +57,22 @@ def _parser() -> argparse.ArgumentParser:
     trainer.add_argument("--prompt-tokens", type=int, default=32, help="prompt tokens per sequence (not trained)")
     trainer.add_argument("--response-tokens", type=int, default=96, help="trained tokens per sequence")
     trainer.add_argument("--repeats", type=int, default=3, help="timed steps per figure (the best is reported)")
+    control = bench.add_parser("controller", help="the controller's own cost with fake actors, and a placement's "
+                                                  "predicted step time")
+    control.add_argument("--json", type=Path, required=True, help="where to write the figures")
+    control.add_argument("--replicas", default="1,8,64,512", help="generator replica counts, comma separated")
+    control.add_argument("--group-size", type=int, default=8, help="completions per prompt")
+    control.add_argument("--max-tokens", type=int, default=32, help="tokens per completion")
+    control.add_argument("--groups", type=int, default=4096, help="groups routed per figure (at least)")
+    control.add_argument("--placement", metavar="REPLICAS:RANKS:PROMPTS",
+                         help="predict the step time of this placement, e.g. 8:4:64 (needs the cost model's times)")
+    control.add_argument("--generate-s-per-token", type=float, default=0.0,
+                         help="cost model: seconds per generated token of a group on a replica")
+    control.add_argument("--train-s-per-token", type=float, default=0.0,
+                         help="cost model: seconds per trained token on one trainer rank")
+    control.add_argument("--publish-s", type=float, default=0.0, help="cost model: seconds per weight publish")
+    control.add_argument("--pull-s", type=float, default=0.0, help="cost model: seconds per generator weight pull")
+    control.add_argument("--time-scale", type=float, default=20.0, help="simulate this many times faster than real")
     sync_async = bench.add_parser("sync-vs-async", help="one workload trained sync, then async",
                                   epilog="Config overrides apply to both runs: --generator.max_tokens 32")
     sync_async.add_argument("--config", required=True, help="e.g. bench_smoke or bench_smollm2")
@@ -99,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             _bench_generation(args)
         elif args.command == "bench" and args.bench == "trainer":
             _bench_trainer(args)
+        elif args.command == "bench" and args.bench == "controller":
+            _bench_controller(args)
         elif args.command == "bench":
             _bench_sync_vs_async(args, rest)
         else:  # bad input fails here, before anything starts; a failure during the run keeps its traceback
@@ -135,6 +153,23 @@ def _bench_trainer(args) -> None:
     ranks = [int(r) for r in args.ranks.split(",")]
     _write_bench(args.json, trainer, trainer.run(args.model, ranks, args.batch, args.prompt_tokens,
                                                  args.response_tokens, args.repeats))
+
+
+def _bench_controller(args) -> None:
+    from meshrl.bench import controller
+    from meshrl.fakes import Costs
+
+    placement = None
+    if args.placement:
+        try:
+            replicas, ranks, prompts = (int(n) for n in args.placement.split(":"))
+        except ValueError:
+            raise ValueError(f"--placement {args.placement!r} is not REPLICAS:RANKS:PROMPTS, e.g. 8:4:64") from None
+        placement = {"replicas": replicas, "ranks": ranks, "prompts": prompts}
+    costs = Costs(args.generate_s_per_token, args.train_s_per_token, args.publish_s, args.pull_s)
+    _write_bench(args.json, controller, controller.run([int(r) for r in args.replicas.split(",")], args.group_size,
+                                                       args.max_tokens, args.groups, placement, costs,
+                                                       args.time_scale))
 
 
 def _write_bench(path: Path, bench, result: dict) -> None:

@@ -6,7 +6,7 @@ import math
 import statistics
 from typing import Callable
 
-from meshrl.advantages import STEP_WISE, estimator, step_wise
+from meshrl.advantages import STEP_WISE, estimator, population_std, step_wise
 from meshrl.configs import ControllerConfig
 from meshrl.types import Completion, Episode, ScoredCompletion, Trajectory, model_turns
 from meshrl.work_buffer import Batch, Filling
@@ -70,7 +70,7 @@ def batch_builder(cfg: ControllerConfig, task, temperature: float, now: Callable
         rewards = [s.reward for s in trained]
         stats = {
             "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
-            "reward_std": statistics.pstdev(rewards) if rewards else math.nan,
+            "reward_std": population_std(rewards) if rewards else math.nan,
             **check_rates(trained, len(trained), "", task.accuracy),
             "reward_errors": sum(g.completions - len(g.scored) for g in f.groups),
             "equal_reward_groups": f.equal,

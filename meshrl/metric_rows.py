@@ -35,8 +35,10 @@ def step_row(step: int, version: int, batch: Batch, train: dict, times: dict[str
 class MetricRows:
     """The rows so far (a resumed run's first), and where each new one is written."""
 
-    def __init__(self, loggers: MetricLoggers | None, recorder: RolloutRecorder | None, rows: list[dict] = ()):
-        self.loggers, self.recorder = loggers, recorder
+    def __init__(self, loggers: MetricLoggers | None, recorder: RolloutRecorder | None, rows: list[dict] = (),
+                 progress: bool = True):
+        """`progress`: a progress bar on stderr."""
+        self.loggers, self.recorder, self.show = loggers, recorder, progress
         self.rows = list(rows)
         self.bad_steps = 0  # steps in a row with an update not applied (NaN or infinite)
         self.bar: tqdm | None = None
@@ -48,7 +50,8 @@ class MetricRows:
 
     def progress(self, steps: int):
         """The steps after those logged up to `steps`, with a progress bar."""
-        with tqdm(range(self.done + 1, steps + 1), initial=self.done, total=steps, unit="step") as self.bar:
+        with tqdm(range(self.done + 1, steps + 1), initial=self.done, total=steps, unit="step",
+                  disable=not self.show) as self.bar:
             yield from self.bar
 
     def log(self, row: dict, batch: Batch) -> None:

@@ -66,7 +66,7 @@ async def processes(procs, name: str) -> list[tuple[str, int]]:
     return await in_rank_order(procs.spawn(f"{name}_info", ProcessInfo).where.call())
 
 
-@dataclass
+@dataclass(eq=False)  # a replica is itself: a replacement at the same index is another
 class Replica:
     index: int  # its position in the pool; a replacement takes the index of the one it replaces
     procs: object  # its proc mesh, to stop
@@ -126,6 +126,7 @@ class ReplicaPool:
         self.failed: RoleFailed | None = None
         self.changed = asyncio.Condition()  # a replica became healthy, or the pool gave up
         self.respawning: set[asyncio.Task] = set()
+        self.cursor = 0  # where the next search for the least-loaded replica starts
 
     async def start(self) -> None:
         self.replicas = list(await asyncio.gather(*(self.start_replica(i) for i in range(self.count))))
@@ -180,14 +181,22 @@ class ReplicaPool:
             replica.busy_since = None
 
     async def _least_loaded(self) -> Replica:
-        healthy = [r for r in self.replicas if r.healthy]
-        if not healthy or self.failed:
+        """The healthy replica with the fewest calls in flight; ties go round-robin, and the search
+        stops at the first idle one (a pool of hundreds is searched in a few steps while any is idle)."""
+        if self.failed or not any(r.healthy for r in self.replicas):
             async with self.changed:
                 await self.changed.wait_for(lambda: self.failed or any(r.healthy for r in self.replicas))
             if self.failed:
                 raise self.failed
-            healthy = [r for r in self.replicas if r.healthy]
-        return min(healthy, key=lambda r: r.load)
+        best, at, count = None, 0, len(self.replicas)
+        for k in range(count):
+            r = self.replicas[(self.cursor + k) % count]
+            if r.healthy and (best is None or r.load < best.load):
+                best, at = r, self.cursor + k
+                if r.load == 0:
+                    break
+        self.cursor = (at + 1) % count
+        return best
 
     async def _replace(self, replica: Replica, error: BaseException) -> None:
         """Take a failed replica out of service and start its replacement in the background (once per

@@ -116,28 +116,26 @@ class TrainBatch:
     advantages: torch.Tensor  # [B] float32
     loss_tokens: int
     loss_sequences: int
-    temperature: torch.Tensor | None = None  # [B] float32; None: 1
     ref_logprobs: torch.Tensor | None = None  # [B, T] float32
     old_logprobs: torch.Tensor | None = None  # [B, T] float32
+    temperature: torch.Tensor | None = None  # [B] float32; None: 1
 
     @staticmethod
     def collate(episodes: list[Episode], loss_tokens: int, loss_sequences: int, pad_id: int = 0) -> "TrainBatch":
         length = max(len(e.tokens) for e in episodes) - 1
-        n = len(episodes)
-        input_ids = torch.full((n, length), pad_id, dtype=torch.long)
-        target_ids = torch.full((n, length), pad_id, dtype=torch.long)
-        loss_mask = torch.zeros((n, length), dtype=torch.bool)
-        behaviour = torch.zeros((n, length), dtype=torch.float32)
-        for i, e in enumerate(episodes):
-            t = len(e.tokens) - 1
-            input_ids[i, :t] = torch.tensor(e.tokens[:-1])
-            target_ids[i, :t] = torch.tensor(e.tokens[1:])
-            loss_mask[i, :t] = torch.tensor(e.loss_mask[1:])
-            behaviour[i, :t] = torch.tensor(e.behaviour_logprobs[1:])
+
+        def rows(field: str, start: int, stop: int | None, pad, dtype) -> torch.Tensor:  # right-padded, one copy
+            return torch.tensor([(values := getattr(e, field)[start:stop]) + [pad] * (length - len(values))
+                                 for e in episodes], dtype=dtype)
+
+        input_ids = rows("tokens", 0, -1, pad_id, torch.long)
+        target_ids = rows("tokens", 1, None, pad_id, torch.long)
+        loss_mask = rows("loss_mask", 1, None, False, torch.bool)
+        behaviour = rows("behaviour_logprobs", 1, None, 0.0, torch.float32)
         advantages = torch.tensor([e.advantage for e in episodes], dtype=torch.float32)
         temperature = torch.tensor([e.temperature for e in episodes], dtype=torch.float32)
         return TrainBatch(input_ids, target_ids, loss_mask, behaviour, advantages, loss_tokens, loss_sequences,
-                          temperature)
+                          temperature=temperature)
 
     def to(self, device: torch.device) -> "TrainBatch":
         """The same batch with every tensor on `device`."""

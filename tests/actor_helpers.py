@@ -5,17 +5,19 @@ import subprocess
 import sys
 import textwrap
 
-from meshrl.rollout import build_episodes
+from meshrl.episodes import build_episodes
 from meshrl.types import Completion, Episode, ScoredCompletion, TrainBatch
 
 
-def episode(completion: Completion, advantage: float) -> Episode:
-    return dataclasses.replace(build_episodes([ScoredCompletion(completion, 0.0)], group_id=0)[0], advantage=advantage)
+def episode(completion: Completion, advantage: float, temperature: float = 1.0) -> Episode:
+    return dataclasses.replace(build_episodes([ScoredCompletion(completion, 0.0)], group_id=0,
+                                              temperature=temperature)[0], advantage=advantage)
 
 
-async def mismatch(trainer, completion: Completion) -> float:
-    """Mean |trainer logprob - generator logprob| over the completion's tokens (zero advantage: no update)."""
-    e = episode(completion, 0.0)
+async def mismatch(trainer, completion: Completion, temperature: float = 1.0) -> float:
+    """Mean |trainer logprob - generator logprob| over the completion's tokens (zero advantage: no update),
+    the trainer's taken at `temperature`."""
+    e = episode(completion, 0.0, temperature)
     metrics = await trainer.forward_backward.call_one(TrainBatch.collate([e], e.num_response_tokens, 1))
     return metrics["logprob_mismatch"] / metrics["tokens"]
 

@@ -47,3 +47,12 @@ class NaNTrainer(TitanTrainer):
         if self.batches >= 2:
             batch.advantages = torch.full_like(batch.advantages, float("nan"))
         return await TitanTrainer.forward_backward._method(self, batch)
+
+
+class SlowSaveTrainer(TitanTrainer):
+    """Writing its state for a checkpoint takes a minute."""
+
+    @endpoint
+    async def save_state(self, path: str) -> None:
+        await asyncio.sleep(60)
+        return await TitanTrainer.save_state._method(self, path)

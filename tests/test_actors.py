@@ -8,9 +8,8 @@ from actor_helpers import episode, mismatch
 from meshrl.actors import spawn
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.grader import Grader
-from meshrl.actors.replay_buffer import ReplayBuffer
 from meshrl.actors.trainer import TitanTrainer
-from meshrl.configs import GeneratorConfig, ReplayBufferConfig, TrainerConfig, WeightSyncConfig
+from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
 from meshrl.model import ChatTokenizer
 from meshrl.tasks.sum_digits import SumDigitsConfig
 from meshrl.types import Completion, Episode, Prompt, Sampling, TrainBatch
@@ -55,26 +54,6 @@ def test_trainer_weights_reach_vllm_and_change_its_output(tiny_checkpoint):
     asyncio.run(run())
 
 
-def test_replay_buffer_evicts_episodes_older_than_max_policy_age():
-    async def run():
-        procs, buffer = spawn("replay_buffer", ReplayBuffer, ReplayBufferConfig(max_policy_age=1))
-        try:
-            def ep(version):
-                return Episode([1, 2], [False, True], [0.0, -1.0], 1.0, version, 0)
-
-            await buffer.add.call_one([ep(0), ep(0), ep(1), ep(2), ep(2)])
-            assert await buffer.sample.call_one(2, 4) is None  # only 3 are fresh enough at version 2
-            assert await buffer.stats.call_one() == {"buffer_depth": 3, "episodes_evicted": 2}
-            sampled = await buffer.sample.call_one(2, 2)
-            assert [e.policy_version for e in sampled] == [1, 2]  # oldest fresh first
-            assert await buffer.stats.call_one() == {"buffer_depth": 1, "episodes_evicted": 2}
-            assert [e.policy_version for e in await buffer.sample.call_one(3, 1)] == [2]
-        finally:
-            await procs.stop()
-
-    asyncio.run(run())
-
-
 def test_grader_scores_a_group_and_skips_malformed_completions():
     async def run():
         procs, grader = spawn("grader", Grader, "sum_digits", SumDigitsConfig(format_weight=0.1))
@@ -90,3 +69,35 @@ def test_grader_scores_a_group_and_skips_malformed_completions():
             await procs.stop()
 
     asyncio.run(run())
+
+
+def test_the_trainer_scores_sampled_tokens_as_vllm_sampled_them_at_any_temperature():
+    """vLLM returns the logprobs of the distribution it sampled from (logits / temperature), and the
+    trainer takes its own from logits / the episode's temperature: at 0.7 they agree as closely as at 1.
+    A trainer that ignored the temperature would score the same tokens very differently."""
+    from meshrl.model import resolve_checkpoint
+
+    smollm2 = resolve_checkpoint("smollm2")  # a real model: a random one's logits are too flat to tell
+
+    async def run():
+        sync = WeightSyncConfig()
+        gen_procs, generator = spawn("generator", VLLMGenerator, GeneratorConfig(num_threads=1), sync, str(smollm2))
+        trn_procs, trainer = spawn("trainer", TitanTrainer, TrainerConfig(num_threads=1), sync, str(smollm2))
+        try:
+            prompt = Prompt(0, ChatTokenizer(smollm2).encode_chat("Write one sentence about the sea."))
+            gap = {}
+            for temperature in (1.0, 0.7):
+                sampled = await generator.generate.call_one([prompt], sampling=Sampling(n=4, temperature=temperature,
+                                                                                         max_tokens=24))
+                gap[temperature] = [await mismatch(trainer, c, temperature) for c in sampled]
+                if temperature != 1.0:
+                    gap["ignored"] = [await mismatch(trainer, c, 1.0) for c in sampled]
+            return gap
+        finally:
+            await gen_procs.stop()
+            await trn_procs.stop()
+
+    gap = asyncio.run(run())
+    tolerance = 0.08  # nats per token: bf16 (or fp32) numerics of two engines
+    assert max(gap[1.0]) < tolerance and max(gap[0.7]) < tolerance, gap
+    assert min(gap["ignored"]) > 2 * tolerance, gap

@@ -137,7 +137,7 @@ def kill_after_checkpoint(run_dir, args, step: int) -> None:
 @pytest.mark.parametrize("max_policy_age", [0, 1])
 def test_a_run_killed_after_a_checkpoint_resumes_where_it_stopped(max_policy_age, tmp_path):
     args = ["--controller.steps", "4", "--checkpoint.every", "2", "--checkpoint.keep", "0",
-            "--replay_buffer.max_policy_age", str(max_policy_age)]
+            "--controller.max_policy_age", str(max_policy_age)]
     killed = tmp_path / "killed"
     kill_after_checkpoint(killed, args, step=2)
     at_checkpoint = json.loads((killed / "checkpoints" / "step-2" / "checkpoint.json").read_text())

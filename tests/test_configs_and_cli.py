@@ -56,7 +56,7 @@ def run_cli(*args):
     (["train", "--config", "smoke", "--logging.wandb_mode", "sometimes"], "unknown logging.wandb_mode 'sometimes'"),
     (["train", "--run-dir", "x"], "train needs --config NAME"),
     (["train", "--config", "smoke", "--model.source", "/no/such/model"], "model '/no/such/model' not found"),
-    (["train", "--config", "smoke", "--replay_buffer.max_policy_age", "-1"], "max_policy_age must be at least 0"),
+    (["train", "--config", "smoke", "--controller.max_policy_age", "-1"], "max_policy_age must be at least 0"),
     (["train", "--config", "smoke", "--controller.group_size", "1"], "group_size must be at least 2"),
     (["train", "--config", "smoke", "--controller.eval_samples", "4"], "greedy sampling gives one answer per prompt"),
     (["train", "--config", "smoke", "--controller.advantage", "step_wise_ppo"], "unknown advantage estimator 'ppo'"),

@@ -7,7 +7,7 @@ import logging
 from collections import Counter
 
 import pytest
-from fakes import FakeTrainer, Script, fake_config, read_jsonl, run_fake
+from meshrl.fakes import FakeTrainer, Script, fake_config, read_jsonl, run_fake
 
 from meshrl import checkpoint
 from meshrl.work_buffer import TooManyFailures

@@ -13,7 +13,7 @@ from meshrl.actors import spawn
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import GeneratorConfig, LossConfig, TrainerConfig, WeightSyncConfig
-from meshrl.rollout import build_episodes
+from meshrl.episodes import build_episodes
 from meshrl.losses import LOSSES
 from meshrl.model import ChatTokenizer
 from meshrl.train_step import train_step

@@ -33,7 +33,7 @@ def test_ranks_spread_over_their_group_and_replicas_go_round_robin():
                generator__hosts="gen", generator__replicas=4)
     assert p["trainer"] == RolePlacement("trainer", 2, 2)
     assert p["generator"] == RolePlacement("gen", 3, 2)  # 4 replicas over 3 hosts: at most 2 on one
-    assert p["grader"] == p["replay_buffer"] == RolePlacement("", 1, 1)
+    assert p["grader"] == RolePlacement("", 1, 1)
     assert "reference" not in p  # no KL penalty, no reference model
     assert placed(job__kind="process", job__hosts="a:1", trainer__loss__kl_coef=0.1, reference__hosts="a")[
         "reference"] == RolePlacement("a", 1, 1)

@@ -39,7 +39,7 @@ def test_training_across_hosts_in_their_own_network_namespaces_pulls_weights_ove
     *trainer_hosts, generator_host = hosts.names
     assert placement["trainer"] == {"host": trainer_hosts}  # rank r on host r
     assert placement["generator"] == {"host": generator_host, "weight_transport": "rdma"}
-    assert placement["grader"]["host"] == placement["replay_buffer"]["host"] not in hosts.names  # the controller's
+    assert placement["grader"]["host"] not in hosts.names  # the controller's
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["policy_version"] == 3
     # each step trained completions sampled from the version before it: pulled across the hosts

@@ -17,7 +17,7 @@ from meshrl.configs import GeneratorConfig, WeightSyncConfig, load_config
 from meshrl.launch import actor_classes
 from meshrl.model import ChatTokenizer, resolve_checkpoint
 from meshrl.multiturn import converse
-from meshrl.rollout import build_episodes
+from meshrl.episodes import build_episodes
 from meshrl.tasks.zorplex import Zorplex, ZorplexConfig
 from meshrl.types import Completion, Sampling, ScoredCompletion, Trajectory
 
@@ -206,7 +206,7 @@ def smoke(tmp_path, *args) -> tuple[list[dict], list[dict]]:
 
 def test_step_wise_grpo_trains_a_users_environment_turn_by_turn(tmp_path):
     metrics, rollouts = smoke(tmp_path, "--task", "user_task:FakeTool", "--controller.advantage", "step_wise_grpo",
-                              "--controller.max_turns", "3", "--replay_buffer.max_policy_age", "1")
+                              "--controller.max_turns", "3", "--controller.max_policy_age", "1")
     assert [m["step"] for m in metrics] == [1, 2] and max(m["staleness_max"] for m in metrics) <= 1
     # 2 prompts x 4 conversations x 3 turns each: one episode per turn
     assert [(m["turns_mean"], m["episodes"]) for m in metrics] == [(3.0, 24), (3.0, 24)]

@@ -1,26 +1,33 @@
-"""The replica pool on real Monarch actors: least-loaded routing, a failing replica replaced and its
-work redone elsewhere, and one clear error once the restarts are used up."""
+"""The replica pool on real Monarch actors: least-loaded routing, and failures by kind: an endpoint's
+own error fails the call and leaves the replica serving; a process that dies, or a replica that says
+it is broken, is replaced and its work redone elsewhere; one clear error once the restarts are used up."""
 
 import asyncio
+import os
 
 import monarch.actor
 import pytest
 from monarch.actor import Actor, endpoint
 
-from meshrl.replicas import ReplicaPool, RoleFailed
+from meshrl.actors.roles import ReplicaBroken
+from meshrl.replicas import CallFailed, ReplicaPool, RoleFailed, monarch_replicas
 
 
 class Echo(Actor):
-    """A stand-in role: answers with its own replica name, and fails when asked to."""
+    """A stand-in role: answers with its own replica name; fails as it is told to."""
 
     def __init__(self, name: str):
         self.name = name
 
     @endpoint
-    async def echo(self, value: int, fail: bool = False, delay: float = 0.0) -> tuple[str, int]:
+    async def echo(self, value: int, fail: str = "", delay: float = 0.0) -> tuple[str, int]:
         await asyncio.sleep(delay)
-        if fail:
-            raise RuntimeError(f"{self.name} was told to fail")
+        if fail == "raise":
+            raise ValueError(f"{self.name} cannot echo {value}")
+        if fail == "broken":
+            raise ReplicaBroken(f"{self.name}'s engine failed")
+        if fail == "die":
+            os._exit(1)
         return self.name, value
 
 
@@ -29,7 +36,7 @@ def keep_the_client_alive():
     monarch.actor.unhandled_fault_hook = lambda failure: None
 
 
-def test_calls_spread_over_replicas_and_a_failed_one_is_replaced():
+def test_calls_spread_over_replicas_and_failures_are_handled_by_kind():
     async def run():
         spawned = []
 
@@ -37,7 +44,8 @@ def test_calls_spread_over_replicas_and_a_failed_one_is_replaced():
             spawned.append(i)
             return (f"echo{i}#{spawned.count(i)}",)
 
-        pool = ReplicaPool("echo", Echo, args, count=2, max_restarts=1)
+        pool = ReplicaPool("echo", None, count=2, max_restarts=2)
+        pool.start_replica = monarch_replicas(pool.name, Echo, args)
         await pool.start()
         try:
             assert set(pool.pids()) == {"echo0", "echo1"} and len(set(pool.pids().values())) == 2
@@ -47,26 +55,30 @@ def test_calls_spread_over_replicas_and_a_failed_one_is_replaced():
             assert [v for _, v in answers] == [0, 1, 2, 3]
             assert sorted(name for name, _ in answers) == ["echo0#1", "echo0#1", "echo1#1", "echo1#1"]
 
-            # the first try fails on its replica; the call is redone on the other one
-            tries = []
+            # the call's own error: it fails, the replica serves on
+            with pytest.raises(CallFailed, match="ValueError: echo.#1 cannot echo 5"):
+                await pool.call(lambda r: r.actor.echo.call_one(5, fail="raise"))
+            assert pool.restarts == 0 and pool.retried == 0 and sorted(spawned) == [0, 1]
 
-            async def flaky(replica):
-                tries.append(replica.index)
-                return await replica.actor.echo.call_one(7, fail=len(tries) == 1)
+            # the process dies on the first try, the replica is broken on the second: each time the
+            # call is redone on the other replica, and the failed one comes back on a fresh mesh
+            for how in ("die", "broken"):
+                tries = []
 
-            name, value = await pool.call(flaky)
-            assert value == 7 and tries[1] != tries[0] and name == f"echo{tries[1]}#1"
-            assert pool.restarts == 1 and pool.requeued == 1
-            await asyncio.wait_for(asyncio.gather(*pool.respawning), 60)
-            assert sorted(spawned) == sorted([0, 1, tries[0]])  # the failed index came back on a fresh mesh
-            assert all(r.healthy for r in pool.replicas)
-            fresh = pool.replicas[tries[0]]
-            assert (await fresh.actor.echo.call_one(1))[0] == f"echo{tries[0]}#2"
+                async def flaky(replica):
+                    tries.append(replica.index)
+                    return await replica.actor.echo.call_one(7, fail=how if len(tries) == 1 else "")
+
+                name, value = await pool.call(flaky)
+                assert value == 7 and tries[1] != tries[0] and name.startswith(f"echo{tries[1]}#")
+                await asyncio.wait_for(asyncio.gather(*pool.respawning), 60)
+                assert spawned.count(tries[0]) >= 2 and all(r.healthy for r in pool.replicas)
+            assert pool.restarts == 2 and pool.retried == 2
 
             # with the restarts used up, the next failure is one clear error
-            with pytest.raises(RoleFailed, match=r"echo \d \(pid \d+\) failed after 1 replacements "
-                                                 r"\(max_restarts 1\): .*was told to fail"):
-                await pool.call(lambda r: r.actor.echo.call_one(0, fail=True))
+            with pytest.raises(RoleFailed, match=r"echo \d \(pid \d+\) failed after 2 replacements "
+                                                 r"\(max_restarts 2\): .*engine failed"):
+                await pool.call(lambda r: r.actor.echo.call_one(0, fail="broken"))
         finally:
             await pool.stop()
 

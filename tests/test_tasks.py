@@ -86,10 +86,12 @@ def test_module_class_tasks_take_their_config_from_task_args():
         task_config(load_config("smoke", ["--task", "user_task:Nope"]))
 
 
-def smoke(tmp_path, *args) -> list[dict]:
+def smoke(tmp_path, *args, stderr: list | None = None) -> list[dict]:
     run = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path),
                           "--checkpoint.every", "0", *args], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+    if stderr is not None:
+        stderr.append(run.stderr)
     return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -117,3 +119,35 @@ def test_a_jsonl_file_trains_through_the_dataset_task_and_bad_data_stops_before_
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [f"meshrl: error: {tmp_path / 'bad.jsonl'} row 2: no 'a' (fields: q)"]
     assert not (tmp_path / "bad").exists()
+
+
+def test_rows_too_long_for_the_generator_are_skipped_at_load_with_their_row_numbers(tmp_path, caplog):
+    rows = [{"prompt": "word " * (300 if i in (2, 5) else 3), "answer": "1"} for i in range(10)]
+    task = DatasetTask(DatasetConfig(path=write_jsonl(tmp_path / "d.jsonl", rows), eval_size=3))
+    with caplog.at_level("WARNING"):
+        task.keep_only(lambda prompt: len(prompt.split()) <= 100, "over 100 words")
+    assert "d.jsonl: 2 of its 7 train rows skipped, their prompts over 100 words: rows 3, 6" in caplog.text
+    assert "eval rows" not in caplog.text
+    assert {len(task.train_sample(i).prompt.split()) for i in range(20)} == {3}
+    with pytest.raises(ValueError, match="no train row has a prompt that fits: all are over 0 words"):
+        task.keep_only(lambda prompt: False, "over 0 words")
+
+
+def test_a_dataset_with_over_long_prompts_trains_to_the_end_without_replacing_a_generator(tmp_path):
+    """The rows too long for the context are reported at load and skipped; a prompt that slips through
+    anyway (user_task:SlippingDataset lengthens training prompt 1) is refused by vLLM: its group fails,
+    is counted, and nothing else happens."""
+    rows = [{"q": ("Say it all again: " + "and so on " * 300) if i in (1, 4) else f"What is {i} + {i}?",
+             "a": 2 * i} for i in range(14)]
+    path = write_jsonl(tmp_path / "long.jsonl", rows)
+    args = json.dumps({"path": path, "prompt_field": "q", "answer_field": "a", "reward": "numeric", "eval_size": 4})
+    stderr = []
+    done = smoke(tmp_path / "run", "--task", "user_task:SlippingDataset", "--task_args", args,
+                 "--controller.steps", "3", stderr=stderr)
+    assert "long.jsonl: 2 of its 10 train rows skipped, their prompts longer than generator.max_model_len (512) " \
+           "less generator.max_tokens (16) tokens: rows 2, 5" in stderr[0]
+    assert "the group of prompt 1 failed and is not trained" in stderr[0] and "maximum context length" in stderr[0]
+    assert [r["step"] for r in done] == [1, 2, 3]
+    assert sum(r["groups_failed"] for r in done) == 1 and done[-1]["generator_restarts"] == 0
+    trained = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert 1 not in {r["prompt_index"] for r in trained} and not any("and so on" in r["prompt"] for r in trained)

@@ -73,6 +73,12 @@ def test_equal_reward_groups_are_kept_unless_dropped_and_dynamic_sampling_stops_
     batch = plain.finish(group(1))
     assert batch.stats["equal"] == 1 and {e.group_id for e in batch.episodes} == {0, 1}
 
+    unscored = buffer(size=2)  # every reward function raised: tried, not trained
+    starts(unscored, 0)
+    unscored.finish(group(0, rewards=()))
+    batch = unscored.finish(group(1))
+    assert batch is not None and {e.group_id for e in batch.episodes} == {1}
+
     dropping = buffer(size=2, tries=3, drop_equal=True)
     assert starts(dropping, 0) == [0, 1]
     assert dropping.finish(group(0, rewards=(1.0, 1.0))) is None

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from monarch.actor import Actor, endpoint
 
 from meshrl.tasks import Sample
+from meshrl.tasks.dataset import DatasetConfig, DatasetTask
 
 
 class Parity:
@@ -80,3 +81,14 @@ class ScoreOnlyGrader(Actor):
     @endpoint
     async def score(self, completions, expected_answer):
         return []
+
+
+class SlippingDataset(DatasetTask):
+    """The dataset task with one training prompt (index 1) made too long after the load's check: it
+    slips through to vLLM, which refuses it, and only its group fails."""
+
+    Config = DatasetConfig
+
+    def train_sample(self, index: int) -> Sample:
+        sample = super().train_sample(index)
+        return Sample(sample.prompt + " and so on" * 400, sample.answer) if index == 1 else sample

@@ -70,11 +70,11 @@ class VLLMGenerator(Actor):
         version = self.policy_version
         loop = asyncio.get_running_loop()
         futures = []
-        for prompt in prompts:
+        for prompt in prompts:  # vLLM refusing one (too long, say) raises here: this call's group fails
             request_id = str(next(self.request_ids))
+            self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt.token_ids), params)
             self.waiting[request_id] = future = loop.create_future()
             futures.append(future)
-            self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt.token_ids), params)
         if self.driver is None or self.driver.done():
             self.driver = asyncio.create_task(self._drive())
         outputs = await asyncio.gather(*futures)

@@ -1,15 +1,17 @@
-"""Fakes for tests of the controller's logic in one process, in milliseconds: a fake generator, grader
+"""Fake actors for the controller's tests and its benchmark, in one process: a fake generator, grader
 and trainer that follow their role contracts (meshrl/actors/roles.py), a fake of Monarch's actor
-handles over them, a fake task and tokenizer, and `run_fake` that drives the real Controller,
-RolloutCollector, WorkBuffer, ReplicaPool, Checkpointer and metric rows with them.
+handles over them, a fake task and tokenizer, and `run_fake`, which drives the real Controller,
+RolloutCollector, WorkBuffer, ReplicaPools, Checkpointer and metric rows with them.
 
 A `Script` sees every fake actor call before it runs (each one an await point of the loops) and can
 delay it (by yielding to the event loop: deterministic), fail it (the call's own error, or the
-replica's process dying), or ask for a stop there, as a signal would."""
+replica's process dying), or ask for a stop there, as a signal would. `Costs` give generation and
+training simulated durations (meshrl/bench/controller.py); zero by default."""
 
 import asyncio
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +24,6 @@ from meshrl.configs import Config, ControllerConfig
 from meshrl.controller import Controller
 from meshrl.launch import StopSignals
 from meshrl.loggers import MetricLoggers, RolloutRecorder
-from meshrl.losses import policy_loss
 from meshrl.metric_rows import MetricRows
 from meshrl.replicas import Replica, ReplicaPool
 from meshrl.tasks import Sample
@@ -31,6 +32,22 @@ from meshrl.trace import Tracer
 from meshrl.types import Completion, ScoredCompletion
 
 PROMPT_ID = 100  # FakeTokenizer: a prompt's first token is PROMPT_ID + its index, so the trainer can tell
+
+
+@dataclass
+class Costs:
+    """Simulated seconds: a group's generation per token of its completions (decoded together), training
+    per token of a micro-batch (each rank its own), a publish and a generator's pull."""
+
+    generate_per_token: float = 0.0
+    train_per_token: float = 0.0
+    publish: float = 0.0
+    pull: float = 0.0
+
+
+async def take(seconds: float) -> None:
+    if seconds > 0:
+        await asyncio.sleep(seconds)
 
 
 @dataclass
@@ -44,11 +61,13 @@ class Script:
     die_at: dict[str, int] = field(default_factory=dict)  # "generate": the replica dies at this call of it
     hang_at: dict[str, int] = field(default_factory=dict)  # "generate": this call never answers
     calls: list[str] = field(default_factory=list)
+    counts: Counter = field(default_factory=Counter)
     signals: StopSignals | None = None
 
     async def point(self, endpoint: str, replica) -> None:
         self.calls.append(endpoint)
-        count = self.calls.count(endpoint)
+        self.counts[endpoint] += 1
+        count = self.counts[endpoint]
         if len(self.calls) == self.stop_at and self.signals:
             self.signals.request("SIGINT")
         for _ in range(self.yields.get(endpoint, 0)):
@@ -121,20 +140,22 @@ class FakeWeights:
 
 
 class FakeGenerator:
-    """roles.Generator: `group_size` completions of `length` tokens; a completion's text is its reward
-    ("1" or "0", alternating within a group so it has a learning signal)."""
+    """roles.Generator: `sampling.n` completions of `sampling.max_tokens` tokens; a completion's text is
+    its reward ("1" or "0", alternating within a group so that it has a learning signal)."""
 
-    def __init__(self, weights: FakeWeights, script: Script, length: int = 3):
-        self.weights, self.script, self.length = weights, script, length
+    def __init__(self, weights: FakeWeights, script: Script, costs: Costs = Costs()):
+        self.weights, self.script, self.costs = weights, script, costs
         self.version = 0
 
     async def generate(self, prompts, *, sampling=None) -> list[Completion]:
+        length = sampling.max_tokens
+        await take(length * self.costs.generate_per_token)
         out = []
         for p in prompts:
             index = p.token_ids[0] - PROMPT_ID
             if index in self.script.reject:
                 raise ValueError(f"prompt {index} is longer than the model's context (fake)")
-            out += [Completion(p.index, p.token_ids, [7 + j for j in range(self.length)], [-0.5] * self.length,
+            out += [Completion(p.index, p.token_ids, [7 + j for j in range(length)], [-0.5] * length,
                                "1" if index in self.script.equal else str(j % 2), self.version, "stop")
                     for j in range(sampling.n)]
         return out
@@ -143,6 +164,7 @@ class FakeGenerator:
         return "fake"
 
     async def pull_weights(self) -> int:
+        await take(self.costs.pull)
         self.version = self.weights.version
         return self.version
 
@@ -158,17 +180,22 @@ class FakeGrader:
 
 
 class FakeTrainer:
-    """roles.Trainer: computes the real loss's metrics on the behaviour logprobs, trains nothing, and
-    notes which prompts each step trained (`trained`: one list per optimizer update)."""
+    """roles.Trainer: trains nothing; returns the loss's metric sums as a policy that is the behaviour
+    policy would (meshrl/losses.py), and notes which prompts each optimizer update trained
+    (`trained`: one list per update)."""
 
-    def __init__(self, weights: FakeWeights, loss):
-        self.weights, self.loss = weights, loss
+    def __init__(self, weights: FakeWeights, costs: Costs = Costs()):
+        self.weights, self.costs = weights, costs
         self.version, self.updates, self.trained, self.pending = 0, 0, [], []
 
     async def forward_backward(self, batch) -> dict:
         rows = batch.loss_mask.any(-1)
         self.pending += [int(i) - PROMPT_ID for i in batch.input_ids[rows, 0]]
-        return policy_loss(batch.behaviour_logprobs.clone(), batch, self.loss)[1]
+        tokens = int(batch.loss_mask.sum())
+        await take(tokens * self.costs.train_per_token)
+        return {"loss": 0.0, "tokens": tokens, "logprob_mismatch": 0.0, "ratio": float(tokens), "ratio_max": 1.0,
+                "clip_low": 0, "clip_high": 0, "behaviour_weight": float(tokens), "tis_truncated": 0,
+                "behaviour_kl": 0.0, "entropy": 0.0}
 
     async def logprobs(self, batch) -> torch.Tensor:
         return batch.behaviour_logprobs
@@ -183,6 +210,7 @@ class FakeTrainer:
         return "ring"
 
     async def publish_weights(self) -> int:
+        await take(self.costs.publish)
         self.version += 1
         self.weights.version = self.version
         return self.version
@@ -219,10 +247,12 @@ class FakeTokenizer:
 
 def fake_config(steps: int = 4, prompts: int = 3, group: int = 2, max_policy_age: int = 0, replicas: int = 2,
                 **controller) -> Config:
+    """A small run for the fakes: completions of 3 tokens, micro-batches of 2, no TensorBoard, no
+    checkpoints but the last (or a stop's)."""
     config = Config()
     config.controller = ControllerConfig(steps=steps, prompts_per_step=prompts, group_size=group,
                                          max_policy_age=max_policy_age, **controller)
-    config.generator.replicas = replicas
+    config.generator.replicas, config.generator.max_tokens = replicas, 3
     config.trainer.micro_batch_size = 2
     config.logging.tensorboard = False
     config.checkpoint.every = 0
@@ -240,22 +270,25 @@ class FakeRun:
 
 
 async def run_fake(config: Config, run_dir: Path, script: Script | None = None, resume: bool = False,
-                   stop_timeout: float = 5.0, generate_timeout: float = 0) -> FakeRun:
-    """The real controller's loops over fake actors, from the newest checkpoint in `run_dir` with `resume`."""
+                   stop_timeout: float = 5.0, generate_timeout: float = 0, costs: Costs = Costs(),
+                   progress: bool = True) -> FakeRun:
+    """The real controller's loops over fake actors (`config.trainer.ranks` fake trainer ranks), from the
+    newest checkpoint in `run_dir` with `resume`."""
     script = script or Script()
     run_dir.mkdir(parents=True, exist_ok=True)
     state_dir = checkpoint.latest(run_dir) if resume else None
     state = checkpoint.load(state_dir) if state_dir else None
     weights, spawned = FakeWeights(), []
     signals = script.signals = StopSignals()
-    fake_trainer = FakeTrainer(weights, config.trainer.loss)
-    trainer = FakeMesh([fake_trainer], script)
+    fake_trainers = [FakeTrainer(weights, costs) for _ in range(config.trainer.ranks)]
+    trainer = FakeMesh(fake_trainers, script)
     timeouts = Timeouts(stop=Timeout(stop_timeout, "controller.stop_timeout_s"),
                         generate=Timeout(generate_timeout, "generator.timeout_s"))
 
     async def generator(index: int) -> Replica:
         spawned.append(index)
-        return Replica(index, FakeProcs(), FakeMesh([FakeGenerator(weights, script)], script), "fake", os.getpid())
+        return Replica(index, FakeProcs(), FakeMesh([FakeGenerator(weights, script, costs)], script), "fake",
+                       os.getpid())
 
     async def grader(index: int) -> Replica:
         return Replica(index, FakeProcs(), FakeMesh([FakeGrader()], script), "fake", os.getpid())
@@ -265,7 +298,8 @@ async def run_fake(config: Config, run_dir: Path, script: Script | None = None, 
     await asyncio.gather(generators.start(), graders.start())
     tracer = Tracer(run_dir, resume=resume)
     rows = MetricRows(MetricLoggers(run_dir, config, "fake", resumed_rows=state.rows if state else ()),
-                      RolloutRecorder(run_dir, 1.0, state.step if state else None))
+                      RolloutRecorder(run_dir, config.logging.rollouts_fraction, state.step if state else None),
+                      progress=progress)
     controller = Controller(config, FakeTask(), FakeTokenizer(), generators, graders, trainer, None, tracer, signals,
                             checkpoint.Checkpointer(run_dir, 0, trainer, tracer, timeouts), rows, timeouts)
     try:
@@ -275,7 +309,7 @@ async def run_fake(config: Config, run_dir: Path, script: Script | None = None, 
     finally:
         rows.close()
         tracer.close(plot=False)
-    return FakeRun(controller, fake_trainer, rows.rows, spawned)
+    return FakeRun(controller, fake_trainers[0], rows.rows, spawned)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -1,0 +1,101 @@
+"""`meshrl bench controller`: the controller's own cost, and what a placement's step time would be.
+
+- Cost: the real controller (loops, work buffer, replica pools, tracer, metric rows, checkpoint)
+  drives fake actors (meshrl/fakes.py) that answer at once, on one core: groups routed per second and
+  controller CPU per group, for each replica count. Each step has one group per replica (of
+  `group_size` completions of `max_tokens` tokens), one step of staleness allowed.
+- Prediction: the same with the fakes taking simulated time from a cost model (seconds per generated
+  token of a group, per trained token on each trainer rank, per publish and pull): the step time of
+  a placement trained synchronously (max_policy_age 0) and asynchronously (1), and the speedup. The
+  model lets a replica decode its concurrent groups together at the cost of one (continuous
+  batching, memory-bound decoding): an optimistic bound for generation. Simulated time runs
+  `time_scale` times faster than real time; the figures are scaled back.
+"""
+
+import asyncio
+import contextlib
+import dataclasses
+import io
+import logging
+import math
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from meshrl.fakes import Costs, fake_config, run_fake
+
+
+def one_core() -> int:
+    """Pin this process (and torch) to one core, as a controller would be measured; returns it."""
+    core = min(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    return core
+
+
+def controller_cost(replicas: int, group_size: int, max_tokens: int, groups: int) -> dict:
+    """Groups per second and CPU per group with instant fake actors, `replicas` generators."""
+    steps = max(3, math.ceil(groups / replicas))
+    config = fake_config(steps=steps, prompts=replicas, group=group_size, max_policy_age=1, replicas=replicas)
+    config.generator.max_tokens, config.trainer.micro_batch_size = max_tokens, 16
+    with tempfile.TemporaryDirectory() as run_dir:
+        wall, cpu = time.perf_counter(), time.process_time()
+        with contextlib.redirect_stdout(io.StringIO()):  # the evals' example replies
+            asyncio.run(run_fake(config, Path(run_dir), progress=False))
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    routed = steps * replicas + 2 * len(range(2))  # the batches' groups and two evals of two prompts
+    return {"replicas": replicas, "steps": steps, "groups": routed, "wall_s": wall,
+            "groups_per_s": routed / wall, "cpu_ms_per_group": 1000 * cpu / routed}
+
+
+def predict(replicas: int, ranks: int, prompts: int, group_size: int, max_tokens: int, costs: Costs,
+            steps: int, time_scale: float) -> dict:
+    """Median step time (after the first) of the placement, sync and async, under `costs`."""
+    scaled = Costs(*(value / time_scale for value in dataclasses.astuple(costs)))
+    out = {}
+    for mode, age in (("sync", 0), ("async", 1)):
+        config = fake_config(steps=steps, prompts=prompts, group=group_size, max_policy_age=age, replicas=replicas)
+        config.generator.max_tokens, config.trainer.ranks, config.trainer.micro_batch_size = max_tokens, ranks, 16
+        with tempfile.TemporaryDirectory() as run_dir, contextlib.redirect_stdout(io.StringIO()):
+            done = asyncio.run(run_fake(config, Path(run_dir), costs=scaled, progress=False))
+        out[f"{mode}_step_s"] = statistics.median(r["step_time_s"] for r in done.rows[1:]) * time_scale
+    out["async_speedup"] = out["sync_step_s"] / out["async_step_s"]
+    return out
+
+
+def run(replicas: list[int], group_size: int, max_tokens: int, groups: int, placement: dict | None,
+        costs: Costs, time_scale: float) -> dict:
+    core = one_core()
+    logging.getLogger("meshrl").setLevel(logging.ERROR)
+    controller_cost(8, group_size, max_tokens, 64)  # warm: imports, first allocations
+    curve = [controller_cost(r, group_size, max_tokens, groups) for r in replicas]
+    result = {"core": core, "cpu": cpu_name(), "group_size": group_size, "max_tokens": max_tokens, "cost": curve}
+    if placement:
+        result["placement"] = {**placement, "costs": dataclasses.asdict(costs), "time_scale": time_scale,
+                               **predict(**placement, group_size=group_size, max_tokens=max_tokens, costs=costs,
+                                         steps=6, time_scale=time_scale)}
+    return result
+
+
+def cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+def report(result: dict) -> str:
+    lines = [f"controller cost on one core ({result['cpu']}), groups of {result['group_size']} x "
+             f"{result['max_tokens']} tokens, instant fake actors:",
+             f"  {'replicas':>8s} {'groups':>7s} {'groups/s':>9s} {'CPU ms/group':>13s}"]
+    lines += [f"  {c['replicas']:8d} {c['groups']:7d} {c['groups_per_s']:9.0f} {c['cpu_ms_per_group']:13.3f}"
+              for c in result["cost"]]
+    if p := result.get("placement"):
+        lines.append(f"predicted for {p['replicas']} generator replicas, {p['ranks']} trainer ranks, {p['prompts']} "
+                     f"prompts per step: step {p['sync_step_s']:.2f} s sync, {p['async_step_s']:.2f} s async "
+                     f"(async speedup {p['async_speedup']:.2f})")
+    return "\n".join(lines)
