@@ -32,11 +32,25 @@ def test_dotted_overrides_are_typed():
     (["--trainer.bf16_autocast", "maybe"], "invalid choice 'maybe' for argument '--trainer.bf16_autocast'"),
     (["--trainer.lr"], "Missing value for argument '--trainer.lr'"),
     (["trainer.lr=1"], "unknown config key or bad override: trainer.lr=1"),
+    (["--replay_buffer.max_policy_age", "1"], "--replay_buffer.max_policy_age is now --controller.max_policy_age"),
 ])
 def test_bad_overrides_are_clear_errors(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as error:
         load_config("smoke", overrides)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--generator.top_p", "0.9"], "generator.top_p 0.9: training samples must come from the whole distribution"),
+    (["--controller.max_failed_fraction", "2"], "controller.max_failed_fraction must be between 0 and 1"),
+    (["--weight_sync.dtype", "int8"], "unknown weight_sync.dtype 'int8'"),
+])
+def test_values_that_cannot_work_together_are_refused_before_anything_starts(overrides, message):
+    from meshrl.launch import check_config
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_config(load_config("smoke", overrides))
+    check_config(load_config("smoke", ["--controller.eval_top_p", "0.9"]))  # eval samples as it likes
 
 
 def test_booleans_take_the_usual_spellings():

@@ -139,3 +139,18 @@ def test_a_stop_whose_checkpoint_hangs_goes_on_without_it_after_stop_timeout(tmp
         done = run(config, tmp_path, script, stop_timeout=0.3)
     assert done.rows and checkpoint.latest(tmp_path) is None
     assert "the stop's checkpoint did not finish within 0.3 s (controller.stop_timeout_s)" in caplog.text
+
+
+def test_the_fake_trainer_answers_with_the_real_loss_metrics():
+    import torch
+
+    from meshrl.configs import LossConfig
+    from meshrl.fakes import FakeWeights
+    from meshrl.losses import policy_loss
+    from meshrl.types import Episode, TrainBatch
+
+    batch = TrainBatch.collate([Episode([1, 2, 3], [False, True, True], [0.0, -1.0, -2.0], 1.0, 0, 0)], 2, 1)
+    real = policy_loss(batch.behaviour_logprobs.clone(), batch, LossConfig(), torch.zeros(1, 2))[1]
+    fake = asyncio.run(FakeTrainer(FakeWeights()).forward_backward(batch))
+    assert fake.keys() == real.keys() and fake["tokens"] == real["tokens"] == 2
+    assert fake["behaviour_weight"] == real["behaviour_weight"] and fake["ratio"] == real["ratio"]

@@ -1,4 +1,6 @@
 """The generator: vLLM in process, producing Completions with per-token logprobs and their policy version.
+The logprobs are those of the distribution each token was sampled from (vLLM's processed logprobs:
+after the temperature), which is what the trainer scores the same tokens under.
 
 `generate` is a concurrent endpoint: every call adds its requests to the one vLLM engine, and a
 single driver task steps the engine while any request is unfinished (continuous batching), so the
@@ -9,6 +11,7 @@ started from (the oldest policy they sampled from).
 
 import asyncio
 import itertools
+import logging
 import os
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
@@ -20,6 +23,8 @@ from meshrl.model import published_weights
 from meshrl.types import Completion, Prompt, Sampling
 from meshrl.weight_sync.ring import RingHandle
 from meshrl.weight_sync.shards import ShardedReader
+
+logger = logging.getLogger(__name__)
 
 
 class VLLMGenerator(Actor):
@@ -114,6 +119,10 @@ class VLLMGenerator(Actor):
         """Pull weights from the trainer's rings (one per rank, in rank order) from now on; returns the
         transport chosen."""
         self.ring = ShardedReader(rings, self.layout, self.adapter.to_hf, self.transport)
+        served, published = self.engine.model_config.dtype, self.layout.specs[0].dtype
+        if served != published:
+            logger.warning("versions are published in %s but vLLM serves %s here: the served policy is a rounded "
+                           "copy of the trained one (weight_sync.dtype)", published, served)
         return self.ring.transport
 
     @endpoint

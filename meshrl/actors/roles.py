@@ -61,7 +61,8 @@ class Trainer(Protocol):
     Constructed with (TrainerConfig, WeightSyncConfig, checkpoint path)."""
 
     async def forward_backward(self, batch: TrainBatch) -> dict:
-        """Accumulate the loss's gradient over one micro-batch; returns its metric sums (meshrl/losses.py)."""
+        """Accumulate the loss's gradient over one micro-batch; returns its metric sums (meshrl/losses.py).
+        Logprobs are taken from logits / `batch.temperature`: the distribution the tokens were sampled from."""
 
     async def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """The current policy's logprob of every target token [B, T], without training."""

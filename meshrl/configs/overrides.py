@@ -22,8 +22,19 @@ class ConfigError(ValueError):
     pass
 
 
+MOVED = {"replay_buffer.max_policy_age": "controller.max_policy_age"}  # old key -> where it is now
+
+
+def _moved(args: list[str]) -> None:
+    for arg in args:
+        key = arg.removeprefix("--").partition("=")[0]
+        if arg.startswith("--") and key in MOVED:
+            raise ConfigError(f"--{key} is now --{MOVED[key]}")
+
+
 def apply_overrides(config, args: list[str]):
     """A copy of `config` with `args` applied; a ConfigError with one line on bad input."""
+    _moved(args)
     text = io.StringIO()
     try:
         with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
