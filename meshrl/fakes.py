@@ -267,23 +267,25 @@ class FakeRun:
     trainer: FakeTrainer
     rows: list[dict]
     spawned: list[int]  # generator replicas started, by index (replacements too)
+    graders: list[int]  # grader replicas started, likewise
 
 
 async def run_fake(config: Config, run_dir: Path, script: Script | None = None, resume: bool = False,
-                   stop_timeout: float = 5.0, generate_timeout: float = 0, costs: Costs = Costs(),
+                   stop_timeout: float = 5.0, call_timeout: float = 0, costs: Costs = Costs(),
                    progress: bool = True) -> FakeRun:
     """The real controller's loops over fake actors (`config.trainer.ranks` fake trainer ranks), from the
-    newest checkpoint in `run_dir` with `resume`."""
+    newest checkpoint in `run_dir` with `resume`; generate and grade calls bounded by `call_timeout`."""
     script = script or Script()
     run_dir.mkdir(parents=True, exist_ok=True)
     state_dir = checkpoint.latest(run_dir) if resume else None
     state = checkpoint.load(state_dir) if state_dir else None
-    weights, spawned = FakeWeights(), []
+    weights, spawned, graded = FakeWeights(), [], []
     signals = script.signals = StopSignals()
     fake_trainers = [FakeTrainer(weights, costs) for _ in range(config.trainer.ranks)]
     trainer = FakeMesh(fake_trainers, script)
     timeouts = Timeouts(stop=Timeout(stop_timeout, "controller.stop_timeout_s"),
-                        generate=Timeout(generate_timeout, "generator.timeout_s"))
+                        generate=Timeout(call_timeout, "generator.timeout_s"),
+                        grade=Timeout(call_timeout, "grader.timeout_s"))
 
     async def generator(index: int) -> Replica:
         spawned.append(index)
@@ -291,6 +293,7 @@ async def run_fake(config: Config, run_dir: Path, script: Script | None = None, 
                        os.getpid())
 
     async def grader(index: int) -> Replica:
+        graded.append(index)
         return Replica(index, FakeProcs(), FakeMesh([FakeGrader()], script), "fake", os.getpid())
 
     generators = ReplicaPool("generator", generator, config.generator.replicas, config.generator.max_restarts)
@@ -309,7 +312,7 @@ async def run_fake(config: Config, run_dir: Path, script: Script | None = None, 
     finally:
         rows.close()
         tracer.close(plot=False)
-    return FakeRun(controller, fake_trainers[0], rows.rows, spawned)
+    return FakeRun(controller, fake_trainers[0], rows.rows, spawned, graded)
 
 
 def read_jsonl(path: Path) -> list[dict]:

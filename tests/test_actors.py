@@ -12,7 +12,7 @@ from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
 from meshrl.model import ChatTokenizer
 from meshrl.tasks.sum_digits import SumDigitsConfig
-from meshrl.types import Completion, Episode, Prompt, Sampling, TrainBatch
+from meshrl.types import Completion, Prompt, Sampling, TrainBatch
 
 
 def test_trainer_weights_reach_vllm_and_change_its_output(tiny_checkpoint):

@@ -86,9 +86,12 @@ def test_a_dead_replica_is_replaced_and_its_group_redone_elsewhere(tmp_path):
     assert all(r["groups_failed"] == 0 for r in done.rows)
 
 
-def test_a_call_that_hangs_is_timed_out_and_its_replica_replaced(tmp_path):
-    done = run(fake_config(steps=3, prompts=2), tmp_path, Script(hang_at={"generate": 3}), generate_timeout=0.2)
-    assert done.rows[-1]["generator_restarts"] == 1
+@pytest.mark.parametrize("endpoint, role", [("generate", "generator"), ("score", "grader")])
+def test_a_call_that_hangs_is_timed_out_and_its_replica_replaced(tmp_path, endpoint, role):
+    # one grader: its replacement's calls must not queue behind the call still parked on the hung one
+    done = run(fake_config(steps=3, prompts=2), tmp_path, Script(hang_at={endpoint: 3}), call_timeout=0.2)
+    assert done.rows[-1][f"{role}_restarts"] == 1
+    assert (done.spawned if role == "generator" else done.graders) == ([0, 1, 0] if role == "generator" else [0, 0])
     assert sorted(trained_prompts(done.trainer)) == list(range(6))
 
 

@@ -1,6 +1,6 @@
-"""`meshrl train` with two generator replicas (real actors, vLLM, torchtitan, tiny model): the
-staleness bound holds for groups streamed across replicas, a replica killed mid-run is replaced
-without losing or repeating a group, and a dead trainer ends the run with one line."""
+"""`meshrl train` with two generator replicas (real actors, vLLM, torchtitan, tiny model): a replica
+killed mid-run is replaced without losing or repeating a group, and a dead trainer ends the run with
+one line. The staleness bound across replicas is tested with fake actors (test_controller.py)."""
 
 import json
 import signal
@@ -30,20 +30,6 @@ def wait_for_steps(run, run_dir, steps: int, timeout: float = 300) -> None:
 
 def read_jsonl(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def test_two_replicas_with_max_policy_age_0_train_only_fresh_groups(tmp_path):
-    run = train(tmp_path, "--controller.steps", "4", "--controller.prompts_per_step", "4")
-    _, stderr = run.communicate(timeout=600)
-    assert run.returncode == 0, stderr[-3000:]
-    rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert all(r["staleness_max"] == 0 and r["generator_restarts"] == 0 for r in rows)
-    rollouts = read_jsonl(tmp_path / "rollouts.jsonl")
-    assert len(rollouts) == 4 * 4 * 4 and {r["staleness"] for r in rollouts} == {0}
-    # both replicas did the work: each has generate spans
-    spans = read_jsonl(tmp_path / "trace.jsonl")
-    assert {s["replica"] for s in spans if s["role"] == "generator" and s["what"] == "generate"} == {0, 1}
 
 
 def test_a_killed_replica_is_replaced_and_every_group_is_trained_exactly_once(tmp_path):
