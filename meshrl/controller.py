@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 
 class Controller:
+    """The loops over one run's actors, the work buffer between them, and the checkpoints they take."""
+
     def __init__(self, config: Config, task, tokenizer, generators: ReplicaPool, graders: ReplicaPool, trainer,
                  reference, tracer, signals: StopSignals, checkpointer: Checkpointer, rows: MetricRows,
                  timeouts: Timeouts = Timeouts()):

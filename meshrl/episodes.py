@@ -33,12 +33,14 @@ def episode(turns: list[Completion], advantage: float, group_id: int, temperatur
     and the prompt's tokens are masked out); its version the oldest of its turns' unless given."""
     last = turns[-1]
     tokens = last.prompt_token_ids + last.token_ids
-    loss_mask, logprobs = [False] * len(tokens), [0.0] * len(tokens)
-    for turn in turns:
+    context = len(last.prompt_token_ids)
+    loss_mask, logprobs = [False] * context + [True] * len(last.token_ids), [0.0] * context + last.logprobs
+    for turn in turns[:-1]:  # the earlier turns of a trajectory, inside the last turn's prompt
         start, end = len(turn.prompt_token_ids), len(turn.prompt_token_ids) + len(turn.token_ids)
         loss_mask[start:end], logprobs[start:end] = [True] * len(turn.token_ids), turn.logprobs
-    return Episode(tokens, loss_mask, logprobs, advantage,
-                   min(t.policy_version for t in turns) if version is None else version, group_id, temperature)
+    if version is None:
+        version = min(t.policy_version for t in turns)
+    return Episode(tokens, loss_mask, logprobs, advantage, version, group_id, temperature)
 
 
 def check_rates(scored: list[ScoredCompletion], total: int, prefix: str,
@@ -84,7 +86,8 @@ def batch_builder(cfg: ControllerConfig, task, temperature: float, now: Callable
             "rollout_time_s": now() - min(g.launched for g in f.groups),
             "pull_time_s": max(g.pull_time_s for g in f.groups),  # groups waiting on one pull overlap
         }
-        records = [rollout_record(s, gid, task.train_sample(gid).prompt) for gid, group in f.kept.items() for s in group]
+        records = [rollout_record(s, gid, prompt) for gid, group in f.kept.items()
+                   for prompt in [task.train_sample(gid).prompt] for s in group]
         return Batch(f.index, episodes, stats, records)
 
     return build

@@ -91,8 +91,7 @@ class Run:
         rows = MetricRows(MetricLoggers(self.run_dir, self.config, name=self.run_dir.name,
                                         resumed_rows=resumed.rows if resumed else ()),
                           RolloutRecorder(self.run_dir, self.config.logging.rollouts_fraction,
-                                          resumed.step if resumed else None),
-                          resumed.rows if resumed else ())
+                                          resumed.step if resumed else None))
         self.rows = rows
         self.tracer = Tracer(self.run_dir, resume=resumed is not None)
         monarch.actor.unhandled_fault_hook = note_fault  # failures reach us as errors of the calls
