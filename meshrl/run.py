@@ -70,13 +70,11 @@ class Run:
     def fit_prompts(self) -> None:
         """Tasks that can (the dataset's) drop samples whose prompts could not be generated from: more
         tokens than `generator.max_model_len` leaves with `generator.max_tokens` to spare."""
-        keep_only = getattr(self.task, "keep_only", None)
-        if keep_only is None:
-            return
-        room, budget = self.config.generator.max_model_len - self.config.generator.max_tokens, self.config.generator
-        keep_only(lambda prompt: len(self.tokenizer.encode_chat(prompt)) <= room,
-                  f"longer than generator.max_model_len ({budget.max_model_len}) less generator.max_tokens "
-                  f"({budget.max_tokens}) tokens")
+        keep_only, g = getattr(self.task, "keep_only", None), self.config.generator
+        if keep_only:
+            keep_only(lambda prompt: len(self.tokenizer.encode_chat(prompt)) + g.max_tokens <= g.max_model_len,
+                      f"longer than generator.max_model_len ({g.max_model_len}) less generator.max_tokens "
+                      f"({g.max_tokens}) tokens")
 
     async def run(self) -> dict:
         """Train for `controller.steps` steps; return (and write to summary.json) the eval rates before
@@ -99,8 +97,8 @@ class Run:
         try:
             try:
                 self.hosts = await self._start_job()
-                ws = self.config.weight_sync
-                ws.dtype = await weight_dtype(self.config, self.hosts, not self.placement["generator"].group)
+                self.config.weight_sync.dtype = await weight_dtype(self.config, self.hosts,
+                                                                   local=not self.placement["generator"].group)
                 self.actors = await spawn_actors(self.config, self.classes, self.model_path, self.hosts)
                 self.signals.install()
                 self.signals.on_hard_stop = self._hard_stop

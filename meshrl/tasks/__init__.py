@@ -37,6 +37,10 @@ class Task(Protocol):
         """The reward of a reply and the checks it is made of (`accuracy` among them). Raising counts the
         reply as a reward error: it is left out of training and counted."""
 
+    # Optional: `keep_only(fits, why)`, called once before the first sample, drops the samples whose
+    # prompt does not `fits` (too long for the generator; `why` says so) and says which, as the dataset
+    # task does. A task without it has its too-long prompts fail their groups one by one.
+
 
 class Environment(Protocol):
     """A multi-turn task. The controller opens the conversation with `opening`, lets the model take a turn
