@@ -58,6 +58,7 @@ class Script:
     yields: dict[str, int] = field(default_factory=dict)  # "generate": yield this often before answering
     reject: set[int] = field(default_factory=set)  # prompts whose generate call raises an error of its own
     equal: set[int] = field(default_factory=set)  # prompts whose completions all get reward 1: no signal
+    late: dict[int, int] = field(default_factory=dict)  # prompt -> its first generation ends once this version is out
     die_at: dict[str, int] = field(default_factory=dict)  # "generate": the replica dies at this call of it
     hang_at: dict[str, int] = field(default_factory=dict)  # "generate": this call never answers
     calls: list[str] = field(default_factory=list)
@@ -153,6 +154,9 @@ class FakeGenerator:
         out = []
         for p in prompts:
             index = p.token_ids[0] - PROMPT_ID
+            while self.weights.version < self.script.late.get(index, 0):
+                await asyncio.sleep(0)
+            self.script.late.pop(index, None)
             if index in self.script.reject:
                 raise ValueError(f"prompt {index} is longer than the model's context (fake)")
             out += [Completion(p.index, p.token_ids, [7 + j for j in range(length)], [-0.5] * length,

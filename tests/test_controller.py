@@ -61,6 +61,15 @@ def test_equal_reward_groups_are_counted_and_with_dynamic_sampling_replaced_by_n
         assert trained == list(range(6)) and all(r["groups_dropped"] == 0 for r in done.rows)
 
 
+def test_a_group_that_finishes_stale_is_not_trained_then_and_its_prompt_is_trained_later(tmp_path):
+    # prompt 1 samples from version 0 but finishes only once version 2 is out: too old for batch 2
+    done = run(fake_config(steps=5, prompts=2, max_policy_age=1), tmp_path, Script(late={1: 2}))
+    assert sum(r["groups_stale"] for r in done.rows) == 1
+    trained = trained_prompts(done.trainer)
+    assert sorted(trained) == list(range(10)) and trained.index(1) >= 4  # once, in a later batch
+    assert max(r["staleness"] for r in read_jsonl(tmp_path / "rollouts.jsonl")) <= 1
+
+
 def test_a_group_whose_call_raises_fails_alone_and_the_run_goes_on(tmp_path, caplog):
     script = Script(reject={4})
     with caplog.at_level(logging.WARNING):
