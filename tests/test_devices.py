@@ -37,7 +37,7 @@ def test_a_batch_and_what_the_losses_make_follow_the_device():
                       advantage=1.0, policy_version=0, group_id=0)
     batch = TrainBatch.collate([episode], 2, 1).to(torch.device("meta"))
     tensors = [v for v in vars(batch).values() if isinstance(v, torch.Tensor)]
-    assert len(tensors) == 5 and all(t.device.type == "meta" for t in tensors)
+    assert len(tensors) == 6 and all(t.device.type == "meta" for t in tensors)
     assert batch.loss_tokens == 2
     values = torch.zeros(2, device="meta")
     assert on_positions(values, batch.loss_mask).device.type == "meta"
