@@ -82,12 +82,25 @@ def run_cli(*args):
     (["train", "--config", "smoke", "--trainer.mini_batches", "0"], "trainer.mini_batches and"),
     (["train", "--config", "smoke", "--trainer.loss.tis_level", "batch"], "unknown trainer.loss.tis_level 'batch'"),
 ])
-def test_cli_bad_input_is_one_error_line_and_nonzero_exit(args, message, tmp_path):
-    result = run_cli(*args, "--run-dir", str(tmp_path / "run"))
+def test_cli_bad_input_is_one_error_line_and_nonzero_exit(args, message, tmp_path, capsys):
+    from meshrl.cli import main
+
+    code = main([*args, "--run-dir", str(tmp_path / "run")])  # in this process: main() is the whole command
+    stderr = capsys.readouterr().err
+    assert code == 2
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("meshrl: error: ") and message in lines[0], stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_command_line_is_one_line_from_the_real_process_too(tmp_path):
+    result = run_cli("train", "--config", "smoke", "--generator.impl", "meshrl.actors.grader:Grader",
+                     "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("meshrl: error: ") and message in lines[0], result.stderr
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert result.stderr.strip().splitlines() == [
+        "meshrl: error: meshrl.actors.grader:Grader cannot be the generator: it has no generate, attach_weights, "
+        "pull_weights, weight_sync_stats endpoint (the contract is meshrl.actors.roles.Generator)"]
+    assert not (tmp_path / "run").exists()
 
 
 def leaf_fields(cls, prefix=""):
