@@ -24,7 +24,7 @@ from meshrl.launch import StopSignals, Stopped
 from meshrl.metric_rows import MetricRows, step_row
 from meshrl.replicas import ReplicaPool, RoleFailed
 from meshrl.rollout import RolloutCollector
-from meshrl.timeouts import Timeouts, bounded
+from meshrl.timeouts import Timeouts, bounded, deadline
 from meshrl.train_step import train_step
 from meshrl.work_buffer import Batch, WorkBuffer
 
@@ -50,6 +50,7 @@ class Controller:
         self.trainer_version = 0  # the newest version the trainer published
         self.initial: dict = {}  # the eval before training
         self.trainer_busy = 0.0  # seconds the trainer has spent working
+        self.updates = {"weight_swaps_in_flight": 0, "prefix_cache_resets_refused": 0}  # the generators', so far
 
     async def restore(self, state: RunState, checkpoint) -> None:
         """Go on from a checkpoint: the trainer's state (published again), the work buffer's position,
@@ -60,6 +61,7 @@ class Controller:
         self.rows.rows, self.initial = list(state.rows), state.initial
         (self.generators.restarts, self.generators.retried), (self.graders.restarts, self.graders.retried) = (
             state.counters["generator"], state.counters["grader"])
+        self.updates = dict(state.counters["updates"])
 
     async def run(self) -> None:
         """Train up to `controller.steps` (evaluating first, unless resumed), then checkpoint. A stop
@@ -100,7 +102,7 @@ class Controller:
         if self.rows.bad_steps:
             return
         counters = {"generator": (self.generators.restarts, self.generators.retried),
-                    "grader": (self.graders.restarts, self.graders.retried)}
+                    "grader": (self.graders.restarts, self.graders.retried), "updates": dict(self.updates)}
         await self.checkpointer.write(RunState(self.rows.done, self.trainer_version, self.work.snapshot(),
                                                list(self.rows.rows), self.initial, counters))
 
@@ -169,11 +171,30 @@ class Controller:
         t3 = time.perf_counter()
         self.trainer_busy += t3 - t1
         self.collector.published(self.trainer_version)
+        pull = await self._weight_updates()
         counters = {"generator_restarts": self.generators.restarts, "generator_calls_retried": self.generators.retried,
                     "grader_restarts": self.graders.restarts, "grader_calls_retried": self.graders.retried,
-                    "batches_ready": len(self.work.ready) - 1}
+                    **self.updates, "batches_ready": len(self.work.ready) - 1}
         return step_row(step, self.trainer_version, batch, train,
-                        {"wait": t1 - start, "train": t2 - t1, "publish": t3 - t2}, counters)
+                        {"wait": t1 - start, "train": t2 - t1, "publish": t3 - t2, "pull": pull}, counters)
+
+    async def _weight_updates(self) -> float:
+        """What the generator replicas did with new versions since the last step: their loads become `pull`
+        spans of the trace, their counts add up; returns the longest load's seconds."""
+        async def ask(replica):  # bookkeeping: bounded, not traced
+            async with deadline(self.timeouts.generate, "generator", "weight_updates"):
+                return replica, await replica.actor.weight_updates.call_one()
+
+        answers = await asyncio.gather(*(ask(r) for r in self.generators.replicas if r.healthy),
+                                       return_exceptions=True)  # a replica failing now is the pool's to find
+        longest = 0.0
+        for replica, updates in (a for a in answers if not isinstance(a, BaseException)):
+            for pull in updates["pulls"]:
+                self.tracer.add("generator", "pull", pull["start"], pull["end"], replica.index, pull["version"])
+                longest = max(longest, pull["end"] - pull["start"])
+            for key in self.updates:
+                self.updates[key] += updates[key]
+        return longest
 
     def _busy(self) -> tuple[float, float]:
         """Seconds worked so far: by the average generator replica, by the trainer."""

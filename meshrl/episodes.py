@@ -13,18 +13,23 @@ from meshrl.work_buffer import Batch, Filling
 
 
 def build_episodes(group: list[ScoredCompletion], group_id: int, advantage: str = "grpo", eps: float = 1e-6,
-                   divide_by_turns: bool = False, temperature: float = 1.0) -> list[Episode]:
+                   divide_by_turns: bool = False, temperature: float = 1.0,
+                   staleness: str = "oldest_token") -> list[Episode]:
     """One prompt's scored completions (or trajectories) -> flat Episodes carrying the group advantage:
     one per completion, trained on all its model turns; with a `step_wise_` estimator one per model turn
     (everything before the turn as its prompt), each with its trajectory's advantage, divided by the
-    trajectory's number of turns with `divide_by_turns`. `temperature`: the one they were sampled at."""
+    trajectory's number of turns with `divide_by_turns`. `temperature`: the one they were sampled at; an
+    episode's policy version is its sequence's, by the `staleness` rule (a step-wise episode's, its
+    whole trajectory's)."""
     rewards = [s.reward for s in group]
     turns = [model_turns(s.completion) for s in group]
+    versions = [s.completion.sampled_version(staleness) for s in group]
     if advantage.startswith(STEP_WISE):
         per_turn = step_wise(rewards, [len(t) for t in turns], advantage.removeprefix(STEP_WISE), divide_by_turns, eps)
-        return [episode([turn], a, group_id, temperature, version=min(t.policy_version for t in ts))
-                for ts, advantages in zip(turns, per_turn) for turn, a in zip(ts, advantages)]
-    return [episode(ts, a, group_id, temperature) for ts, a in zip(turns, estimator(advantage)(rewards, eps))]
+        return [episode([turn], a, group_id, temperature, version)
+                for ts, advantages, version in zip(turns, per_turn, versions) for turn, a in zip(ts, advantages)]
+    return [episode(ts, a, group_id, temperature, version)
+            for ts, a, version in zip(turns, estimator(advantage)(rewards, eps), versions)]
 
 
 def episode(turns: list[Completion], advantage: float, group_id: int, temperature: float = 1.0,
@@ -53,11 +58,14 @@ def check_rates(scored: list[ScoredCompletion], total: int, prefix: str,
 
 
 def rollout_record(scored: ScoredCompletion, group_id: int, prompt: str) -> dict:
-    """One completion as rollouts.jsonl keeps it (the recorder adds the step and the staleness)."""
+    """One completion as rollouts.jsonl keeps it (the recorder adds the step and the staleness): with
+    `versions`, [token offset, version] of each model turn's tokens where weights changed under them."""
     c = scored.completion
+    changed = [t.versions for t in model_turns(c) if t.versions]
     return {"prompt_index": c.prompt_index, "group": group_id, "prompt": prompt, "completion": c.text,
             "reward": scored.reward, "reward_components": scored.reward_components,
             "policy_version": c.policy_version, "finish_reason": c.finish_reason,
+            **({"versions": [t.versions for t in model_turns(c)]} if changed else {}),
             **({"turns": len(c.turns)} if isinstance(c, Trajectory) else {})}
 
 
@@ -67,7 +75,7 @@ def batch_builder(cfg: ControllerConfig, task, temperature: float, now: Callable
     def build(f: Filling) -> Batch:
         episodes = [e for gid, group in f.kept.items()
                     for e in build_episodes(group, gid, cfg.advantage, cfg.advantage_eps, cfg.divide_by_turns,
-                                            temperature)]
+                                            temperature, cfg.staleness)]
         trained = [s for group in f.kept.values() for s in group]  # the rewards of the batch trained
         rewards = [s.reward for s in trained]
         stats = {
@@ -84,7 +92,9 @@ def batch_builder(cfg: ControllerConfig, task, temperature: float, now: Callable
             "tokens_generated": sum(g.tokens for g in f.groups),
             "gen_time_s": max(g.gen_end for g in f.groups) - min(g.gen_start for g in f.groups),
             "rollout_time_s": now() - min(g.launched for g in f.groups),
-            "pull_time_s": max(g.pull_time_s for g in f.groups),  # groups waiting on one pull overlap
+            # sampled under a newer version than the sequence's first tokens (weights loaded in flight)
+            "tokens_after_swap": sum(len(t.token_ids) - t.versions[1][0] for s in trained
+                                     for t in model_turns(s.completion) if t.versions),
         }
         records = [rollout_record(s, gid, prompt) for gid, group in f.kept.items()
                    for prompt in [task.train_sample(gid).prompt] for s in group]

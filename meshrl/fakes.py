@@ -11,6 +11,7 @@ training simulated durations (meshrl/bench/controller.py); zero by default."""
 import asyncio
 import json
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from monarch.actor import ActorError
 from meshrl import checkpoint
 from meshrl.configs import Config, ControllerConfig
 from meshrl.controller import Controller
-from meshrl.launch import StopSignals
+from meshrl.launch import StopSignals, weight_update
 from meshrl.loggers import MetricLoggers, RolloutRecorder
 from meshrl.metric_rows import MetricRows
 from meshrl.replicas import Replica, ReplicaPool
@@ -142,35 +143,87 @@ class FakeWeights:
 
 class FakeGenerator:
     """roles.Generator: `sampling.n` completions of `sampling.max_tokens` tokens; a completion's text is
-    its reward ("1" or "0", alternating within a group so that it has a learning signal)."""
+    its reward ("1" or "0", alternating within a group so that it has a learning signal). It loads a
+    newer version when a call asks for one (`min_version`), as `weight_update` says: `drain` waits for
+    the calls running; `in_flight` (and `recompute`) load at once, the running calls' later tokens
+    carrying the new version (split in proportion to the time generated under each)."""
 
-    def __init__(self, weights: FakeWeights, script: Script, costs: Costs = Costs()):
-        self.weights, self.script, self.costs = weights, script, costs
-        self.version = 0
+    def __init__(self, weights: FakeWeights, script: Script, costs: Costs = Costs(), weight_update: str = "drain"):
+        self.weights, self.script, self.costs, self.update = weights, script, costs, weight_update
+        self.version, self.running = 0, 0
+        self.loading, self.admitting, self.idle = asyncio.Lock(), asyncio.Event(), asyncio.Event()
+        self.admitting.set()
+        self.idle.set()
+        self.swaps: list[tuple[float, int]] = []  # (time, version) of every load
+        self.updates = {"pulls": [], "weight_swaps_in_flight": 0, "prefix_cache_resets_refused": 0}
 
-    async def generate(self, prompts, *, sampling=None) -> list[Completion]:
-        length = sampling.max_tokens
-        await take(length * self.costs.generate_per_token)
+    async def generate(self, prompts, *, sampling=None, min_version: int = 0) -> list[Completion]:
+        if self.version < min_version:
+            await self._load()
+        await self.admitting.wait()
+        self.running += 1
+        self.idle.clear()
+        start, first = time.monotonic(), self.version
+        try:
+            length = sampling.max_tokens
+            await take(length * self.costs.generate_per_token)
+            for p in prompts:
+                while self.weights.version < self.script.late.get(p.token_ids[0] - PROMPT_ID, 0):
+                    await asyncio.sleep(0)
+        finally:
+            self.running -= 1
+            if not self.running:
+                self.idle.set()
+        versions = self._versions(start, time.monotonic(), first, length)
         out = []
         for p in prompts:
             index = p.token_ids[0] - PROMPT_ID
-            while self.weights.version < self.script.late.get(index, 0):
-                await asyncio.sleep(0)
             self.script.late.pop(index, None)
             if index in self.script.reject:
                 raise ValueError(f"prompt {index} is longer than the model's context (fake)")
             out += [Completion(p.index, p.token_ids, [7 + j for j in range(length)], [-0.5] * length,
-                               "1" if index in self.script.equal else str(j % 2), self.version, "stop")
+                               "1" if index in self.script.equal else str(j % 2), first, "stop", versions)
                     for j in range(sampling.n)]
         return out
+
+    def _versions(self, start: float, end: float, first: int, length: int) -> list[list[int]]:
+        """[token offset, version] of each load during [start, end]; [] if none."""
+        versions = [[0, first]]
+        for at, version in self.swaps:
+            offset = round(length * (at - start) / (end - start)) if end > start else length // 2
+            if start <= at <= end and version != versions[-1][1] and versions[-1][0] < offset < length:
+                versions.append([offset, version])
+        return versions if len(versions) > 1 else []
+
+    async def _load(self) -> None:
+        async with self.loading:
+            if self.weights.version <= self.version:
+                return
+            try:
+                if self.update == "drain":
+                    self.admitting.clear()
+                    await self.idle.wait()
+                start = time.time()
+                await take(self.costs.pull)
+                self.version = self.weights.version
+                self.swaps.append((time.monotonic(), self.version))
+                self.updates["weight_swaps_in_flight"] += self.running > 0
+                self.updates["pulls"].append({"start": start, "end": time.time(), "version": self.version,
+                                              "in_flight": self.running > 0})
+            finally:
+                self.admitting.set()
 
     async def attach_weights(self, rings: list) -> str:
         return "fake"
 
     async def pull_weights(self) -> int:
-        await take(self.costs.pull)
-        self.version = self.weights.version
+        await self._load()
         return self.version
+
+    async def weight_updates(self) -> dict:
+        updates = self.updates
+        self.updates = {"pulls": [], "weight_swaps_in_flight": 0, "prefix_cache_resets_refused": 0}
+        return updates
 
     async def weight_sync_stats(self) -> dict:
         return {"transport": "fake", "torn_reads": 0, "corrupt_reads": 0}
@@ -293,8 +346,8 @@ async def run_fake(config: Config, run_dir: Path, script: Script | None = None, 
 
     async def generator(index: int) -> Replica:
         spawned.append(index)
-        return Replica(index, FakeProcs(), FakeMesh([FakeGenerator(weights, script, costs)], script), "fake",
-                       os.getpid())
+        generator = FakeGenerator(weights, script, costs, weight_update(config))
+        return Replica(index, FakeProcs(), FakeMesh([generator], script), "fake", os.getpid())
 
     async def grader(index: int) -> Replica:
         graded.append(index)

@@ -49,6 +49,11 @@ def check_config(config: Config) -> None:
         raise ValueError(f"generator.top_p {config.generator.top_p:g}: training samples must come from the whole "
                          "distribution at generator.temperature, which the trainer's logprobs follow; keep it 1 "
                          "(controller.eval_top_p sets eval's)")
+    if config.generator.weight_update not in ("auto", "drain", "in_flight", "recompute"):
+        raise ValueError(f"unknown generator.weight_update {config.generator.weight_update!r}; known: auto, drain, "
+                         "in_flight, recompute")
+    if cfg.staleness not in ("oldest_token", "newest_token"):
+        raise ValueError(f"unknown controller.staleness {cfg.staleness!r}; known: oldest_token, newest_token")
     if config.weight_sync.dtype not in ("auto", "bfloat16", "float32", "float16"):
         raise ValueError(f"unknown weight_sync.dtype {config.weight_sync.dtype!r}; known: auto, bfloat16, float32, float16")
     if min(config.generator.replicas, config.grader.replicas, config.trainer.ranks, config.reference.ranks) < 1:
@@ -106,8 +111,17 @@ async def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Pat
 def generator_args(config: Config, index: int, checkpoint: Path) -> tuple:
     """Replica `index`'s constructor arguments: its own cores ("0;1": one set per replica) and seed."""
     replica = dataclasses.replace(config.generator, cpus=placement(config.generator.cpus, index),
-                                  seed=config.generator.seed + index)
+                                  seed=config.generator.seed + index, weight_update=weight_update(config))
     return replica, config.weight_sync, str(checkpoint)
+
+
+def weight_update(config: Config) -> str:
+    """`generator.weight_update`, `auto` resolved: drain when training is synchronous (max_policy_age 0:
+    nothing may span two versions), else in flight."""
+    update = config.generator.weight_update
+    if update == "auto":
+        return "drain" if config.controller.max_policy_age == 0 else "in_flight"
+    return update
 
 
 def note_fault(failure) -> None:

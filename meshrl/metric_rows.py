@@ -14,9 +14,9 @@ from meshrl.work_buffer import Batch
 def step_row(step: int, version: int, batch: Batch, train: dict, times: dict[str, float],
              counters: dict[str, int]) -> dict:
     """Step `step`'s row: it trained `batch` at policy version `batch.index` and published `version`.
-    `times`: wait, train and publish seconds; `counters`: replica restarts and retried calls so far."""
+    `times`: wait, train, publish and (the longest generator's) pull seconds; `counters`: replica
+    restarts, retried calls and weight-update counts so far."""
     stats = dict(batch.stats)
-    pull_time = stats.pop("pull_time_s")
     staleness = [batch.index - e.policy_version for e in batch.episodes] or [0]  # [0]: nothing to train
     return {
         "step": step,
@@ -25,7 +25,7 @@ def step_row(step: int, version: int, batch: Batch, train: dict, times: dict[str
         **counters,
         **train,
         "train_time_s": times["train"],
-        "weight_sync_s": pull_time + times["publish"],
+        "weight_sync_s": times["publish"] + times["pull"],
         "wait_time_s": times["wait"],
         "staleness_mean": statistics.fmean(staleness),
         "staleness_max": max(staleness),

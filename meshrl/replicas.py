@@ -38,10 +38,6 @@ class CallFailed(RuntimeError):
     """An endpoint raised an error of the call's own: the replica is fine, the work is not."""
 
 
-class ReplicaLost(RuntimeError):
-    """The replica failed while this call waited for it: redo the call elsewhere."""
-
-
 class ProcessInfo(Actor):
     """Spawned beside each replica: tells the controller the host and the process id (for users and tests)."""
 
@@ -75,8 +71,6 @@ class Replica:
     pid: int
     healthy: bool = True
     load: int = 0  # calls in flight
-    policy_version: int = 0  # what it serves (generators)
-    pulling: asyncio.Lock = field(default_factory=asyncio.Lock)
     calls: asyncio.Lock = field(default_factory=asyncio.Lock)  # the tracer's, for actors that serve one call at a time
     busy_since: float | None = None
     busy_s: float = 0.0  # seconds with at least one call in flight
@@ -146,7 +140,7 @@ class ReplicaPool:
                 if not isinstance(e.exception, ReplicaBroken):
                     raise CallFailed(error_line(e)) from None
                 reason = e
-            except (SupervisionError, CallTimeout, ReplicaLost) as e:  # CancelledError is not retried
+            except (SupervisionError, CallTimeout) as e:  # CancelledError is not retried
                 reason = e
             finally:
                 self._track(replica, -1)

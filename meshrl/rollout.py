@@ -1,6 +1,6 @@
 """Rollout collection, one prompt's group at a time: each group is generated on the least-loaded
-generator replica (which first loads the newest published weights) and graded as soon as it is
-complete; the work buffer (meshrl/work_buffer.py) decides which prompts start and what each finished
+generator replica (from the newest published version on: the replica loads it first if need be) and
+graded as soon as it is complete; the work buffer (meshrl/work_buffer.py) decides which prompts start and what each finished
 group does to its batch. The same on the eval split.
 
 A group whose call raised an error of its own (vLLM rejecting its prompt, an environment raising)
@@ -18,7 +18,7 @@ from tqdm import tqdm
 from meshrl.configs import Config
 from meshrl.episodes import check_rates
 from meshrl.multiturn import converse
-from meshrl.replicas import CallFailed, Replica, ReplicaLost, ReplicaPool
+from meshrl.replicas import CallFailed, Replica, ReplicaPool
 from meshrl.tasks import Sample, is_environment
 from meshrl.timeouts import Timeouts
 from meshrl.types import Completion, Prompt, Sampling
@@ -37,7 +37,8 @@ class RolloutCollector:
         g = config.generator
         self.sampling = Sampling(n=config.controller.group_size, temperature=g.temperature, top_p=g.top_p,
                                  max_tokens=g.max_tokens)
-        self.latest = 0  # the newest version the trainer published: replicas pull it before their next group
+        self.latest = 0  # the newest version the trainer published: a group's first tokens come from it or newer
+        self.staleness = config.controller.staleness  # the token a sequence's staleness is counted from
         self.groups: dict[int, asyncio.Task] = {}  # prompt index -> its group, generating or grading
         self.changed = asyncio.Event()  # a group ended or a version was published: the gate may open
         self.batch_ready = asyncio.Event()  # a group completed a batch
@@ -71,7 +72,7 @@ class RolloutCollector:
             self.changed.set()
 
     def published(self, version: int) -> None:
-        """A new policy version: replicas pull it before their next group; the gate may open."""
+        """A new policy version: groups started from now on start from it; the gate may open."""
         self.latest = version
         self.changed.set()
 
@@ -108,27 +109,27 @@ class RolloutCollector:
         return rates
 
     async def run_group(self, index: int, sample: Sample, sampling: Sampling, what: str) -> Group:
-        """One prompt's completions (or, for an environment, conversations) from generator replicas (each
-        first loads the newest weights), graded by grader replicas. A replica that fails is replaced and
-        its call redone elsewhere; CallFailed if a call raised an error of its own."""
+        """One prompt's completions (or, for an environment, conversations) from generator replicas (from the
+        newest published version on), graded by grader replicas. A replica that fails is replaced and its
+        call redone elsewhere; CallFailed if a call raised an error of its own. The group's policy version
+        is its oldest sequence's, each counted by `controller.staleness`."""
         launched = self.tracer.now()
-        spans, pulls = [], []  # each generate call's span, and the seconds it waited for a weight pull
+        spans = []  # each generate call's span
         tokens, oldest = 0, math.inf
 
         async def generate(prompts: list[Prompt], sampling: Sampling) -> list[Completion]:
             nonlocal tokens, oldest
+            version = self.latest
 
             async def on(replica: Replica):
-                pulled = await self._pull(replica)
-                async with self.tracer.span("generator", what, replica.policy_version, replica.index,
+                async with self.tracer.span("generator", what, version, replica.index,
                                             timeout=self.timeouts.generate) as span:
-                    return await replica.actor.generate.call_one(prompts, sampling=sampling), span, pulled
+                    return await replica.actor.generate.call_one(prompts, sampling=sampling, min_version=version), span
 
-            completions, span, pulled = await self.generators.call(on)
+            completions, span = await self.generators.call(on)
             spans.append(span)
-            pulls.append(pulled)
             tokens += sum(len(c.token_ids) for c in completions)
-            oldest = min(oldest, *(c.policy_version for c in completions))
+            oldest = min(oldest, *(c.sampled_version(self.staleness) for c in completions))
             return completions
 
         def grade(endpoint: str, *args):  # a reward (score) or an environment's answer (step): a "grade" span
@@ -147,17 +148,4 @@ class RolloutCollector:
         else:
             first = await generate([Prompt(index, self.tokenizer.encode_chat(sample.prompt))], sampling)
             scored, completions = await grade("score", first, sample.answer), len(first)
-        return Group(index, scored, completions, tokens, oldest, launched, spans[0]["start"], spans[-1]["end"],
-                     sum(pulls))
-
-    async def _pull(self, replica: Replica) -> float:
-        """Bring `replica` to the newest published version; the seconds this call waited for it."""
-        start = self.tracer.now()
-        async with replica.pulling:
-            if not replica.healthy:  # it failed while this call waited for it: the pool retries elsewhere
-                raise ReplicaLost(f"generator {replica.index} failed during another call's weight pull")
-            if replica.policy_version < self.latest:
-                async with self.tracer.span("generator", "pull", replica=replica.index, timeout=self.timeouts.pull,
-                                            lock=replica.calls) as span:
-                    replica.policy_version = span["policy_version"] = await replica.actor.pull_weights.call_one()
-        return self.tracer.now() - start
+        return Group(index, scored, completions, tokens, oldest, launched, spans[0]["start"], spans[-1]["end"])

@@ -37,8 +37,15 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]  # behaviour logprob of each generated token
     text: str
-    policy_version: int
+    policy_version: int  # the oldest version any of its tokens was sampled from
     finish_reason: str  # "stop" or "length"
+    # [token offset, version] wherever the version its tokens were sampled from changes (weights loaded
+    # while it was generated); [] when every token came from `policy_version`
+    versions: list[list[int]] = field(default_factory=list)
+
+    def sampled_version(self, rule: str = "oldest_token") -> int:
+        """The version its staleness is counted from: its oldest token's, or (`newest_token`) its newest's."""
+        return self.versions[-1][1] if rule == "newest_token" and self.versions else self.policy_version
 
 
 @dataclass
@@ -61,6 +68,9 @@ class Trajectory:
     @property
     def finish_reason(self) -> str:
         return self.turns[-1].finish_reason
+
+    def sampled_version(self, rule: str = "oldest_token") -> int:
+        return self.turns[-1].sampled_version(rule) if rule == "newest_token" else self.policy_version
 
     @property
     def num_tokens(self) -> int:

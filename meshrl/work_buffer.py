@@ -26,11 +26,10 @@ class Group:
     scored: list[ScoredCompletion]  # those whose reward function did not fail
     completions: int
     tokens: int
-    policy_version: int  # the oldest version its completions sampled from
+    policy_version: int  # its oldest sequence's version (a sequence's counted by controller.staleness)
     launched: float = 0.0  # tracer times (seconds since the run started)
     gen_start: float = 0.0
     gen_end: float = 0.0
-    pull_time_s: float = 0.0  # weight pulls this group waited for
 
 
 @dataclass

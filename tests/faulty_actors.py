@@ -18,13 +18,16 @@ class StallingPullGenerator(VLLMGenerator):
     """The first replica's first weight pull of the run hangs; its replacement pulls normally (a marker
     file in $MESHRL_TEST_STALL_DIR says the stall has happened)."""
 
-    @endpoint
-    async def pull_weights(self) -> int:
+    async def _load(self) -> None:
         marker = Path(os.environ["MESHRL_TEST_STALL_DIR"]) / "pull-stalled"
-        if not marker.exists():
+        if not marker.exists() and self.ring is not None and await self.ring.newest() > self.policy_version:
             marker.touch()
-            await asyncio.sleep(3600)
-        return await VLLMGenerator.pull_weights._method(self)  # the real endpoint's body
+            self.ring.pull_latest = stall  # this replica's reads never finish
+        await VLLMGenerator._load(self)
+
+
+async def stall(newer_than: int = -1):
+    await asyncio.sleep(3600)
 
 
 class StallingTrainer(TitanTrainer):

@@ -78,7 +78,7 @@ def run_cli(*args):
     (["train", "--config", "smoke", "--generator.impl", "no_module:Gen"], "cannot load actor implementation"),
     (["train", "--config", "smoke", "--generator.impl", "meshrl.actors.grader:Grader"],
      "meshrl.actors.grader:Grader cannot be the generator: it has no generate, attach_weights, pull_weights, "
-     "weight_sync_stats endpoint (the contract is meshrl.actors.roles.Generator)"),
+     "weight_updates, weight_sync_stats endpoint (the contract is meshrl.actors.roles.Generator)"),
     (["train", "--config", "smoke", "--trainer.mini_batches", "0"], "trainer.mini_batches and"),
     (["train", "--config", "smoke", "--trainer.loss.tis_level", "batch"], "unknown trainer.loss.tis_level 'batch'"),
 ])
@@ -99,7 +99,7 @@ def test_a_bad_command_line_is_one_line_from_the_real_process_too(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "meshrl: error: meshrl.actors.grader:Grader cannot be the generator: it has no generate, attach_weights, "
-        "pull_weights, weight_sync_stats endpoint (the contract is meshrl.actors.roles.Generator)"]
+        "pull_weights, weight_updates, weight_sync_stats endpoint (the contract is meshrl.actors.roles.Generator)"]
     assert not (tmp_path / "run").exists()
 
 

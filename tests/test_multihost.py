@@ -71,12 +71,14 @@ def test_a_stalled_pull_replaces_the_replica_and_a_stalled_trainer_ends_the_run(
         if run.poll() is None:
             run.kill()
     run_dir = tmp_path / "run"
-    # the generator's hung pull became a replacement within weight_sync.timeout_s and a little more
-    assert "generator 0 (pid" in stderr and ("failed (generator did not answer its pull call within 5 s "
-                                            "(weight_sync.timeout_s)); replacing it") in stderr, stderr[-3000:]
-    pulls = [s for s in read_jsonl(run_dir / "trace.jsonl") if s["what"] == "pull"]
-    assert 5 <= pulls[0]["end"] - pulls[0]["start"] < 8 and pulls[0]["policy_version"] is None
-    assert len(pulls) == 2 and pulls[1]["policy_version"] == 1, pulls  # the replacement loaded the version
+    # the generator's hung pull broke its replica within weight_sync.timeout_s: the group waiting for it
+    # was redone on the replacement, which loaded the version
+    assert "generator 0 (pid" in stderr and ("its weight pull did not finish within 5 s (weight_sync.timeout_s)); "
+                                            "replacing it") in stderr, stderr[-3000:]
+    spans = read_jsonl(run_dir / "trace.jsonl")
+    assert any(5 <= s["end"] - s["start"] < 8 for s in spans if s["what"] == "generate")
+    pulls = [s for s in spans if s["what"] == "pull"]
+    assert pulls and pulls[0]["policy_version"] == 1, pulls
     # the trainer's stalled optimizer step ended the run with one line naming the call
     assert run.returncode == 1
     last = stderr.strip().splitlines()[-1]

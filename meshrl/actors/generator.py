@@ -1,18 +1,31 @@
-"""The generator: vLLM in process, producing Completions with per-token logprobs and their policy version.
-The logprobs are those of the distribution each token was sampled from (vLLM's processed logprobs:
-after the temperature), which is what the trainer scores the same tokens under.
+"""The generator: vLLM in process, producing Completions with per-token logprobs and, for every token,
+the policy version it was sampled from. The logprobs are those of the distribution each token was
+sampled from (vLLM's processed logprobs: after the temperature), which is what the trainer scores
+the same tokens under.
 
 `generate` is a concurrent endpoint: every call adds its requests to the one vLLM engine, and a
 single driver task steps the engine while any request is unfinished (continuous batching), so the
-controller can send one prompt's group at a time without losing throughput. Weights are reloaded
-between two engine steps; requests in flight finish under the new weights and keep the version they
-started from (the oldest policy they sampled from).
+controller can send one prompt's group at a time without losing throughput.
+
+The generator loads new weights itself, between two engine steps, as `generator.weight_update` says:
+- `drain`: a call that needs a newer version than the one served (`min_version`) stops new requests,
+  waits for the running ones to finish, loads, and goes on. No sequence spans two versions.
+- `in_flight`: the driver checks the trainer's ring between engine steps (every `weight_sync.poll_s`)
+  and loads a newer version at once; running requests go on under the new weights, keeping the KV
+  cache of their prefix as the older weights computed it. Their later tokens carry the new version.
+- `recompute`: the same, but the swap preempts the running requests and vLLM recomputes their
+  prefixes under the new weights before they go on.
+New requests never share prefix-cache blocks with requests of another version (a per-version
+`cache_salt`), whatever the mode. A pull that does not finish within `weight_sync.timeout_s` breaks
+the replica (ReplicaBroken): the controller replaces it.
 """
 
 import asyncio
 import itertools
 import logging
 import os
+import time
+from dataclasses import dataclass, field
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
@@ -25,6 +38,32 @@ from meshrl.weight_sync.ring import RingHandle
 from meshrl.weight_sync.shards import ShardedReader
 
 logger = logging.getLogger(__name__)
+WEIGHT_UPDATES = ("drain", "in_flight", "recompute")
+
+
+@dataclass
+class Sample:
+    """One sequence of a request as its tokens arrive, each step's under the version then served."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    versions: list[list[int]] = field(default_factory=list)  # [token offset, version] where it changes
+    finish_reason: str | None = None
+
+    def add(self, token_ids, logprobs, text: str, version: int) -> None:
+        if token_ids and (not self.versions or self.versions[-1][1] != version):
+            self.versions.append([len(self.token_ids), version])
+        self.token_ids += token_ids
+        self.logprobs += [step[token].logprob for step, token in zip(logprobs, token_ids)]
+        self.text += text
+
+
+@dataclass
+class Request:
+    prompt: Prompt
+    samples: list[Sample]
+    done: asyncio.Future
 
 
 class VLLMGenerator(Actor):
@@ -49,70 +88,152 @@ class VLLMGenerator(Actor):
                        logprobs_mode="processed_logprobs")
         # what the trainer's ranks publish, together
         self.layout, self.adapter = published_weights(checkpoint, weight_sync.dtype)
-        self.transport = weight_sync.transport
+        self.transport, self.pull_timeout, self.poll_s = weight_sync.transport, weight_sync.timeout_s, weight_sync.poll_s
+        if config.weight_update not in WEIGHT_UPDATES:
+            raise ValueError(f"unknown generator.weight_update {config.weight_update!r}; known: auto (the controller "
+                             f"picks), {', '.join(WEIGHT_UPDATES)}")
+        self.update = config.weight_update
         self.ring: ShardedReader | None = None
-        self.pulling = asyncio.Lock()  # one pull at a time: they share the reader's buffer
+        self.loading = asyncio.Lock()  # one load at a time: they share the reader's buffer
+        self.admitting = asyncio.Event()  # cleared while a drain waits for the running requests
+        self.admitting.set()
+        self.idle = asyncio.Event()  # no request running
+        self.idle.set()
         self.policy_version = 0
         self.engine = self.llm.llm_engine
         self.request_ids = itertools.count()
-        self.waiting: dict[str, asyncio.Future] = {}  # request id -> its final RequestOutput
+        self.running: dict[str, Request] = {}
         self.driver: asyncio.Task | None = None
-        self.broken: ReplicaBroken | None = None  # the engine failed: every call raises it
+        self.poller: asyncio.Task | None = None
+        self.next_poll = 0.0
+        self.broken: ReplicaBroken | None = None  # the engine or a pull failed: every call raises it
+        self.updates = {"pulls": [], "weight_swaps_in_flight": 0, "prefix_cache_resets_refused": 0}  # since asked
 
     @concurrent_endpoint
-    async def generate(self, prompts: list[Prompt], *, sampling: Sampling | None = None) -> list[Completion]:
+    async def generate(self, prompts: list[Prompt], *, sampling: Sampling | None = None,
+                       min_version: int = 0) -> list[Completion]:
+        """`sampling.n` completions per prompt, their first tokens from version `min_version` or newer."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        if self.policy_version < min_version:
+            await self._load_or_break()
+        await self.admitting.wait()
         if self.broken:
             raise self.broken
         s = sampling or Sampling(temperature=self.config.temperature, top_p=self.config.top_p,
                                  max_tokens=self.config.max_tokens)
         params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
-                                logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, stop=s.stop or None,
+                                logprobs=0, output_kind=RequestOutputKind.DELTA, stop=s.stop or None,
                                 include_stop_str_in_output=True)
-        version = self.policy_version
         loop = asyncio.get_running_loop()
-        futures = []
+        requests = []
         for prompt in prompts:  # vLLM refusing one (too long, say) raises here: this call's group fails
             request_id = str(next(self.request_ids))
-            self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt.token_ids), params)
-            self.waiting[request_id] = future = loop.create_future()
-            futures.append(future)
+            self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt.token_ids,
+                                                             cache_salt=f"v{self.policy_version}"), params)
+            self.running[request_id] = request = Request(prompt, [Sample() for _ in range(s.n)], loop.create_future())
+            requests.append(request)
+        self.idle.clear()
         if self.driver is None or self.driver.done():
             self.driver = asyncio.create_task(self._drive())
-        outputs = await asyncio.gather(*futures)
-        return [
-            Completion(
-                prompt_index=prompt.index,
-                prompt_token_ids=prompt.token_ids,
-                token_ids=list(out.token_ids),
-                logprobs=[step[token].logprob for step, token in zip(out.logprobs, out.token_ids)],
-                text=out.text,
-                policy_version=version,
-                finish_reason=out.finish_reason,
-            )
-            for prompt, request in zip(prompts, outputs)
-            for out in request.outputs
-        ]
+        await asyncio.gather(*(r.done for r in requests))
+        return [self._completion(r.prompt, sample) for r in requests for sample in r.samples]
+
+    def _completion(self, prompt: Prompt, sample: Sample) -> Completion:
+        first = sample.versions[0][1] if sample.versions else self.policy_version
+        return Completion(prompt.index, prompt.token_ids, sample.token_ids, sample.logprobs, sample.text, first,
+                          sample.finish_reason, sample.versions if len(sample.versions) > 1 else [])
 
     async def _drive(self) -> None:
-        """Step the engine until no request is left, handing each finished request to its caller.
-        Yields to the actor's loop between steps so that new requests and weight pulls get in."""
+        """Step the engine until no request is left, handing each finished request to its caller; between
+        steps, let new requests in and (in_flight, recompute) look for a newer version now and then."""
         try:
             await asyncio.sleep(0)  # let calls already queued add their requests before the first step
             while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.finished and (future := self.waiting.pop(output.request_id, None)):
-                        future.set_result(output)
+                self._take(self.engine.step())
+                if self.update != "drain" and self.ring and time.monotonic() >= self.next_poll and (
+                        self.poller is None or self.poller.done()):
+                    self.next_poll = time.monotonic() + self.poll_s
+                    self.poller = asyncio.create_task(self._poll())
                 await asyncio.sleep(0)
+            self.idle.set()
         except Exception as e:  # the engine is broken: every caller learns why, and the replica is replaced
-            self.broken = ReplicaBroken(f"vLLM's engine failed: {e!r}")
-            for future in self.waiting.values():
-                future.set_exception(self.broken)
-            self.waiting.clear()
+            self._fail(ReplicaBroken(f"vLLM's engine failed: {e!r}"))
             raise
+
+    def _take(self, outputs) -> None:
+        """One step's new tokens, each sampled under the version served now."""
+        for output in outputs:
+            request = self.running.get(output.request_id)
+            if request is None:
+                continue
+            for out in output.outputs:
+                sample = request.samples[out.index]
+                sample.add(out.token_ids, out.logprobs or [], out.text, self.policy_version)
+                sample.finish_reason = out.finish_reason or sample.finish_reason
+            if output.finished or all(sample.finish_reason for sample in request.samples):
+                del self.running[output.request_id]
+                request.done.set_result(None)
+
+    async def _poll(self) -> None:
+        try:
+            await self._load_or_break()
+        except ReplicaBroken:
+            pass  # every call learns it
+
+    async def _load_or_break(self) -> None:
+        try:
+            await self._load()
+        except ReplicaBroken as e:
+            self._fail(e)
+            raise
+
+    async def _load(self) -> None:
+        """Load the ring's newest version if newer than the one served, as `weight_update` says."""
+        if self.ring is None:
+            raise RuntimeError("no weight ring to load from: attach_weights first")
+        async with self.loading:
+            if await self.ring.newest() <= self.policy_version:
+                return
+            try:
+                if self.update == "drain":
+                    self.admitting.clear()
+                    await self.idle.wait()
+                start = time.time()
+                try:
+                    latest = await asyncio.wait_for(self.ring.pull_latest(newer_than=self.policy_version),
+                                                    self.pull_timeout or None)
+                except TimeoutError:
+                    raise ReplicaBroken(f"its weight pull did not finish within {self.pull_timeout:g} s "
+                                        "(weight_sync.timeout_s)") from None
+                if latest is None:
+                    return
+                version, weights = latest
+                in_flight = bool(self.running)
+                self.engine.model_executor.driver_worker.worker.reload_weights(weights_iterator=iter(weights))
+                self.policy_version = version
+                if in_flight and self.update == "in_flight":
+                    reset = True  # the running requests keep their prefixes' KV; new ones get a new cache salt
+                else:
+                    reset = self.engine.reset_prefix_cache(reset_running_requests=in_flight)
+                self.updates["prefix_cache_resets_refused"] += not reset
+                self.updates["weight_swaps_in_flight"] += in_flight
+                self.updates["pulls"].append({"start": start, "end": time.time(), "version": version,
+                                              "in_flight": in_flight})
+            finally:
+                self.admitting.set()
+
+    def _fail(self, error: ReplicaBroken) -> None:
+        """The replica can serve no more: every call, running or to come, raises `error`."""
+        self.broken = error
+        for request in self.running.values():
+            if not request.done.done():
+                request.done.set_exception(error)
+        self.running.clear()
+        self.admitting.set()
+        self.idle.set()
 
     @endpoint
     async def attach_weights(self, rings: list[RingHandle]) -> str:
@@ -127,17 +248,18 @@ class VLLMGenerator(Actor):
 
     @endpoint
     async def pull_weights(self) -> int:
-        """Load the ring's newest version in place, if newer than ours; return the version now served."""
-        if self.ring is None:
-            raise RuntimeError("pull_weights before attach_weights: no weight ring to pull from")
-        async with self.pulling:
-            latest = await self.ring.pull_latest(newer_than=self.policy_version)
-            if latest is not None:
-                version, weights = latest
-                self.llm.llm_engine.model_executor.driver_worker.worker.reload_weights(weights_iterator=iter(weights))
-                self.llm.llm_engine.reset_prefix_cache()
-                self.policy_version = version
-            return self.policy_version
+        """Load the ring's newest version now (as `weight_update` says), if newer than ours; return the
+        version now served."""
+        await self._load_or_break()
+        return self.policy_version
+
+    @endpoint
+    async def weight_updates(self) -> dict:
+        """What happened since the last call: the loads (`pulls`: wall-clock start and end, version, whether
+        requests were running), swaps with requests running, prefix-cache resets vLLM refused."""
+        updates = self.updates
+        self.updates = {"pulls": [], "weight_swaps_in_flight": 0, "prefix_cache_resets_refused": 0}
+        return updates
 
     @endpoint
     async def weight_sync_stats(self) -> dict:

@@ -23,22 +23,30 @@ class ReplicaBroken(RuntimeError):
 
 
 class Generator(Protocol):
-    """Makes Completions (tokens, behaviour logprobs, policy version); knows nothing of rewards.
+    """Makes Completions (tokens, behaviour logprobs, the policy version of every token); knows nothing of
+    rewards. Loads new weights itself, between engine steps, as `generator.weight_update` says.
     Constructed with (GeneratorConfig, WeightSyncConfig, checkpoint path)."""
 
-    async def generate(self, prompts: list[Prompt], *, sampling: Sampling | None = None) -> list[Completion]:
-        """`sampling.n` completions per prompt, each stamped with the (oldest) policy version it sampled
-        from, with the logprob of each sampled token under the distribution it was sampled from (at
-        `sampling.temperature`: vLLM's processed logprobs). The controller sends one prompt's group
-        per call, many calls at once: make it a `concurrent_endpoint` that batches them, or throughput
-        falls to one group at a time."""
+    async def generate(self, prompts: list[Prompt], *, sampling: Sampling | None = None,
+                       min_version: int = 0) -> list[Completion]:
+        """`sampling.n` completions per prompt, their first tokens sampled from version `min_version` or newer
+        (loaded first if need be), each with the versions its tokens were sampled from (`Completion.versions`)
+        and the logprob of each sampled token under the distribution it was sampled from (at
+        `sampling.temperature`: vLLM's processed logprobs). The controller sends one prompt's group per call,
+        many calls at once: make it a `concurrent_endpoint` that batches them, or throughput falls to one
+        group at a time."""
 
     async def attach_weights(self, rings: list) -> str:
-        """Pull weights from the trainer's rings (a `RingHandle` per trainer rank, in rank order) from
-        now on: each version assembled from every rank's shard; returns the transport."""
+        """Pull weights from the trainer's rings (a `RingHandle` per trainer rank, in rank order) from now on:
+        each version assembled from every rank's shard; returns the transport."""
 
     async def pull_weights(self) -> int:
-        """Load the newest published version if newer than the one served; returns the version served."""
+        """Load the newest published version now if newer than the one served; returns the version served
+        (benchmarks and tests; training runs leave the loading to the generator)."""
+
+    async def weight_updates(self) -> dict:
+        """Since the last call: {"pulls": [{"start", "end" (wall clock), "version", "in_flight"}, ...],
+        "weight_swaps_in_flight", "prefix_cache_resets_refused"}."""
 
     async def weight_sync_stats(self) -> dict:
         """{"transport", "torn_reads", "corrupt_reads"}."""

@@ -47,6 +47,7 @@ class GeneratorConfig:
     max_restarts: int = 3  # failed replicas replaced before the run stops
     hosts: str = ""  # the job.hosts group the replicas go on, round-robin over its hosts; "": the controller's host
     timeout_s: float = 600.0  # a replica's start, and one group's generation: past it the replica is replaced
+    weight_update: str = "auto"  # how a replica loads a new version: drain (waits for its running requests) | in_flight (between engine steps, requests go on) | recompute (in flight, running prefixes recomputed); auto: drain when controller.max_policy_age is 0, else in_flight
 
 
 @dataclass
@@ -111,6 +112,7 @@ class WeightSyncConfig:
     checksums: bool = False  # CRC32 every published version and verify it on load (stress tests)
     timeout_s: float = 300.0  # one generator's pull of a version (read and load): past it the replica is replaced
     dtype: str = "auto"  # what versions are published in: auto (the dtype the generators serve) | bfloat16 | float32
+    poll_s: float = 0.05  # in_flight and recompute: how often a generating replica looks for a newer version
 
 
 @dataclass
@@ -135,6 +137,7 @@ class ControllerConfig:
     prompts_per_step: int = 8  # prompts (groups) per step
     group_size: int = 8  # completions per prompt
     max_policy_age: int = 0  # the staleness bound, in steps: episodes of batch b come from versions b - max_policy_age to b (0: synchronous; 1: generation one step ahead)
+    staleness: str = "oldest_token"  # the token a sequence's staleness is counted from: oldest_token | newest_token (weights may change while it is generated)
     max_failed_fraction: float = 0.5  # the run stops once more than this share of a batch's prompts_per_step groups failed (a call of theirs raised)
     stop_timeout_s: float = 120.0  # each call made while stopping (the stop's checkpoint, the save, stopping meshes): past it the stop goes on without it
     advantage: str = "grpo"  # grpo | dr_grpo | rloo (meshrl/advantages.py); step_wise_<one of them>: an Episode per turn
@@ -287,7 +290,7 @@ def to_dict(config: Config) -> dict:
 # What a resumed run may change: how long it runs, where and how it is placed, watched and bounded; not
 # what it computes (the model, the task, the losses, the batch shapes, the staleness bound, ...).
 RESUMABLE = ("controller.steps", "controller.eval_every", "checkpoint.", "logging.", "job.", "weight_sync.transport",
-             "weight_sync.checksums", "weight_sync.chunk_mb", ".hosts", ".cpus", ".num_threads", ".timeout_s",
+             "weight_sync.checksums", "weight_sync.chunk_mb", "weight_sync.poll_s", ".hosts", ".cpus", ".num_threads", ".timeout_s",
              ".max_restarts", "trainer.max_bad_steps", "generator.replicas", "grader.replicas", "controller.stop_timeout_s",
              "controller.max_failed_fraction")
 

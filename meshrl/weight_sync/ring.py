@@ -214,6 +214,13 @@ class RingReader:
         await action.submit()
 
 
+async def newest_together(readers: list[RingReader]) -> int:
+    """The newest version completely written in every reader's ring, from their headers alone (-1: none)."""
+    headers = await asyncio.gather(*(r.read_header() for r in readers))
+    complete = [r.complete_versions(header) for r, header in zip(readers, headers)]
+    return max(set(complete[0]).intersection(*complete[1:]), default=-1)
+
+
 async def pull_together(readers: list[RingReader], newer_than: int,
                         max_attempts: int) -> tuple[int, list[list[tuple[str, torch.Tensor]]]] | None:
     """The newest version completely written in every reader's ring (one ring per trainer rank, each

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from meshrl.weight_sync import WeightLayout
-from meshrl.weight_sync.ring import RingHandle, RingReader, pull_together
+from meshrl.weight_sync.ring import RingHandle, RingReader, newest_together, pull_together
 
 
 def shard_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
@@ -51,6 +51,10 @@ class ShardedReader:
     @property
     def corrupt_reads(self) -> int:
         return sum(r.corrupt_reads for r in self.readers)
+
+    async def newest(self) -> int:
+        """The newest version every rank's ring holds complete (headers only: cheap to ask often); -1: none."""
+        return await newest_together(self.readers)
 
     async def pull_latest(self, newer_than: int = -1) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
         latest = await pull_together(self.readers, newer_than, self.max_attempts)

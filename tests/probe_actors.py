@@ -1,0 +1,33 @@
+"""Real actors with a knob only tests need: a generator whose engine steps take longer (as a large
+model's would, so that requests are still running when new weights arrive), and a trainer that
+changes chosen weights by a factor and publishes them (a policy visibly different from the last).
+Imported by the actor processes (conftest puts tests/ on their PYTHONPATH)."""
+
+import re
+import time
+
+import torch
+from monarch.actor import endpoint
+
+from meshrl.actors.generator import VLLMGenerator
+from meshrl.actors.trainer import TitanTrainer
+
+
+class SlowStepGenerator(VLLMGenerator):
+    """Each engine step takes at least 20 ms more."""
+
+    def _take(self, outputs) -> None:
+        time.sleep(0.02)
+        super()._take(outputs)
+
+
+class ScalingTrainer(TitanTrainer):
+    @endpoint
+    async def scale_and_publish(self, pattern: str, factor: float) -> int:
+        """Multiply every parameter whose (torchtitan) name matches `pattern` by `factor`, publish; the new
+        version."""
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if re.fullmatch(pattern, name):
+                    param.mul_(factor)
+        return self._publish()

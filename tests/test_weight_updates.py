@@ -1,0 +1,132 @@
+"""Weights loaded while requests run (real Monarch actors, real vLLM, the tiny model): every token
+carries the version it was sampled under and scores as that version's policy does; `recompute`
+recomputes the running prefixes, `in_flight` keeps their KV cache; and an async run with in-flight
+updates keeps every trained sequence within the staleness bound."""
+
+import asyncio
+import json
+import subprocess
+import sys
+
+from probe_actors import ScalingTrainer, SlowStepGenerator
+
+from meshrl.actors import spawn
+from meshrl.actors.reference import ReferenceModel
+from meshrl.configs import GeneratorConfig, ReferenceConfig, TrainerConfig, WeightSyncConfig
+from meshrl.episodes import build_episodes
+from meshrl.model import ChatTokenizer
+from meshrl.types import Completion, Prompt, Sampling, ScoredCompletion, TrainBatch
+
+FINAL_NORM = r"norm\.weight"  # changes the logits only: the KV cache of a prefix stays right
+VALUES = r"layers\.0\.attention\.qkv_linear\.wv\.weight"  # changes every later layer's keys and values
+
+
+async def scored(actor, completion: Completion) -> list[float]:
+    """`actor`'s logprob of each of the completion's tokens (a trainer's or the reference's policy)."""
+    [e] = build_episodes([ScoredCompletion(completion, 0.0)], group_id=0)
+    batch = TrainBatch.collate([e], e.num_response_tokens, 1)
+    return (await actor.logprobs.call_one(batch))[batch.loss_mask].tolist()
+
+
+def gap(a: list[float], b: list[float]) -> float:
+    return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
+
+
+def test_weights_loaded_mid_request_in_flight_and_recomputed(tiny_checkpoint):
+    async def run():
+        sync = WeightSyncConfig(poll_s=0.02)
+        procs = []
+
+        def start(name, cls, *args):
+            mesh, actor = spawn(name, cls, *args)
+            procs.append(mesh)
+            return actor
+
+        trainer = start("trainer", ScalingTrainer, TrainerConfig(num_threads=1), sync, str(tiny_checkpoint))
+        old = start("reference", ReferenceModel, ReferenceConfig(num_threads=1), str(tiny_checkpoint))
+        generators = {mode: start(f"generator_{mode}", SlowStepGenerator,
+                                  GeneratorConfig(num_threads=1, weight_update=mode), sync, str(tiny_checkpoint))
+                      for mode in ("in_flight", "recompute")}
+        try:
+            rings = [await trainer.weight_ring.call_one()]
+            for generator in generators.values():
+                await generator.attach_weights.call_one(rings)
+            prompt = Prompt(0, ChatTokenizer(tiny_checkpoint).encode_chat("Tell me a long story."))
+            long = Sampling(n=1, temperature=1.0, max_tokens=250)
+
+            async def mid_request(generators_, pattern, factor):
+                """Each generator's long request, with a new version published while they run."""
+                async def one(generator):
+                    return await generator.generate.call_one([prompt], sampling=long)
+
+                running = [asyncio.create_task(one(g)) for g in generators_]
+                await asyncio.sleep(3.0)  # 20 ms a step or more: some of the tokens are out, not all
+                version = await trainer.scale_and_publish.call_one(pattern, factor)
+                return version, [(await r)[0] for r in running]
+
+            # a change to the keys and values, loaded mid-request by both: recompute redoes the running prefix
+            # under the new weights, so its tokens after the swap are exactly the new policy's; in flight keeps
+            # the prefix's KV as the old weights computed it, and is not
+            version, (kept, recomputed) = await mid_request(
+                [generators["in_flight"], generators["recompute"]], VALUES, 8.0)
+            assert version == 1
+            for c in (kept, recomputed):
+                swap = c.versions[-1][0]
+                assert c.policy_version == 0 and c.versions == [[0, 0], [swap, 1]] and 5 <= swap <= 245, c.versions
+                assert gap(c.logprobs[:swap], (await scored(old, c))[:swap]) < 0.02  # the old policy's tokens
+            swap = recomputed.versions[1][0]
+            exact = gap(recomputed.logprobs[swap:], (await scored(trainer, recomputed))[swap:])
+            swap = kept.versions[1][0]
+            stale_kv = gap(kept.logprobs[swap:], (await scored(trainer, kept))[swap:])
+            assert exact < 0.02 and stale_kv > max(0.03, 5 * exact), (exact, stale_kv)
+            for generator in generators.values():
+                updates = await generator.weight_updates.call_one()
+                assert updates["weight_swaps_in_flight"] == 1 and updates["prefix_cache_resets_refused"] == 0
+                assert [p["version"] for p in updates["pulls"]] == [1] and updates["pulls"][0]["in_flight"]
+
+            # in flight, a change that leaves the KV cache right (the final norm: the logits only): before the
+            # swap the old policy's tokens, after it the new policy's, in one request that went on
+            version, [c] = await mid_request([generators["in_flight"]], FINAL_NORM, 4.0)
+            swap = c.versions[-1][0]
+            assert version == 2 and c.versions == [[0, 1], [swap, 2]] and 5 <= swap <= 245, c.versions
+            new_lp = await scored(trainer, c)
+            await trainer.scale_and_publish.call_one(FINAL_NORM, 0.25)  # back to version 1's weights, exactly
+            old_lp = await scored(trainer, c)
+            before, after = c.logprobs[:swap], c.logprobs[swap:]
+            assert gap(before, old_lp[:swap]) < 0.02 and gap(after, new_lp[swap:]) < 0.02
+            assert gap(after, old_lp[swap:]) > 0.5 and gap(before, new_lp[:swap]) > 0.5  # visibly different
+        finally:
+            for mesh in procs:
+                await mesh.stop()
+
+    asyncio.run(run())
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_an_async_run_loads_weights_in_flight_within_the_staleness_bound(tmp_path):
+    # generation slower than training (longer engine steps), so groups run while versions are published
+    result = subprocess.run(
+        [sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path),
+         "--controller.steps", "4", "--controller.prompts_per_step", "2", "--controller.group_size", "2",
+         "--generator.max_tokens", "200", "--controller.max_policy_age", "1", "--generator.replicas", "2",
+         "--generator.num_threads", "1", "--generator.cpus", "0;1", "--generator.impl", "probe_actors:SlowStepGenerator",
+         "--checkpoint.every", "0"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert rows[-1]["weight_swaps_in_flight"] >= 1 and sum(r["tokens_after_swap"] for r in rows) > 0
+    assert rows[-1]["prefix_cache_resets_refused"] == 0
+    records = read_jsonl(tmp_path / "rollouts.jsonl")
+    spanning = [r for r in records if "versions" in r]
+    assert spanning and all(len(v) >= 2 for r in spanning for v in r["versions"])
+    # every trained sequence within the bound, counted from its oldest token
+    assert all(r["staleness"] <= 1 and r["policy_version"] == r.get("versions", [[[0, r["policy_version"]]]])[0][0][1]
+               for r in records)
+    # the replicas loaded versions while they generated: pull spans inside generate spans
+    spans = read_jsonl(tmp_path / "trace.jsonl")
+    pulls = [s for s in spans if s["what"] == "pull"]
+    generating = [s for s in spans if s["what"] == "generate"]
+    assert any(g["replica"] == p["replica"] and g["start"] < p["start"] and p["end"] < g["end"]
+               for p in pulls for g in generating)
