@@ -155,6 +155,7 @@ class FakeGenerator:
         self.admitting.set()
         self.idle.set()
         self.swaps: list[tuple[float, int]] = []  # (time, version) of every load
+        self.poller: asyncio.Task | None = None
         self.updates = {"pulls": [], "weight_swaps_in_flight": 0, "prefix_cache_resets_refused": 0}
 
     async def generate(self, prompts, *, sampling=None, min_version: int = 0) -> list[Completion]:
@@ -163,6 +164,8 @@ class FakeGenerator:
         await self.admitting.wait()
         self.running += 1
         self.idle.clear()
+        if self.update != "drain" and self.running == 1:
+            self.poller = asyncio.create_task(self._poll())
         start, first = time.monotonic(), self.version
         try:
             length = sampling.max_tokens
@@ -194,6 +197,13 @@ class FakeGenerator:
             if start <= at <= end and version != versions[-1][1] and versions[-1][0] < offset < length:
                 versions.append([offset, version])
         return versions if len(versions) > 1 else []
+
+    async def _poll(self) -> None:
+        """While calls run, load newer versions between two of the engine's steps (one token's time)."""
+        while self.running:
+            if self.weights.version > self.version:
+                await self._load()
+            await asyncio.sleep(self.costs.generate_per_token)
 
     async def _load(self) -> None:
         async with self.loading:

@@ -70,6 +70,23 @@ def test_a_group_that_finishes_stale_is_not_trained_then_and_its_prompt_is_train
     assert max(r["staleness"] for r in read_jsonl(tmp_path / "rollouts.jsonl")) <= 1
 
 
+@pytest.mark.parametrize("rule", ["oldest_token", "newest_token"])
+def test_a_group_spanning_versions_is_counted_from_its_oldest_or_newest_token(tmp_path, rule):
+    # loaded in flight while prompt 1 generates: its tokens come from version 0, then newer ones
+    config = fake_config(steps=5, prompts=2, max_policy_age=1, staleness=rule)
+    config.generator.weight_update = "in_flight"
+    done = run(config, tmp_path, Script(late={1: 2}))
+    late = [r for r in read_jsonl(tmp_path / "rollouts.jsonl") if r["prompt_index"] == 1]
+    assert done.rows[-1]["weight_swaps_in_flight"] >= 1
+    if rule == "oldest_token":  # too old for its batch by its first tokens: stale, sampled again, trained then
+        assert sum(r["groups_stale"] for r in done.rows) == 1 and all("versions" not in r for r in late)
+    else:  # fresh enough by its last tokens: trained as it was sampled
+        assert sum(r["groups_stale"] for r in done.rows) == 0 and sum(r["tokens_after_swap"] for r in done.rows) > 0
+        assert all(r["policy_version"] == 0 and r["versions"][0][0] == [0, 0] and r["versions"][0][-1][1] >= 1
+                   for r in late)
+    assert len(late) == 2 and len({r["step"] for r in late}) == 1  # its group, trained once
+
+
 def test_a_group_whose_call_raises_fails_alone_and_the_run_goes_on(tmp_path, caplog):
     script = Script(reject={4})
     with caplog.at_level(logging.WARNING):
