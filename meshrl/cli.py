@@ -72,9 +72,11 @@ def _parser() -> argparse.ArgumentParser:
                          help="cost model: seconds per trained token on one trainer rank")
     control.add_argument("--publish-s", type=float, default=0.0, help="cost model: seconds per weight publish")
     control.add_argument("--pull-s", type=float, default=0.0, help="cost model: seconds per generator weight pull")
+    control.add_argument("--tail", type=float, default=0.0,
+                         help="cost model: the slowest groups take 1 + TAIL times as long as the fastest")
     control.add_argument("--time-scale", type=float, default=20.0, help="simulate this many times faster than real")
-    sync_async = bench.add_parser("sync-vs-async", help="one workload trained sync, then async",
-                                  epilog="Config overrides apply to both runs: --generator.max_tokens 32")
+    sync_async = bench.add_parser("sync-vs-async", help="one workload trained sync, async draining, async in flight",
+                                  epilog="Config overrides apply to every run: --generator.max_tokens 32")
     sync_async.add_argument("--config", required=True, help="e.g. bench_smoke or bench_smollm2")
     sync_async.add_argument("--steps", type=int, required=True, help="optimizer steps in each mode")
     sync_async.add_argument("--json", type=Path, required=True, help="where to write the figures")
@@ -166,7 +168,7 @@ def _bench_controller(args) -> None:
         except ValueError:
             raise ValueError(f"--placement {args.placement!r} is not REPLICAS:RANKS:PROMPTS, e.g. 8:4:64") from None
         placement = {"replicas": replicas, "ranks": ranks, "prompts": prompts}
-    costs = Costs(args.generate_s_per_token, args.train_s_per_token, args.publish_s, args.pull_s)
+    costs = Costs(args.generate_s_per_token, args.train_s_per_token, args.publish_s, args.pull_s, args.tail)
     _write_bench(args.json, controller, controller.run([int(r) for r in args.replicas.split(",")], args.group_size,
                                                        args.max_tokens, args.groups, placement, costs,
                                                        args.time_scale))
@@ -190,7 +192,7 @@ def _bench_sync_vs_async(args, overrides: list[str]) -> None:
     args.json.write_text(json.dumps(result, indent=2))
     sync_vs_async.plot(result, args.plot)
     print(sync_vs_async.report(result))
-    print(f"runs: {run_dir}/sync, {run_dir}/async")
+    print(f"runs: {run_dir}/sync, {run_dir}/async_drain, {run_dir}/async_in_flight")
 
 
 def _prepare_train(name: str, overrides: list[str], run_dir: Path | None):

@@ -89,6 +89,7 @@ class Controller:
                     rollouts.cancel()
                     await asyncio.gather(rollouts, return_exceptions=True)
                 await bounded(self.collector.stop(), self.timeouts.stop, "stopping the groups in flight")
+                await bounded(self._weight_updates(), self.timeouts.stop, "the generators' last loads")  # the trace's
             if self.rows.done and not self.signals.held:
                 stop = self.timeouts.stop if self.signals.stopped_by else None
                 await bounded(self.checkpoint(), stop, "the stop's checkpoint")
@@ -171,30 +172,35 @@ class Controller:
         t3 = time.perf_counter()
         self.trainer_busy += t3 - t1
         self.collector.published(self.trainer_version)
-        pull = await self._weight_updates()
+        pull, engines_busy = await self._weight_updates()
         counters = {"generator_restarts": self.generators.restarts, "generator_calls_retried": self.generators.retried,
                     "grader_restarts": self.graders.restarts, "grader_calls_retried": self.graders.retried,
                     **self.updates, "batches_ready": len(self.work.ready) - 1}
-        return step_row(step, self.trainer_version, batch, train,
-                        {"wait": t1 - start, "train": t2 - t1, "publish": t3 - t2, "pull": pull}, counters)
+        row = step_row(step, self.trainer_version, batch, train,
+                       {"wait": t1 - start, "train": t2 - t1, "publish": t3 - t2, "pull": pull}, counters)
+        row["generator_idle"] = max(0.0, 1 - engines_busy / self.config.generator.replicas
+                                    / (time.perf_counter() - start))
+        return row
 
-    async def _weight_updates(self) -> float:
-        """What the generator replicas did with new versions since the last step: their loads become `pull`
-        spans of the trace, their counts add up; returns the longest load's seconds."""
+    async def _weight_updates(self) -> tuple[float, float]:
+        """What the generator replicas did since the last step: their loads become `pull` spans of the
+        trace, their counts add up; returns the longest load's seconds and the seconds their engines had
+        requests to run, all together."""
         async def ask(replica):  # bookkeeping: bounded, not traced
             async with deadline(self.timeouts.generate, "generator", "weight_updates"):
                 return replica, await replica.actor.weight_updates.call_one()
 
         answers = await asyncio.gather(*(ask(r) for r in self.generators.replicas if r.healthy),
                                        return_exceptions=True)  # a replica failing now is the pool's to find
-        longest = 0.0
+        longest = busy = 0.0
         for replica, updates in (a for a in answers if not isinstance(a, BaseException)):
+            busy += updates["busy_s"]
             for pull in updates["pulls"]:
                 self.tracer.add("generator", "pull", pull["start"], pull["end"], replica.index, pull["version"])
                 longest = max(longest, pull["end"] - pull["start"])
             for key in self.updates:
                 self.updates[key] += updates[key]
-        return longest
+        return longest, busy
 
     def _busy(self) -> tuple[float, float]:
         """Seconds worked so far: by the average generator replica, by the trainer."""

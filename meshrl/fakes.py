@@ -38,12 +38,20 @@ PROMPT_ID = 100  # FakeTokenizer: a prompt's first token is PROMPT_ID + its inde
 @dataclass
 class Costs:
     """Simulated seconds: a group's generation per token of its completions (decoded together), training
-    per token of a micro-batch (each rank its own), a publish and a generator's pull."""
+    per token of a micro-batch (each rank its own), a publish and a generator's pull; and the spread of
+    generation times (`tail`: the slowest groups take 1 + tail times as long as the fastest, the prompts
+    spread evenly between)."""
 
     generate_per_token: float = 0.0
     train_per_token: float = 0.0
     publish: float = 0.0
     pull: float = 0.0
+    tail: float = 0.0
+
+    def faster(self, factor: float) -> "Costs":
+        """The same costs, every time divided by `factor`."""
+        return Costs(self.generate_per_token / factor, self.train_per_token / factor, self.publish / factor,
+                     self.pull / factor, self.tail)
 
 
 async def take(seconds: float) -> None:
@@ -156,6 +164,7 @@ class FakeGenerator:
         self.idle.set()
         self.swaps: list[tuple[float, int]] = []  # (time, version) of every load
         self.poller: asyncio.Task | None = None
+        self.busy_s, self.busy_since = 0.0, None
         self.updates = {"pulls": [], "weight_swaps_in_flight": 0, "prefix_cache_resets_refused": 0}
 
     async def generate(self, prompts, *, sampling=None, min_version: int = 0) -> list[Completion]:
@@ -164,18 +173,22 @@ class FakeGenerator:
         await self.admitting.wait()
         self.running += 1
         self.idle.clear()
+        self.busy_since = self.busy_since or time.monotonic()
         if self.update != "drain" and self.running == 1:
             self.poller = asyncio.create_task(self._poll())
         start, first = time.monotonic(), self.version
         try:
             length = sampling.max_tokens
-            await take(length * self.costs.generate_per_token)
+            spread = 1 + self.costs.tail * ((prompts[0].token_ids[0] * 0.6180339887) % 1)  # evenly, by prompt
+            await take(length * self.costs.generate_per_token * spread)
             for p in prompts:
                 while self.weights.version < self.script.late.get(p.token_ids[0] - PROMPT_ID, 0):
                     await asyncio.sleep(0)
         finally:
             self.running -= 1
             if not self.running:
+                self.busy_s += time.monotonic() - self.busy_since
+                self.busy_since = None
                 self.idle.set()
         versions = self._versions(start, time.monotonic(), first, length)
         out = []
@@ -231,7 +244,10 @@ class FakeGenerator:
         return self.version
 
     async def weight_updates(self) -> dict:
-        updates = self.updates
+        now = time.monotonic()
+        busy = self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
+        self.busy_s, self.busy_since = 0.0, now if self.busy_since is not None else None
+        updates = {**self.updates, "busy_s": busy}
         self.updates = {"pulls": [], "weight_swaps_in_flight": 0, "prefix_cache_resets_refused": 0}
         return updates
 

@@ -89,10 +89,11 @@ class VLLMGenerator(Actor):
         # what the trainer's ranks publish, together
         self.layout, self.adapter = published_weights(checkpoint, weight_sync.dtype)
         self.transport, self.pull_timeout, self.poll_s = weight_sync.transport, weight_sync.timeout_s, weight_sync.poll_s
-        if config.weight_update not in WEIGHT_UPDATES:
-            raise ValueError(f"unknown generator.weight_update {config.weight_update!r}; known: auto (the controller "
-                             f"picks), {', '.join(WEIGHT_UPDATES)}")
-        self.update = config.weight_update
+        # a run resolves `auto` for its replicas (meshrl.launch.weight_update); on its own a replica drains
+        self.update = "drain" if config.weight_update == "auto" else config.weight_update
+        if self.update not in WEIGHT_UPDATES:
+            raise ValueError(f"unknown generator.weight_update {config.weight_update!r}; known: auto, "
+                             f"{', '.join(WEIGHT_UPDATES)}")
         self.ring: ShardedReader | None = None
         self.loading = asyncio.Lock()  # one load at a time: they share the reader's buffer
         self.admitting = asyncio.Event()  # cleared while a drain waits for the running requests
@@ -108,6 +109,7 @@ class VLLMGenerator(Actor):
         self.next_poll = 0.0
         self.broken: ReplicaBroken | None = None  # the engine or a pull failed: every call raises it
         self.updates = {"pulls": [], "weight_swaps_in_flight": 0, "prefix_cache_resets_refused": 0}  # since asked
+        self.busy_s, self.busy_since = 0.0, None  # seconds the engine had requests since asked; since when now
 
     @concurrent_endpoint
     async def generate(self, prompts: list[Prompt], *, sampling: Sampling | None = None,
@@ -136,6 +138,7 @@ class VLLMGenerator(Actor):
             self.running[request_id] = request = Request(prompt, [Sample() for _ in range(s.n)], loop.create_future())
             requests.append(request)
         self.idle.clear()
+        self.busy_since = self.busy_since or time.monotonic()
         if self.driver is None or self.driver.done():
             self.driver = asyncio.create_task(self._drive())
         await asyncio.gather(*(r.done for r in requests))
@@ -158,7 +161,7 @@ class VLLMGenerator(Actor):
                     self.next_poll = time.monotonic() + self.poll_s
                     self.poller = asyncio.create_task(self._poll())
                 await asyncio.sleep(0)
-            self.idle.set()
+            self._now_idle()
         except Exception as e:  # the engine is broken: every caller learns why, and the replica is replaced
             self._fail(ReplicaBroken(f"vLLM's engine failed: {e!r}"))
             raise
@@ -233,6 +236,12 @@ class VLLMGenerator(Actor):
                 request.done.set_exception(error)
         self.running.clear()
         self.admitting.set()
+        self._now_idle()
+
+    def _now_idle(self) -> None:
+        if self.busy_since is not None:
+            self.busy_s += time.monotonic() - self.busy_since
+            self.busy_since = None
         self.idle.set()
 
     @endpoint
@@ -256,8 +265,12 @@ class VLLMGenerator(Actor):
     @endpoint
     async def weight_updates(self) -> dict:
         """What happened since the last call: the loads (`pulls`: wall-clock start and end, version, whether
-        requests were running), swaps with requests running, prefix-cache resets vLLM refused."""
-        updates = self.updates
+        requests were running), swaps with requests running, prefix-cache resets vLLM refused, and the
+        seconds the engine had requests to run (`busy_s`)."""
+        now = time.monotonic()
+        busy = self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
+        self.busy_s, self.busy_since = 0.0, now if self.busy_since is not None else None
+        updates = {**self.updates, "busy_s": busy}
         self.updates = {"pulls": [], "weight_swaps_in_flight": 0, "prefix_cache_resets_refused": 0}
         return updates
 

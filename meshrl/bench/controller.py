@@ -5,11 +5,12 @@
   controller CPU per group, for each replica count. Each step has one group per replica (of
   `group_size` completions of `max_tokens` tokens), one step of staleness allowed.
 - Prediction: the same with the fakes taking simulated time from a cost model (seconds per generated
-  token of a group, per trained token on each trainer rank, per publish and pull): the step time of
-  a placement trained synchronously (max_policy_age 0) and asynchronously (1), and the speedup. The
-  model lets a replica decode its concurrent groups together at the cost of one (continuous
-  batching, memory-bound decoding): an optimistic bound for generation. Simulated time runs
-  `time_scale` times faster than real time; the figures are scaled back.
+  token of a group, per trained token on each trainer rank, per publish and pull, and how much longer
+  the slowest groups take): the step time of a placement trained synchronously (max_policy_age 0)
+  and asynchronously (1), with generators that drain before loading a version or load it in flight,
+  and the speedups. The model lets a replica decode its concurrent groups together at the cost of
+  one (continuous batching, memory-bound decoding): an optimistic bound for generation. Simulated
+  time runs `time_scale` times faster than real time; the figures are scaled back.
 """
 
 import asyncio
@@ -52,18 +53,23 @@ def controller_cost(replicas: int, group_size: int, max_tokens: int, groups: int
             "groups_per_s": routed / wall, "cpu_ms_per_group": 1000 * cpu / routed}
 
 
+ARMS = {"sync": (0, "drain"), "async_drain": (1, "drain"), "async": (1, "in_flight")}  # (max_policy_age, update)
+
+
 def predict(replicas: int, ranks: int, prompts: int, group_size: int, max_tokens: int, costs: Costs,
             steps: int, time_scale: float) -> dict:
-    """Median step time (after the first) of the placement, sync and async, under `costs`."""
-    scaled = Costs(*(value / time_scale for value in dataclasses.astuple(costs)))
+    """Median step time (after the first) of the placement under `costs`: synchronous, asynchronous with
+    generators draining before they load a version, and asynchronous loading in flight."""
     out = {}
-    for mode, age in (("sync", 0), ("async", 1)):
+    for arm, (age, update) in ARMS.items():
         config = fake_config(steps=steps, prompts=prompts, group=group_size, max_policy_age=age, replicas=replicas)
         config.generator.max_tokens, config.trainer.ranks, config.trainer.micro_batch_size = max_tokens, ranks, 16
+        config.generator.weight_update = update
         with tempfile.TemporaryDirectory() as run_dir, contextlib.redirect_stdout(io.StringIO()):
-            done = asyncio.run(run_fake(config, Path(run_dir), costs=scaled, progress=False))
-        out[f"{mode}_step_s"] = statistics.median(r["step_time_s"] for r in done.rows[1:]) * time_scale
+            done = asyncio.run(run_fake(config, Path(run_dir), costs=costs.faster(time_scale), progress=False))
+        out[f"{arm}_step_s"] = statistics.median(r["step_time_s"] for r in done.rows[1:]) * time_scale
     out["async_speedup"] = out["sync_step_s"] / out["async_step_s"]
+    out["async_drain_speedup"] = out["sync_step_s"] / out["async_drain_step_s"]
     return out
 
 
@@ -96,6 +102,7 @@ def report(result: dict) -> str:
               for c in result["cost"]]
     if p := result.get("placement"):
         lines.append(f"predicted for {p['replicas']} generator replicas, {p['ranks']} trainer ranks, {p['prompts']} "
-                     f"prompts per step: step {p['sync_step_s']:.2f} s sync, {p['async_step_s']:.2f} s async "
-                     f"(async speedup {p['async_speedup']:.2f})")
+                     f"prompts per step: step {p['sync_step_s']:.2f} s sync, {p['async_drain_step_s']:.2f} s async "
+                     f"draining, {p['async_step_s']:.2f} s async in flight (async speedup "
+                     f"{p['async_drain_speedup']:.2f} draining, {p['async_speedup']:.2f} in flight)")
     return "\n".join(lines)
