@@ -21,6 +21,7 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import ActorError
 
 from meshrl import checkpoint
+from meshrl.actors.weight_updates import WeightUpdates
 from meshrl.configs import Config, ControllerConfig
 from meshrl.controller import Controller
 from meshrl.launch import StopSignals, weight_update
@@ -159,21 +160,16 @@ class FakeGenerator:
     def __init__(self, weights: FakeWeights, script: Script, costs: Costs = Costs(), weight_update: str = "drain"):
         self.weights, self.script, self.costs, self.update = weights, script, costs, weight_update
         self.version, self.running = 0, 0
-        self.loading, self.admitting, self.idle = asyncio.Lock(), asyncio.Event(), asyncio.Event()
-        self.admitting.set()
-        self.idle.set()
+        self.loading, self.book = asyncio.Lock(), WeightUpdates()
         self.swaps: list[tuple[float, int]] = []  # (time, version) of every load
         self.poller: asyncio.Task | None = None
-        self.busy_s, self.busy_since = 0.0, None
-        self.updates = {"pulls": [], "weight_swaps_in_flight": 0, "prefix_cache_resets_refused": 0}
 
     async def generate(self, prompts, *, sampling=None, min_version: int = 0) -> list[Completion]:
         if self.version < min_version:
             await self._load()
-        await self.admitting.wait()
+        await self.book.admitting.wait()
         self.running += 1
-        self.idle.clear()
-        self.busy_since = self.busy_since or time.monotonic()
+        self.book.running()
         if self.update != "drain" and self.running == 1:
             self.poller = asyncio.create_task(self._poll())
         start, first = time.monotonic(), self.version
@@ -187,9 +183,7 @@ class FakeGenerator:
         finally:
             self.running -= 1
             if not self.running:
-                self.busy_s += time.monotonic() - self.busy_since
-                self.busy_since = None
-                self.idle.set()
+                self.book.done()
         versions = self._versions(start, time.monotonic(), first, length)
         out = []
         for p in prompts:
@@ -222,19 +216,12 @@ class FakeGenerator:
         async with self.loading:
             if self.weights.version <= self.version:
                 return
-            try:
-                if self.update == "drain":
-                    self.admitting.clear()
-                    await self.idle.wait()
+            async with self.book.loading(drain=self.update == "drain"):
                 start = time.time()
                 await take(self.costs.pull)
                 self.version = self.weights.version
                 self.swaps.append((time.monotonic(), self.version))
-                self.updates["weight_swaps_in_flight"] += self.running > 0
-                self.updates["pulls"].append({"start": start, "end": time.time(), "version": self.version,
-                                              "in_flight": self.running > 0})
-            finally:
-                self.admitting.set()
+                self.book.loaded(start, self.version, in_flight=self.running > 0)
 
     async def attach_weights(self, rings: list) -> str:
         return "fake"
@@ -244,12 +231,7 @@ class FakeGenerator:
         return self.version
 
     async def weight_updates(self) -> dict:
-        now = time.monotonic()
-        busy = self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
-        self.busy_s, self.busy_since = 0.0, now if self.busy_since is not None else None
-        updates = {**self.updates, "busy_s": busy}
-        self.updates = {"pulls": [], "weight_swaps_in_flight": 0, "prefix_cache_resets_refused": 0}
-        return updates
+        return self.book.report()
 
     async def weight_sync_stats(self) -> dict:
         return {"transport": "fake", "torn_reads": 0, "corrupt_reads": 0}

@@ -31,6 +31,7 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.actors import has_bf16_math, pin_cpus, resolve_device
 from meshrl.actors.roles import ReplicaBroken
+from meshrl.actors.weight_updates import WeightUpdates
 from meshrl.configs import GeneratorConfig, WeightSyncConfig
 from meshrl.model import published_weights
 from meshrl.types import Completion, Prompt, Sampling
@@ -96,10 +97,7 @@ class VLLMGenerator(Actor):
                              f"{', '.join(WEIGHT_UPDATES)}")
         self.ring: ShardedReader | None = None
         self.loading = asyncio.Lock()  # one load at a time: they share the reader's buffer
-        self.admitting = asyncio.Event()  # cleared while a drain waits for the running requests
-        self.admitting.set()
-        self.idle = asyncio.Event()  # no request running
-        self.idle.set()
+        self.book = WeightUpdates()
         self.policy_version = 0
         self.engine = self.llm.llm_engine
         self.request_ids = itertools.count()
@@ -108,8 +106,6 @@ class VLLMGenerator(Actor):
         self.poller: asyncio.Task | None = None
         self.next_poll = 0.0
         self.broken: ReplicaBroken | None = None  # the engine or a pull failed: every call raises it
-        self.updates = {"pulls": [], "weight_swaps_in_flight": 0, "prefix_cache_resets_refused": 0}  # since asked
-        self.busy_s, self.busy_since = 0.0, None  # seconds the engine had requests since asked; since when now
 
     @concurrent_endpoint
     async def generate(self, prompts: list[Prompt], *, sampling: Sampling | None = None,
@@ -121,7 +117,7 @@ class VLLMGenerator(Actor):
 
         if self.policy_version < min_version:
             await self._load_or_break()
-        await self.admitting.wait()
+        await self.book.admitting.wait()
         if self.broken:
             raise self.broken
         s = sampling or Sampling(temperature=self.config.temperature, top_p=self.config.top_p,
@@ -137,8 +133,7 @@ class VLLMGenerator(Actor):
                                                              cache_salt=f"v{self.policy_version}"), params)
             self.running[request_id] = request = Request(prompt, [Sample() for _ in range(s.n)], loop.create_future())
             requests.append(request)
-        self.idle.clear()
-        self.busy_since = self.busy_since or time.monotonic()
+        self.book.running()
         if self.driver is None or self.driver.done():
             self.driver = asyncio.create_task(self._drive())
         await asyncio.gather(*(r.done for r in requests))
@@ -161,7 +156,7 @@ class VLLMGenerator(Actor):
                     self.next_poll = time.monotonic() + self.poll_s
                     self.poller = asyncio.create_task(self._poll())
                 await asyncio.sleep(0)
-            self._now_idle()
+            self.book.done()
         except Exception as e:  # the engine is broken: every caller learns why, and the replica is replaced
             self._fail(ReplicaBroken(f"vLLM's engine failed: {e!r}"))
             raise
@@ -200,10 +195,7 @@ class VLLMGenerator(Actor):
         async with self.loading:
             if await self.ring.newest() <= self.policy_version:
                 return
-            try:
-                if self.update == "drain":
-                    self.admitting.clear()
-                    await self.idle.wait()
+            async with self.book.loading(drain=self.update == "drain"):
                 start = time.time()
                 try:
                     latest = await asyncio.wait_for(self.ring.pull_latest(newer_than=self.policy_version),
@@ -221,12 +213,7 @@ class VLLMGenerator(Actor):
                     reset = True  # the running requests keep their prefixes' KV; new ones get a new cache salt
                 else:
                     reset = self.engine.reset_prefix_cache(reset_running_requests=in_flight)
-                self.updates["prefix_cache_resets_refused"] += not reset
-                self.updates["weight_swaps_in_flight"] += in_flight
-                self.updates["pulls"].append({"start": start, "end": time.time(), "version": version,
-                                              "in_flight": in_flight})
-            finally:
-                self.admitting.set()
+                self.book.loaded(start, version, in_flight, reset)
 
     def _fail(self, error: ReplicaBroken) -> None:
         """The replica can serve no more: every call, running or to come, raises `error`."""
@@ -235,14 +222,8 @@ class VLLMGenerator(Actor):
             if not request.done.done():
                 request.done.set_exception(error)
         self.running.clear()
-        self.admitting.set()
-        self._now_idle()
-
-    def _now_idle(self) -> None:
-        if self.busy_since is not None:
-            self.busy_s += time.monotonic() - self.busy_since
-            self.busy_since = None
-        self.idle.set()
+        self.book.admitting.set()
+        self.book.done()
 
     @endpoint
     async def attach_weights(self, rings: list[RingHandle]) -> str:
@@ -267,12 +248,7 @@ class VLLMGenerator(Actor):
         """What happened since the last call: the loads (`pulls`: wall-clock start and end, version, whether
         requests were running), swaps with requests running, prefix-cache resets vLLM refused, and the
         seconds the engine had requests to run (`busy_s`)."""
-        now = time.monotonic()
-        busy = self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
-        self.busy_s, self.busy_since = 0.0, now if self.busy_since is not None else None
-        updates = {**self.updates, "busy_s": busy}
-        self.updates = {"pulls": [], "weight_swaps_in_flight": 0, "prefix_cache_resets_refused": 0}
-        return updates
+        return self.book.report()
 
     @endpoint
     async def weight_sync_stats(self) -> dict:
