@@ -182,11 +182,16 @@ class VLLMGenerator(Actor):
             pass  # every call learns it
 
     async def _load_or_break(self) -> None:
+        """A load whose failure (a pull that hangs, a ring that cannot be read) breaks the replica."""
         try:
             await self._load()
         except ReplicaBroken as e:
             self._fail(e)
             raise
+        except Exception as e:
+            broken = ReplicaBroken(f"its weight pull failed: {e!r}")
+            self._fail(broken)
+            raise broken from e
 
     async def _load(self) -> None:
         """Load the ring's newest version if newer than the one served, as `weight_update` says."""
