@@ -70,31 +70,28 @@ class Controller:
         self.signals.task = asyncio.current_task()
         rollouts = None
         try:
-            try:
-                if self.signals.stopped_by:  # stopped while the actors started
-                    return
-                if not self.rows.done:
-                    self.initial = await self.collector.evaluate(step=0)
-                rollouts = asyncio.create_task(self._rollout_loop())
-                await self._train(rollouts)
-            except Stopped:  # asked for while a step trained: it is whole
-                pass
-            except asyncio.CancelledError:
-                if self.signals.stopped_by is None:
-                    raise
-                asyncio.current_task().uncancel()  # a requested stop: checkpoint what there is
-            finally:
-                self.signals.task = None
-                if rollouts:
-                    rollouts.cancel()
-                    await asyncio.gather(rollouts, return_exceptions=True)
-                await bounded(self.collector.stop(), self.timeouts.stop, "stopping the groups in flight")
-                await bounded(self._weight_updates(), self.timeouts.stop, "the generators' last loads")  # the trace's
-            if self.rows.done and not self.signals.held:
-                stop = self.timeouts.stop if self.signals.stopped_by else None
-                await bounded(self.checkpoint(), stop, "the stop's checkpoint")
+            if self.signals.stopped_by:  # stopped while the actors started
+                return
+            if not self.rows.done:
+                self.initial = await self.collector.evaluate(step=0)
+            rollouts = asyncio.create_task(self._rollout_loop())
+            await self._train(rollouts)
+        except Stopped:  # asked for while a step trained: it is whole
+            pass
+        except asyncio.CancelledError:
+            if self.signals.stopped_by is None:
+                raise
+            asyncio.current_task().uncancel()  # a requested stop: checkpoint what there is
         finally:
             self.signals.task = None
+            if rollouts:
+                rollouts.cancel()
+                await asyncio.gather(rollouts, return_exceptions=True)
+            await bounded(self.collector.stop(), self.timeouts.stop, "stopping the groups in flight")
+            await bounded(self._weight_updates(), self.timeouts.stop, "the generators' last loads (for the trace)")
+        if self.rows.done and not self.signals.held:
+            stop = self.timeouts.stop if self.signals.stopped_by else None
+            await bounded(self.checkpoint(), stop, "the stop's checkpoint")
 
     async def checkpoint(self) -> None:
         """Everything that decides what comes next, after the last step logged (meshrl/checkpoint.py);
