@@ -225,7 +225,7 @@ def _dry_run(run) -> None:
     from meshrl.jobs import describe, make_job
 
     make_job(run.config.job, run.run_dir / "job")
-    print("\n".join(describe(run.config, run.placement)))
+    print("\n".join(describe(run.config, run.placement) + run.gpus.describe()))
     print(f"model: {run.model_path}\nchecked; nothing started (--dry-run)")
 
 

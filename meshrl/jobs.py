@@ -92,6 +92,23 @@ def _n(count: int, noun: str) -> str:
     return f"{count} {noun}{'s' if count != 1 else ''}"
 
 
+def gpus_per_host(job: JobConfig) -> int:
+    """The GPUs each host gives the roles: `job.gpus_per_host`, else what the job asks its hosts for
+    (Slurm's gpus_per_node, Kubernetes' gpus_per_pod), else this host's own (local and process jobs,
+    whose hosts are this machine); 0 (the CPU) for workers started elsewhere unless set."""
+    if job.gpus_per_host:
+        return job.gpus_per_host
+    if job.kind == "slurm":
+        return job.slurm.gpus_per_node
+    if job.kind == "kubernetes":
+        return job.kubernetes.gpus_per_pod
+    if job.kind in ("local", "process"):
+        import torch
+
+        return torch.cuda.device_count()
+    return 0
+
+
 def check_job(job: JobConfig, groups: dict[str, int]) -> None:
     """The kind's own settings, as far as they can be checked without a cluster."""
     if job.kind == "workers" and len(_addresses(job)) != sum(groups.values()):

@@ -109,8 +109,9 @@ async def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Pat
 
 
 def generator_args(config: Config, index: int, checkpoint: Path) -> tuple:
-    """Replica `index`'s constructor arguments: its own cores ("0;1": one set per replica) and seed."""
+    """Replica `index`'s constructor arguments: its own cores ("0;1": one set per replica), GPUs and seed."""
     replica = dataclasses.replace(config.generator, cpus=placement(config.generator.cpus, index),
+                                  devices=placement(config.generator.devices, index),
                                   seed=config.generator.seed + index, weight_update=weight_update(config))
     return replica, config.weight_sync, str(checkpoint)
 

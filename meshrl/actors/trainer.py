@@ -1,13 +1,13 @@
-"""The trainer: the policy as torchtitan's Llama3 model, trained with the loss its config names.
+"""The trainer: the policy as its family's torchtitan model, trained with the loss its config names.
 
 It trains only: advantages arrive in the batch, computed by the controller. A step may take several
 optimizer updates (`optim_step`); `policy_version` counts published versions, one per step.
 
 With `trainer.ranks` > 1 the actor mesh has that many processes, the ranks of one torch.distributed
-group (gloo on the CPU, NCCL on CUDA), and the model is sharded with torchtitan's FSDP2
-(`apply_fsdp_to_decoder`). Each rank computes its micro-batches' loss with the normalisers of the
-whole update, so the ranks' gradients are summed, not averaged; one optimizer step follows. Each
-rank publishes its own shard into its own weight ring (meshrl/weight_sync/shards.py).
+group (gloo on the CPU, NCCL on CUDA), and the model is sharded with its family's FSDP2 plan, each
+rank reading only its own shards of the checkpoint. Each rank computes its micro-batches' loss with
+the normalisers of the whole update, so the ranks' gradients are summed, not averaged; one optimizer
+step follows. Each rank publishes its own shard into its own weight ring (meshrl/weight_sync/shards.py).
 """
 
 import warnings
@@ -17,11 +17,11 @@ import torch
 from monarch.actor import Actor, endpoint
 from torch.distributed.tensor import DTensor
 
-from meshrl.actors.distributed import join, local, shard
+from meshrl.actors.distributed import join, load_on_ranks, local
 from meshrl.configs import TrainerConfig, WeightSyncConfig
 from meshrl.losses import (autocast, check, on_positions, policy_logprobs, policy_loss, response_logits,
                            token_entropy, token_logprobs)
-from meshrl.model import load_policy, published_weights, save_checkpoint
+from meshrl.model import published_weights, save_checkpoint
 from meshrl.types import TrainBatch
 from meshrl.weight_sync.ring import RingHandle, WeightRing
 from meshrl.weight_sync.shards import shard_layout
@@ -35,9 +35,8 @@ class TitanTrainer(Actor):
         self.config = config
         self.checkpoint = Path(checkpoint)
         check(config.loss)
-        self.model, self.adapter = load_policy(self.checkpoint)
-        self.model.to(self.device).train()
-        shard(self.model, me)
+        self.model, self.adapter = load_on_ranks(self.checkpoint, me)
+        self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         # This rank's rows of each tensor the generators load, in torchtitan's names and the dtype they serve.
         full, _ = published_weights(self.checkpoint, weight_sync.dtype)

@@ -25,7 +25,7 @@ __all__ = ["CONFIGS", "Config", "ConfigError", "from_dict", "load_config", "regi
 class ModelConfig:
     """The policy's starting checkpoint."""
 
-    source: str = "smollm2"  # smollm2 (embedded SmolLM2-135M-Instruct) | tiny (random, tests) | an HF checkpoint dir
+    source: str = "smollm2"  # smollm2 (embedded SmolLM2-135M-Instruct) | tiny, tiny_qwen3, tiny_qwen3_moe (random, tests) | an HF checkpoint dir (Llama, Qwen3, Qwen3-MoE)
 
 
 @dataclass
@@ -42,6 +42,8 @@ class GeneratorConfig:
     kv_cache_gib: int = 1  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
     num_threads: int = 2  # torch/OpenMP threads of each replica
     cpus: str = ""  # pin to these cores ("0", "0-1", "0,2"; per replica: "0;1"); "" leaves placement to the OS
+    tensor_parallel_size: int = 1  # GPUs of each replica (vLLM's tensor parallelism)
+    devices: str = ""  # each replica's CUDA_VISIBLE_DEVICES ("0,1;2,3": per replica); "": planned from tensor_parallel_size and job.gpus_per_host (meshrl/gpu_plan.py)
     seed: int = 0  # vLLM's engine seed (replica i uses seed + i)
     replicas: int = 1  # generator actors, each on its own proc mesh; groups go to the least loaded
     max_restarts: int = 3  # failed replicas replaced before the run stops
@@ -82,7 +84,7 @@ class LossConfig:
 
 @dataclass
 class TrainerConfig:
-    """The trainer (torchtitan's Llama3, AdamW)."""
+    """The trainer (the checkpoint family's torchtitan model, AdamW)."""
 
     impl: str = "meshrl.actors.trainer:TitanTrainer"  # the actor class, module:Class
     lr: float = 1e-5  # AdamW learning rate
@@ -92,7 +94,7 @@ class TrainerConfig:
     micro_batch_size: int = 16  # sequences per forward/backward pass (gradients accumulate)
     mini_batches: int = 1  # optimizer updates per step: the step's episodes split in this many mini-batches
     bf16_autocast: bool = True  # forward in bf16 autocast where the device has bf16 math (CUDA, CPUs with AVX512-BF16 or AMX; fp32 elsewhere); master weights stay fp32
-    device: str = "auto"  # auto (CUDA if there is a GPU, else the CPU) | cpu | cuda | cuda:N
+    device: str = "auto"  # auto (planned GPUs if the hosts have some, else the CPU) | cpu | cuda | cuda:N (per local rank: "cuda:4;cuda:5")
     ranks: int = 1  # trainer processes (data parallel, the model sharded with FSDP2 over them)
     num_threads: int = 2  # torch threads of each rank
     cpus: str = ""  # pin to these cores ("1", "2-3"; per rank: "0;1"); "" leaves placement to the OS
@@ -121,7 +123,7 @@ class ReferenceConfig:
 
     impl: str = "meshrl.actors.reference:ReferenceModel"  # the actor class, module:Class
     bf16_autocast: bool = True  # forward in bf16 autocast where the device has bf16 math (as the trainer's)
-    device: str = "auto"  # auto (CUDA if there is a GPU, else the CPU) | cpu | cuda | cuda:N
+    device: str = "auto"  # auto (planned GPUs if the hosts have some, else the CPU) | cpu | cuda | cuda:N (per local rank: "cuda:4;cuda:5")
     ranks: int = 1  # processes, the model sharded with FSDP2 over them (as the trainer's)
     num_threads: int = 2  # torch threads of each rank
     cpus: str = ""  # pin to these cores ("1"; per rank: "0;1"); "" leaves placement to the OS

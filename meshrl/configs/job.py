@@ -42,6 +42,7 @@ class JobConfig:
     kind: str = "local"  # local (this host) | process (a local worker process per host) | workers (Monarch workers at job.workers) | slurm | kubernetes
     hosts: str = ""  # host groups and their host counts, e.g. "trainer:1,generators:2"; roles pick one with their `hosts`
     workers: str = ""  # kind workers: the workers' addresses, the groups' hosts in order ("tcp://node1:26600,tcp://node2:26600")
+    gpus_per_host: int = 0  # GPUs of each host the roles share (meshrl/gpu_plan.py); 0: slurm.gpus_per_node, kubernetes.gpus_per_pod, or this host's own for local and process jobs (none: the CPU)
     bind: str = ""  # kind workers: the address the workers reach this controller at ("tcp://10.0.0.1:0"); "": tcp on this host's name
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)

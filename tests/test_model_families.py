@@ -1,0 +1,99 @@
+"""Model families (meshrl/families.py): the torchtitan model a checkpoint's config.json picks, checked
+against Hugging Face transformers' own model of the same weights, in process and in milliseconds to
+seconds. What vLLM makes of the same weights is in test_actors.py."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from meshrl.families import FAMILIES, family_of, tiny_sources
+from meshrl.model import ModelError, load_hf_weights, load_policy, published_weights, read_hf_config, resolve_checkpoint
+
+# max |logit difference| against transformers in fp32, measured on these tiny models (2026-11-23): Llama
+# 1.2e-6, Qwen3 0, Qwen3-MoE 1.2e-3 (the router's top-k and the grouped expert matmuls sum in another order)
+LOGIT_TOLERANCE = {"llama": 1e-4, "qwen3": 1e-4, "qwen3_moe": 5e-3}
+
+
+def hf_logits(checkpoint, ids):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def titan_logits(checkpoint, ids):
+    model, _ = load_policy(checkpoint)
+    model._skip_lm_head = False
+    with torch.no_grad():
+        return model.eval()(ids).float()
+
+
+@pytest.mark.parametrize("source", sorted(tiny_sources()))
+def test_each_family_computes_what_transformers_computes_from_the_same_checkpoint(source):
+    checkpoint = resolve_checkpoint(source)
+    family = family_of(read_hf_config(checkpoint))
+    assert tiny_sources()[source] is family
+    ids = torch.randint(0, read_hf_config(checkpoint)["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    ours, theirs = titan_logits(checkpoint, ids), hf_logits(checkpoint, ids)
+    assert theirs.std() > 0.5  # the stand-in's next-token distributions are peaked enough to tell models apart
+    assert (ours - theirs).abs().max() < LOGIT_TOLERANCE[family.name]
+
+
+@pytest.mark.parametrize("source", sorted(tiny_sources()))
+def test_the_published_layout_maps_onto_exactly_the_checkpoints_tensors(source):
+    """What the trainer publishes (torchtitan names), through the family's adapter, is every tensor of
+    the HF checkpoint under its own name and shape: the names vLLM loads."""
+    checkpoint = resolve_checkpoint(source)
+    layout, adapter = published_weights(checkpoint, "float32")
+    zeros = {spec.name: torch.zeros(spec.shape) for spec in layout.specs}
+    hf = adapter.to_hf(zeros)
+    saved = load_hf_weights(checkpoint)
+    assert {k: tuple(v.shape) for k, v in hf.items()} == {k: tuple(v.shape) for k, v in saved.items()}
+
+
+def test_a_llama_checkpoint_saved_by_transformers_loads_by_its_path(tmp_path):
+    import transformers
+
+    smollm2 = resolve_checkpoint("smollm2")
+    config = transformers.LlamaConfig(**{k: v for k, v in read_hf_config(resolve_checkpoint("tiny")).items()
+                                         if k not in ("architectures", "dtype", "transformers_version")})
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smollm2 / name, tmp_path / name)
+    assert resolve_checkpoint(str(tmp_path)) == tmp_path
+    ids = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    assert (titan_logits(tmp_path, ids) - hf_logits(tmp_path, ids)).abs().max() < 1e-4
+
+
+def test_an_unsupported_architecture_is_one_line_naming_what_is_supported(tmp_path):
+    tiny = resolve_checkpoint("tiny")
+    shutil.copytree(tiny, tmp_path / "gpt2")
+    config = read_hf_config(tiny) | {"architectures": ["GPT2LMHeadModel"]}
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match="unsupported model architecture 'GPT2LMHeadModel': meshrl trains "
+                                         + ", ".join(sorted(FAMILIES))) as e:
+        resolve_checkpoint(str(tmp_path / "gpt2"))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "unsupported RoPE scaling"),
+    ({"attention_bias": True}, "unsupported model setting attention_bias=True"),
+    ({"hidden_act": "gelu"}, "unsupported activation 'gelu'"),
+])
+def test_settings_the_model_would_compute_differently_are_refused(setting, message):
+    hf = read_hf_config(resolve_checkpoint("tiny_qwen3")) | setting
+    with pytest.raises(ValueError, match=message):
+        family_of(hf).titan_config(hf)
+
+
+def test_moe_layers_follow_the_checkpoints_sparse_step_and_dense_layers():
+    hf = read_hf_config(resolve_checkpoint("tiny_qwen3_moe")) | {"num_hidden_layers": 4, "decoder_sparse_step": 2,
+                                                                 "mlp_only_layers": [3], "intermediate_size": 96}
+    layers = family_of(hf).titan_config(hf).layers
+    assert [layer.moe is not None for layer in layers] == [False, True, False, False]
+    assert layers[0].feed_forward.w1.out_features == 96 and layers[1].moe.num_experts == 4
