@@ -38,9 +38,9 @@ class GpuPlan:
     def describe(self) -> list[str]:
         if not (self.generators or self.trainer):
             return ["gpus: none (every role on the CPU)"]
-        lines = [f"gpus: generator{i} CUDA_VISIBLE_DEVICES={d}" for i, d in enumerate(self.generators)]
-        lines += [f"gpus: {role} local rank {r} cuda:{g}" for role in ("trainer", "reference")
-                  for r, g in enumerate(getattr(self, role))]
+        lines = ["gpus: generator replicas' CUDA_VISIBLE_DEVICES, replica 0 first: " + " | ".join(self.generators)]
+        lines += [f"gpus: {role} ranks on each host, local rank 0 first: " + " ".join(f"cuda:{g}" for g in gpus)
+                  for role, gpus in (("trainer", self.trainer), ("reference", self.reference)) if gpus]
         return lines
 
 

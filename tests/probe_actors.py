@@ -31,3 +31,11 @@ class ScalingTrainer(TitanTrainer):
                 if re.fullmatch(pattern, name):
                     param.mul_(factor)
         return self._publish()
+
+
+class ThroughFileGenerator(VLLMGenerator):
+    """Loads every version the way a tensor-parallel replica does (a file in shared memory that vLLM's
+    workers read through collective_rpc), with the one worker of tensor parallel size 1 here."""
+
+    def reload(self, weights):
+        self.reload_through_file(weights)

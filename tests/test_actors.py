@@ -4,21 +4,36 @@ import asyncio
 
 import pytest
 from actor_helpers import episode, mismatch
+from probe_actors import ThroughFileGenerator
 
 from meshrl.actors import spawn
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.grader import Grader
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
-from meshrl.model import ChatTokenizer
+from meshrl.model import ChatTokenizer, resolve_checkpoint
 from meshrl.tasks.sum_digits import SumDigitsConfig
 from meshrl.types import Completion, Prompt, Sampling, TrainBatch
 
 
-def test_trainer_weights_reach_vllm_and_change_its_output(tiny_checkpoint):
+# Mean |trainer - vLLM| logprob per token of a completion, nats, on the tiny stand-ins, vLLM serving bf16
+# and the trainer in bf16 autocast. Largest measured here (2026-11-23, 6 completions each): Llama 0.008,
+# Qwen3 0.004, Qwen3-MoE 0.018 (a near tie in the router's top-k can pick other experts in bf16).
+PARITY = {"tiny": 0.02, "tiny_qwen3": 0.02, "tiny_qwen3_moe": 0.05}
+
+
+@pytest.mark.parametrize("source, generator_class", [(source, VLLMGenerator) for source in sorted(PARITY)]
+                         + [("tiny_qwen3", ThroughFileGenerator)])
+def test_trainer_weights_reach_vllm_and_change_its_output(source, generator_class):
+    """For each model family: vLLM and the trainer score vLLM's samples alike before and after a
+    published update, which vLLM loads under its own names (the family's adapter gives the ring's layout).
+    Also through the route of tensor-parallel replicas (a file in shared memory that each worker reads)."""
+    tiny_checkpoint = resolve_checkpoint(source)
+    gaps = []
+
     async def run():
         sync = WeightSyncConfig(transport="rdma")  # the transport between hosts (its TCP fallback here)
-        gen_procs, generator = spawn("generator", VLLMGenerator, GeneratorConfig(num_threads=1), sync,
+        gen_procs, generator = spawn("generator", generator_class, GeneratorConfig(num_threads=1), sync,
                                      str(tiny_checkpoint))
         trn_procs, trainer = spawn("trainer", TitanTrainer, TrainerConfig(lr=1e-2, num_threads=1), sync,
                                    str(tiny_checkpoint))
@@ -30,7 +45,11 @@ def test_trainer_weights_reach_vllm_and_change_its_output(tiny_checkpoint):
             before = (await generator.generate.call_one([prompt], sampling=greedy))[0]
             assert before.policy_version == 0 and before.prompt_index == 5 and len(before.token_ids) == 8
             # vLLM and the trainer start from the same weights: their logprobs agree
-            assert await mismatch(trainer, before) < 0.05
+            gaps.append(await mismatch(trainer, before))
+            sampled = await generator.generate.call_one([prompt], sampling=Sampling(n=4, temperature=0.8,
+                                                                                     max_tokens=16))
+            gaps.extend([await mismatch(trainer, c, 0.8) for c in sampled])  # the distribution sampled from
+            assert max(gaps) < PARITY[source], gaps
 
             # one large step pushing down the tokens vLLM chose
             e = episode(before, -1.0)
@@ -46,7 +65,9 @@ def test_trainer_weights_reach_vllm_and_change_its_output(tiny_checkpoint):
             assert after.policy_version == 1
             assert after.token_ids != before.token_ids
             # vLLM now serves exactly the trainer's new weights (tied embedding and head included)
-            assert await mismatch(trainer, after) < 0.05
+            gaps.append(await mismatch(trainer, after))
+            assert max(gaps) < PARITY[source], gaps
+            print(f"PARITY {source}: {gaps}")
         finally:
             await gen_procs.stop()
             await trn_procs.stop()

@@ -18,16 +18,24 @@ The generator loads new weights itself, between two engine steps, as `generator.
 New requests never share prefix-cache blocks with requests of another version (a per-version
 `cache_salt`), whatever the mode. A pull that does not finish within `weight_sync.timeout_s` breaks
 the replica (ReplicaBroken): the controller replaces it.
+
+With `generator.tensor_parallel_size` > 1 vLLM runs a worker process per GPU of the replica (its GPUs
+come from meshrl/gpu_plan.py): a version is then written once to shared memory and each worker loads
+its part of it.
 """
 
 import asyncio
 import itertools
 import logging
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 
+import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
+from safetensors.torch import save_file
 
 from meshrl.actors import has_bf16_math, pin_cpus, resolve_device
 from meshrl.actors.roles import ReplicaBroken
@@ -215,13 +223,30 @@ class VLLMGenerator(Actor):
                     return
                 version, weights = latest
                 in_flight = bool(self.running)
-                self.engine.model_executor.driver_worker.worker.reload_weights(weights_iterator=iter(weights))
+                self.reload(weights)
                 self.policy_version = version
                 if in_flight and self.update == "in_flight":
                     reset = True  # the running requests keep their prefixes' KV; new ones get a new cache salt
                 else:
                     reset = self.engine.reset_prefix_cache(reset_running_requests=in_flight)
                 self.book.loaded(start, version, in_flight, reset)
+
+    def reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors into vLLM in place: handed to its one worker in this process, or with
+        tensor parallelism (workers in processes of their own) through a file in shared memory that
+        each worker reads, keeping its own part of every tensor."""
+        if self.config.tensor_parallel_size == 1:
+            self.engine.model_executor.driver_worker.worker.reload_weights(weights_iterator=iter(weights))
+        else:
+            self.reload_through_file(weights)
+
+    def reload_through_file(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        where = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None, prefix="meshrl-weights-")
+        try:  # the ring's tensors are views of one buffer, which safetensors refuses to write as they are
+            save_file({name: tensor.clone() for name, tensor in weights}, os.path.join(where, "model.safetensors"))
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": where})
+        finally:
+            shutil.rmtree(where, ignore_errors=True)
 
     def _fail(self, error: ReplicaBroken) -> None:
         """The replica can serve no more: every call, running or to come, raises `error`."""

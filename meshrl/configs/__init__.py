@@ -342,3 +342,6 @@ def bench_smollm2() -> Config:
     config = _async(sum_digits_smollm2())
     config.controller.eval_every = 0
     return config
+
+
+from meshrl.configs import qwen3 as _qwen3  # noqa: E402,F401  (registers its configs)
