@@ -5,8 +5,9 @@ into torchtitan's model config, the state-dict adapter between torchtitan's name
 vLLM loads), and the tiny random stand-in the tests train (`model.source tiny_<family>`). This is the
 only module that names a family: everything else asks `family_of(hf_config)`.
 
-Every family here is a torchtitan decoder (built with torchtitan's public config builders) and takes
-the same FSDP2 plan (`apply_fsdp_to_decoder`, which covers dense and MoE blocks alike).
+Every native family is a torchtitan decoder (built with torchtitan's public config builders) and takes
+the same FSDP2 plan (`apply_fsdp_to_decoder`, which covers dense and MoE blocks alike). Any other dense
+causal LM that transformers knows trains through torchtitan's transformers backend (meshrl/hf_backend.py).
 
 Attention is torchtitan's causal SDPA, not FlexAttention (its default), which has no CPU backward:
 exact for the right-padded, unpacked sequences the trainer batches.
@@ -16,7 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
+import torch
 import torch.nn as nn
+
+from meshrl import hf_backend
 
 
 class UnsupportedModel(ValueError):
@@ -44,28 +48,38 @@ def shard_decoder(model: nn.Module, mesh) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
+@torch.no_grad()
+def _init_buffers(model: nn.Module, device) -> None:
+    model.init_states(buffer_device=device)  # the weights too, which a load then overwrites
+
+
 @dataclass(frozen=True)
 class Family:
     name: str  # the tiny stand-in is `tiny_<name>` ("tiny" for llama)
     architecture: str  # HF's class name in config.json
     titan_config: Callable[[dict], object]  # HF config -> torchtitan model config
     adapter: Callable[[object], object]  # torchtitan model config -> state-dict adapter (to_hf / from_hf)
-    tiny: Callable[[dict], dict]  # SmolLM2's HF config -> the tiny stand-in's HF config
+    tiny: Callable[[dict], dict] | None  # SmolLM2's HF config -> the tiny stand-in's HF config
     shard: Callable[[nn.Module, object], None] = shard_decoder  # FSDP2 over a device mesh
+    build: Callable[[object], nn.Module] = lambda config: config.build()  # the model of a torchtitan config
+    init_buffers: Callable[[nn.Module, object], None] = _init_buffers  # after `to_empty` on a device
 
 
 def family_of(hf_config: dict) -> Family:
-    """The family of a checkpoint, by the architecture its config.json names."""
+    """The family of a checkpoint, by the architecture its config.json names: a native torchtitan
+    model, else torchtitan's transformers backend (meshrl/hf_backend.py) where that computes it right."""
     names = hf_config.get("architectures") or ["(none)"]
-    for name in names:
-        if name in FAMILIES:
-            return FAMILIES[name]
-    raise UnsupportedModel(f"unsupported model architecture {names[0]!r}: meshrl trains "
-                           f"{', '.join(sorted(FAMILIES))}")
+    if names[0] in FAMILIES:
+        return FAMILIES[names[0]]
+    if (why := hf_backend.unsupported(hf_config)) is None:
+        return TRANSFORMERS
+    raise UnsupportedModel(f"unsupported model architecture {names[0]!r} ({why}): meshrl trains "
+                           f"{', '.join(sorted(FAMILIES))} natively and other dense causal LMs of transformers "
+                           "through torchtitan's transformers backend")
 
 
 def tiny_sources() -> dict[str, Family]:
-    """`model.source` names of the tiny random stand-ins, one per family."""
+    """`model.source` names of the tiny random stand-ins, one per native family."""
     return {("tiny" if f.name == "llama" else f"tiny_{f.name}"): f for f in FAMILIES.values()}
 
 
@@ -234,3 +248,5 @@ FAMILIES = {f.architecture: f for f in (
     Family("qwen3", "Qwen3ForCausalLM", _qwen3, _qwen3_adapter, _tiny_qwen3),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3, _qwen3_adapter, partial(_tiny_qwen3, moe=True)),
 )}
+TRANSFORMERS = Family("transformers", "(any other)", hf_backend.titan_config, hf_backend.adapter, None,
+                      hf_backend.shard, hf_backend.build, hf_backend.init_buffers)

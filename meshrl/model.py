@@ -108,7 +108,7 @@ def build_policy(hf_config: dict):
     to HF names."""
     family = family_of(hf_config)
     config = family.titan_config(hf_config)
-    return config.build(), family.adapter(config)
+    return family.build(config), family.adapter(config)
 
 
 def published_weights(checkpoint: Path, dtype: str = "auto"):
@@ -121,8 +121,11 @@ def published_weights(checkpoint: Path, dtype: str = "auto"):
     if dtype == "auto":
         dtype = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
     dtype = getattr(torch, dtype)
-    shapes = {name: (tuple(t.shape), dtype) for name, t in model.state_dict().items()
-              if not (name == "lm_head.weight" and hf_config.get("tie_word_embeddings", False))}
+    shapes, seen = {}, set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:  # a tied LM head is the embedding: published once, under the first name
+            seen.add(id(t))
+            shapes[name] = (tuple(t.shape), dtype)
     return WeightLayout.of(shapes), adapter
 
 

@@ -17,6 +17,34 @@ def tiny_checkpoint():
     return resolve_checkpoint("tiny")
 
 
+@pytest.fixture(scope="session")
+def qwen2_checkpoint(tmp_path_factory):
+    """A tiny random Qwen2 saved by transformers with SmolLM2's tokenizer: an architecture with no native
+    family, trained through torchtitan's transformers backend."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from meshrl.model import read_hf_config, resolve_checkpoint
+
+    smollm2 = resolve_checkpoint("smollm2")
+    ids = {k: v for k, v in read_hf_config(smollm2).items() if k in ("vocab_size", "bos_token_id", "eos_token_id",
+                                                                      "pad_token_id")}
+    config = transformers.Qwen2Config(**ids, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0, 0.05)  # peaked next-token distributions, as a trained model's
+    out = tmp_path_factory.mktemp("qwen2")
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smollm2 / name, out / name)
+    return out
+
+
 def pytest_addoption(parser):
     parser.addoption("--stress-seconds", type=float, default=6.0,
                      help="how long the weight-ring stress test publishes and pulls (30 for the full run)")

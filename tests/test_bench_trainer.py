@@ -18,6 +18,7 @@ def test_trainer_bench_writes_its_figures_for_each_rank_count(tmp_path, tiny_che
         r = figures[ranks]
         assert r["plain_tokens_per_s"] > 0 and r["trainer_tokens_per_s"] > 0
         assert abs(r["trainer_vs_plain"] - r["trainer_tokens_per_s"] / r["plain_tokens_per_s"]) < 1e-9
+        assert 0 < r["load_mb_per_rank"] < r["load_peak_rss_mb_per_rank"]
         assert f"{ranks.replace('_', ' ')}" in result.stdout
 
 

@@ -69,14 +69,31 @@ def test_a_llama_checkpoint_saved_by_transformers_loads_by_its_path(tmp_path):
     assert (titan_logits(tmp_path, ids) - hf_logits(tmp_path, ids)).abs().max() < 1e-4
 
 
+def test_a_qwen2_checkpoint_trains_through_the_transformers_backend(qwen2_checkpoint):
+    """No native family: torchtitan's transformers backend, corrected to compute what transformers does
+    (biased q/k/v projections, tied head, positions of the batch's own length)."""
+    from meshrl.families import TRANSFORMERS
+
+    assert family_of(read_hf_config(qwen2_checkpoint)) is TRANSFORMERS
+    for length in (12, 17):
+        ids = torch.randint(0, 49152, (2, length), generator=torch.Generator().manual_seed(length))
+        assert (titan_logits(qwen2_checkpoint, ids) - hf_logits(qwen2_checkpoint, ids)).abs().max() < 1e-4
+    layout, adapter = published_weights(qwen2_checkpoint, "float32")
+    hf = adapter.to_hf({spec.name: torch.zeros(spec.shape) for spec in layout.specs})
+    assert {k: tuple(v.shape) for k, v in hf.items()} == {k: tuple(v.shape) for k, v in
+                                                          load_hf_weights(qwen2_checkpoint).items()}
+    assert "lm_head.weight" not in hf  # tied: published once, as the embedding
+
+
 def test_an_unsupported_architecture_is_one_line_naming_what_is_supported(tmp_path):
     tiny = resolve_checkpoint("tiny")
-    shutil.copytree(tiny, tmp_path / "gpt2")
-    config = read_hf_config(tiny) | {"architectures": ["GPT2LMHeadModel"]}
-    (tmp_path / "gpt2" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelError, match="unsupported model architecture 'GPT2LMHeadModel': meshrl trains "
-                                         + ", ".join(sorted(FAMILIES))) as e:
-        resolve_checkpoint(str(tmp_path / "gpt2"))
+    shutil.copytree(tiny, tmp_path / "own")
+    config = read_hf_config(tiny) | {"architectures": ["MyOwnModelForCausalLM"]}
+    (tmp_path / "own" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match=r"unsupported model architecture 'MyOwnModelForCausalLM' \(MyOwnModelForCausalLM is "
+                                         r"not a causal LM transformers knows\): meshrl trains "
+                                         + ", ".join(sorted(FAMILIES)) + " natively") as e:
+        resolve_checkpoint(str(tmp_path / "own"))
     assert "\n" not in str(e.value)
 
 
@@ -84,11 +101,13 @@ def test_an_unsupported_architecture_is_one_line_naming_what_is_supported(tmp_pa
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "unsupported RoPE scaling"),
     ({"attention_bias": True}, "unsupported model setting attention_bias=True"),
     ({"hidden_act": "gelu"}, "unsupported activation 'gelu'"),
+    ({"architectures": ["Gemma2ForCausalLM"], "final_logit_softcapping": 30.0}, "soft-caps its logits"),
+    ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8}, "is a mixture of experts"),
 ])
 def test_settings_the_model_would_compute_differently_are_refused(setting, message):
     hf = read_hf_config(resolve_checkpoint("tiny_qwen3")) | setting
     with pytest.raises(ValueError, match=message):
-        family_of(hf).titan_config(hf)
+        family_of(hf).titan_config(hf)  # the backend's refusals come from family_of itself
 
 
 def test_moe_layers_follow_the_checkpoints_sparse_step_and_dense_layers():

@@ -111,12 +111,15 @@ def test_wandb_without_network_or_key_logs_offline_into_the_run_dir(tmp_path):
     assert 0 < len(kept) < 16  # about half of the 2 x 8 trained completions
 
 
-@pytest.mark.parametrize("source", ["tiny_qwen3", "tiny_qwen3_moe"])
-def test_qwen3_families_train_end_to_end_and_vllm_loads_the_result(tmp_path, source):
-    """`qwen3_smoke` (a tiny random Qwen3) and its MoE sibling: trained, the trainer scoring vLLM's
-    samples as vLLM did (the step's logprob mismatch), the final policy an HF checkpoint vLLM serves."""
+@pytest.mark.parametrize("source", ["tiny_qwen3", "tiny_qwen3_moe", "qwen2_checkpoint"])
+def test_other_families_train_end_to_end_and_vllm_loads_the_result(tmp_path, source, request):
+    """`qwen3_smoke` (a tiny random Qwen3), its MoE sibling, and a Qwen2 checkpoint directory (the
+    transformers backend): trained, the trainer scoring vLLM's samples as vLLM did (the step's logprob
+    mismatch), the final policy an HF checkpoint of the same architecture that vLLM serves."""
     from meshrl.model import resolve_checkpoint
 
+    if source == "qwen2_checkpoint":
+        source = str(request.getfixturevalue(source))
     run_dir = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "qwen3_smoke", "--run-dir", str(run_dir),
                              "--model.source", source], capture_output=True, text=True, timeout=600)

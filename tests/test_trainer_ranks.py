@@ -56,10 +56,12 @@ def one_step(checkpoint, ranks: int, out_dir) -> dict:
     return asyncio.run(run())
 
 
-@pytest.mark.parametrize("source", ["tiny", "tiny_qwen3", "tiny_qwen3_moe"])
-def test_one_step_on_two_ranks_matches_one_rank(source, tmp_path):
-    """Each family, sharded over two ranks (each reading only its rows of the checkpoint), trains as one."""
-    tiny_checkpoint = resolve_checkpoint(source)
+@pytest.mark.parametrize("source", ["tiny", "tiny_qwen3", "tiny_qwen3_moe", "qwen2_checkpoint"])
+def test_one_step_on_two_ranks_matches_one_rank(source, tmp_path, request):
+    """Each family (and the transformers backend), sharded over two ranks (each reading only its rows of
+    the checkpoint), trains as one."""
+    tiny_checkpoint = (request.getfixturevalue(source) if source == "qwen2_checkpoint"
+                       else resolve_checkpoint(source))
     one = one_step(tiny_checkpoint, 1, tmp_path / "one")
     two = one_step(tiny_checkpoint, 2, tmp_path / "two")
     # Gradients are summed over ranks (each rank's loss carries the whole step's normalisers): an average

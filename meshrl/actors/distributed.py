@@ -58,10 +58,10 @@ def load_on_ranks(checkpoint, rank: Rank):
     hf_config = read_hf_config(checkpoint)
     with torch.device("meta"):
         model, adapter = build_policy(hf_config)
-    shard(model, rank, family_of(hf_config).shard)
+    family = family_of(hf_config)
+    shard(model, rank, family.shard)
     model.to_empty(device=rank.device)
-    with torch.no_grad():
-        model.init_states(buffer_device=rank.device)  # the buffers (RoPE tables); the weights come next
+    family.init_buffers(model, rank.device)  # RoPE tables; the weights come next
     state = model.state_dict()
     titan = adapter.from_hf(read_hf_shards(checkpoint, state, adapter))
     for name, value in titan.items():  # what the adapter transformed was read whole: keep this rank's rows

@@ -7,21 +7,24 @@ of the same model on the same batch, in the same process placement, for each ran
 - trainer: the real trainer actor on the same ranks, driven through `train_step` as the controller
   drives it (the batch sent over Monarch, the decoupled loss, the metrics), timed by the caller.
 
-Each figure is the best of `repeats` timed steps, after one warm-up step.
+Each figure is the best of `repeats` timed steps, after one warm-up step. With them, each trainer
+rank's resident memory added while loading the model as the trainer does (several ranks read only their
+own shards), and its peak.
 """
 
 import asyncio
 import time
+from pathlib import Path
 
 import torch
 from monarch.actor import Actor, endpoint
 
-from meshrl.actors import parse_cpus, spawn_ranks
-from meshrl.actors.distributed import join
+from meshrl.actors import in_rank_order, parse_cpus, spawn_ranks
+from meshrl.actors.distributed import join, load_on_ranks
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import TrainerConfig, WeightSyncConfig
 from meshrl.losses import autocast, response_logits, token_logprobs
-from meshrl.model import load_policy, resolve_checkpoint
+from meshrl.model import build_policy, load_policy, read_hf_config, resolve_checkpoint
 from meshrl.train_step import train_step
 from meshrl.types import Episode, TrainBatch
 
@@ -74,6 +77,29 @@ class PlainLoop(Actor):
         return time.perf_counter() - start
 
 
+class LoadProbe(Actor):
+    """A rank that only loads the policy as the trainer does (`load_on_ranks`): its resident memory
+    before, and the peak while loading (the kernel's high-water mark, reset just before)."""
+
+    def __init__(self, checkpoint: str, config: TrainerConfig):
+        self.me = join(config.device, config.cpus, config.num_threads)
+        self.checkpoint = checkpoint
+        with torch.device("meta"):  # the model's code imported before measuring: shapes only, no memory
+            build_policy(read_hf_config(checkpoint))
+
+    @endpoint
+    async def load(self) -> dict:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        before = _status_mb("VmRSS")
+        model, _ = load_on_ranks(self.checkpoint, self.me)
+        return {"before_mb": before, "peak_mb": _status_mb("VmHWM"), "params": sum(p.numel() for p in model.parameters())}
+
+
+def _status_mb(field: str) -> float:
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+
+
 def run(model: str, rank_counts: list[int], batch: int, prompt: int, response: int, repeats: int) -> dict:
     for ranks in rank_counts:
         if ranks < 1 or batch % ranks:
@@ -97,6 +123,11 @@ async def _run(model: str, rank_counts: list[int], batch: int, prompt: int, resp
             plain_s = min([max(s for _, s in (await plain.step.call()).items()) for _ in range(repeats)])
         finally:
             await procs.stop()
+        procs, probe = await spawn_ranks("load", LoadProbe, ranks, checkpoint, config)
+        try:
+            loads = await in_rank_order(probe.load.call())
+        finally:
+            await procs.stop()
         procs, trainer = await spawn_ranks("trainer", TitanTrainer, ranks, config, WeightSyncConfig(), checkpoint)
         try:
             times = []
@@ -108,7 +139,8 @@ async def _run(model: str, rank_counts: list[int], batch: int, prompt: int, resp
         finally:
             await procs.stop()
         result[f"ranks_{ranks}"] = {"plain_tokens_per_s": tokens / plain_s, "trainer_tokens_per_s": tokens / trainer_s,
-                                    "trainer_vs_plain": plain_s / trainer_s}
+                                    "trainer_vs_plain": plain_s / trainer_s, "load_mb_per_rank": max(r["peak_mb"] - r["before_mb"] for r in loads),
+                                    "load_peak_rss_mb_per_rank": max(r["peak_mb"] for r in loads)}
     return result
 
 
@@ -118,5 +150,6 @@ def report(result: dict) -> str:
     for key in (k for k in result if k.startswith("ranks_")):
         r = result[key]
         lines.append(f"  {key.replace('_', ' '):8s} plain loop {r['plain_tokens_per_s']:7.1f} tokens/s   trainer actor "
-                     f"{r['trainer_tokens_per_s']:7.1f} tokens/s   ({r['trainer_vs_plain']:.2f} x plain)")
+                     f"{r['trainer_tokens_per_s']:7.1f} tokens/s   ({r['trainer_vs_plain']:.2f} x plain)   "
+                     f"loading: +{r['load_mb_per_rank']:.0f} MB per rank (peak {r['load_peak_rss_mb_per_rank']:.0f} MB)")
     return "\n".join(lines)
