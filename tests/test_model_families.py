@@ -116,3 +116,18 @@ def test_moe_layers_follow_the_checkpoints_sparse_step_and_dense_layers():
     layers = family_of(hf).titan_config(hf).layers
     assert [layer.moe is not None for layer in layers] == [False, True, False, False]
     assert layers[0].feed_forward.w1.out_features == 96 and layers[1].moe.num_experts == 4
+
+
+def test_only_the_registry_knows_the_families():
+    """Code that builds or names a family's model lives in families.py (and the transformers backend's
+    hf_backend.py): everything else asks `family_of`."""
+    import re
+    from pathlib import Path
+
+    import meshrl
+
+    family_code = re.compile(r"torchtitan\.models\.(llama3|qwen3)|transformers_modeling_backend|"
+                             r"(Llama|Qwen3)(Model|StateDictAdapter|TransformerBlock)")
+    root = Path(meshrl.__file__).parent
+    naming = {str(p.relative_to(root)) for p in root.rglob("*.py") if family_code.search(p.read_text())}
+    assert naming == {"families.py", "hf_backend.py"}
