@@ -17,10 +17,8 @@ def tiny_checkpoint():
     return resolve_checkpoint("tiny")
 
 
-@pytest.fixture(scope="session")
-def qwen2_checkpoint(tmp_path_factory):
-    """A tiny random Qwen2 saved by transformers with SmolLM2's tokenizer: an architecture with no native
-    family, trained through torchtitan's transformers backend."""
+def saved_by_transformers(out: Path, config_class: str, model_class: str) -> Path:
+    """A tiny random model of a transformers class, saved by transformers, with SmolLM2's tokenizer."""
     import shutil
 
     import torch
@@ -31,18 +29,30 @@ def qwen2_checkpoint(tmp_path_factory):
     smollm2 = resolve_checkpoint("smollm2")
     ids = {k: v for k, v in read_hf_config(smollm2).items() if k in ("vocab_size", "bos_token_id", "eos_token_id",
                                                                       "pad_token_id")}
-    config = transformers.Qwen2Config(**ids, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                                      tie_word_embeddings=True)
+    config = getattr(transformers, config_class)(
+        **ids, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=2048, tie_word_embeddings=True)
     torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config)
+    model = getattr(transformers, model_class)(config)
     with torch.no_grad():
         model.model.embed_tokens.weight.normal_(0, 0.05)  # peaked next-token distributions, as a trained model's
-    out = tmp_path_factory.mktemp("qwen2")
     model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(smollm2 / name, out / name)
     return out
+
+
+@pytest.fixture(scope="session")
+def llama_checkpoint(tmp_path_factory):
+    """A Llama checkpoint directory as transformers writes one (not meshrl): `--model.source PATH`."""
+    return saved_by_transformers(tmp_path_factory.mktemp("llama"), "LlamaConfig", "LlamaForCausalLM")
+
+
+@pytest.fixture(scope="session")
+def qwen2_checkpoint(tmp_path_factory):
+    """A Qwen2 checkpoint directory: an architecture with no native family, trained through torchtitan's
+    transformers backend (q, k and v projections with biases)."""
+    return saved_by_transformers(tmp_path_factory.mktemp("qwen2"), "Qwen2Config", "Qwen2ForCausalLM")
 
 
 def pytest_addoption(parser):

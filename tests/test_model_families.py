@@ -54,19 +54,10 @@ def test_the_published_layout_maps_onto_exactly_the_checkpoints_tensors(source):
     assert {k: tuple(v.shape) for k, v in hf.items()} == {k: tuple(v.shape) for k, v in saved.items()}
 
 
-def test_a_llama_checkpoint_saved_by_transformers_loads_by_its_path(tmp_path):
-    import transformers
-
-    smollm2 = resolve_checkpoint("smollm2")
-    config = transformers.LlamaConfig(**{k: v for k, v in read_hf_config(resolve_checkpoint("tiny")).items()
-                                         if k not in ("architectures", "dtype", "transformers_version")})
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(smollm2 / name, tmp_path / name)
-    assert resolve_checkpoint(str(tmp_path)) == tmp_path
-    ids = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
-    assert (titan_logits(tmp_path, ids) - hf_logits(tmp_path, ids)).abs().max() < 1e-4
+def test_a_llama_checkpoint_saved_by_transformers_loads_by_its_path(llama_checkpoint):
+    assert resolve_checkpoint(str(llama_checkpoint)) == llama_checkpoint
+    ids = torch.randint(0, 49152, (1, 12), generator=torch.Generator().manual_seed(1))
+    assert (titan_logits(llama_checkpoint, ids) - hf_logits(llama_checkpoint, ids)).abs().max() < 1e-4
 
 
 def test_a_qwen2_checkpoint_trains_through_the_transformers_backend(qwen2_checkpoint):

@@ -91,9 +91,10 @@ def test_one_step_on_two_ranks_matches_one_rank(source, tmp_path, request):
     assert changed == sum(t.dim() > 1 for t in a.values())
 
 
-def test_smoke_with_two_trainer_ranks_runs_and_vllm_loads_its_policy(tmp_path):
+def test_smoke_with_two_trainer_ranks_runs_and_vllm_loads_its_policy(tmp_path, llama_checkpoint):
+    """A Llama checkpoint directory that transformers saved (`--model.source PATH`), trained on 2 ranks."""
     result = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path),
-                             "--trainer.ranks", "2", "--trainer.num_threads", "1", "--generator.num_threads", "1",
+                             "--model.source", str(llama_checkpoint), "--trainer.ranks", "2", "--trainer.num_threads", "1", "--generator.num_threads", "1",
                              "--trainer.loss.kl_coef", "0.01", "--reference.ranks", "2", "--reference.num_threads", "1"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
