@@ -160,6 +160,25 @@ def save_checkpoint(hf_weights: dict[str, torch.Tensor], template: Path, out: Pa
         (out / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}, indent=2))
 
 
+def chat_template(checkpoint: Path) -> str:
+    """The checkpoint's chat template: chat_template.jinja (as transformers 5 saves it), else the one in
+    tokenizer_config.json (as most published checkpoints ship it; the default of several)."""
+    if (checkpoint / "chat_template.jinja").is_file():
+        return (checkpoint / "chat_template.jinja").read_text()
+    config = checkpoint / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    if isinstance(template, list):
+        template = {t.get("name"): t.get("template") for t in template}.get("default")
+    if not template:
+        raise ModelError(f"{checkpoint} has no chat template (chat_template.jinja, or chat_template in "
+                         "tokenizer_config.json)")
+    return template
+
+
+def _template_error(message: str):
+    raise ModelError(f"the chat template refused the conversation: {message}")
+
+
 class ChatTokenizer:
     """The checkpoint's `tokenizers` tokenizer plus its chat template, rendered with jinja2."""
 
@@ -169,10 +188,10 @@ class ChatTokenizer:
 
         checkpoint = Path(checkpoint)
         self.tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
-        template = checkpoint / "chat_template.jinja"
-        if not template.is_file():
-            raise ModelError(f"{checkpoint} has no chat_template.jinja")
-        self.template = jinja2.Environment().from_string(template.read_text())
+        # as transformers renders chat templates: loop controls, and raise_exception for a template's own checks
+        environment = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+        environment.globals["raise_exception"] = _template_error
+        self.template = environment.from_string(chat_template(checkpoint))
         self.pad_id = read_hf_config(checkpoint).get("pad_token_id") or 0
 
     def encode_chat(self, user_message: str) -> list[int]:

@@ -122,3 +122,19 @@ def test_only_the_registry_knows_the_families():
     root = Path(meshrl.__file__).parent
     naming = {str(p.relative_to(root)) for p in root.rglob("*.py") if family_code.search(p.read_text())}
     assert naming == {"families.py", "hf_backend.py"}
+
+
+def test_a_chat_template_kept_in_tokenizer_config_is_used_as_the_file_would_be(tmp_path):
+    """Published checkpoints (Qwen3's among them) keep the template in tokenizer_config.json."""
+    from meshrl.model import ChatTokenizer
+
+    tiny = resolve_checkpoint("tiny")
+    shutil.copytree(tiny, tmp_path / "ckpt", ignore=shutil.ignore_patterns("chat_template.jinja"))
+    template = (tiny / "chat_template.jinja").read_text()
+    config = json.loads((tiny / "tokenizer_config.json").read_text()) | {"chat_template": template}
+    (tmp_path / "ckpt" / "tokenizer_config.json").write_text(json.dumps(config))
+    assert ChatTokenizer(tmp_path / "ckpt").encode_chat("What is 1 + 2?") == ChatTokenizer(tiny).encode_chat("What is 1 + 2?")
+    config["chat_template"] = "{{ raise_exception('no system message allowed') }}"
+    (tmp_path / "ckpt" / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match="the chat template refused the conversation: no system message allowed"):
+        ChatTokenizer(tmp_path / "ckpt").encode_chat("hi")
