@@ -14,6 +14,9 @@ from meshrl.configs.overrides import help_text
 from meshrl.model import ModelError, resolve_checkpoint
 
 
+MODEL_HELP = "smollm2, a tiny stand-in (tiny, tiny_qwen3, tiny_qwen3_moe), or an HF checkpoint directory"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -30,20 +33,20 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--dry-run", action="store_true", help="check the config, the model and the placement "
                                                               "of every role, print the plan, start nothing")
     prepare = sub.add_parser("prepare-model", help="convert the embedded model once (cached) and print its path")
-    prepare.add_argument("--source", default="smollm2", help="smollm2, tiny, or an HF checkpoint directory")
+    prepare.add_argument("--source", default="smollm2", help=MODEL_HELP)
     sub.add_parser("configs", help="list the named configs")
     report = sub.add_parser("report", help="summarize runs side by side and redraw their plots")
     report.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
     bench = sub.add_parser("bench", help="run a benchmark").add_subparsers(dest="bench", required=True)
     weight_sync = bench.add_parser("weight-sync", help="the weight ring against memcpy and raw RDMA")
     weight_sync.add_argument("--json", type=Path, required=True, help="where to write the figures")
-    weight_sync.add_argument("--model", default="smollm2", help="smollm2, tiny, or an HF checkpoint directory")
+    weight_sync.add_argument("--model", default="smollm2", help=MODEL_HELP)
     weight_sync.add_argument("--repeats", type=int, default=5, help="timings per figure (the median is reported)")
     weight_sync.add_argument("--stress-seconds", type=float, default=10.0, help="length of the torn-read stress")
     weight_sync.add_argument("--ranks", default="1,2", help="trainer rank counts to measure, comma separated")
     generation = bench.add_parser("generation", help="raw vLLM against one generator replica and against N")
     generation.add_argument("--json", type=Path, required=True, help="where to write the figures")
-    generation.add_argument("--model", default="smollm2", help="smollm2, tiny, or an HF checkpoint directory")
+    generation.add_argument("--model", default="smollm2", help=MODEL_HELP)
     generation.add_argument("--prompts", type=int, default=32, help="prompts (groups) per run")
     generation.add_argument("--group-size", type=int, default=8, help="completions per prompt")
     generation.add_argument("--max-tokens", type=int, default=48, help="tokens per completion at most")
@@ -51,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     generation.add_argument("--repeats", type=int, default=2, help="warm runs per figure (the best is reported)")
     trainer = bench.add_parser("trainer", help="the trainer actor against a plain torch loop, 1 and 2 ranks")
     trainer.add_argument("--json", type=Path, required=True, help="where to write the figures")
-    trainer.add_argument("--model", default="smollm2", help="smollm2, tiny, or an HF checkpoint directory")
+    trainer.add_argument("--model", default="smollm2", help=MODEL_HELP)
     trainer.add_argument("--ranks", default="1,2", help="rank counts to measure, comma separated")
     trainer.add_argument("--batch", type=int, default=8, help="sequences per step")
     trainer.add_argument("--prompt-tokens", type=int, default=32, help="prompt tokens per sequence (not trained)")
