@@ -39,6 +39,8 @@ def check_config(config: Config) -> None:
         raise ValueError("controller.group_size must be at least 2: a group of one has no advantage to learn from")
     if config.trainer.mini_batches < 1 or config.trainer.micro_batch_size < 1:
         raise ValueError("trainer.mini_batches and trainer.micro_batch_size must be at least 1")
+    if config.trainer.micro_batch_tokens < 0:
+        raise ValueError("trainer.micro_batch_tokens must be 0 (micro_batch_size sequences each) or more")
     if config.logging.wandb_mode not in ("auto", "online", "offline"):
         raise ValueError(f"unknown logging.wandb_mode {config.logging.wandb_mode!r}; known: auto, online, offline")
     if cfg.max_policy_age < 0:

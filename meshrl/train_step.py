@@ -1,8 +1,9 @@
 """One training step: the episodes of one batch become optimizer updates on the trainer.
 
 The step's episodes are split into `trainer.mini_batches` mini-batches, each one optimizer update,
-each fed to the trainer in micro-batches of `trainer.micro_batch_size` whose losses add up to the
-mini-batch's. Every update clips its ratio against pi_old, the trainer's policy at the start of the
+each fed to the trainer in micro-batches whose losses add up to the mini-batch's: of
+`trainer.micro_batch_size` sequences in order, or with `trainer.micro_batch_tokens` as many sequences
+as fit in that many padded positions, sorted by length so that a micro-batch's sequences are alike. Every update clips its ratio against pi_old, the trainer's policy at the start of the
 step: the first update takes it from its own forward pass (detached), the later ones get it from one
 no-grad pass over their micro-batches before the first update.
 
@@ -38,11 +39,32 @@ def split(episodes: list, parts: int) -> list[list]:
     return chunks
 
 
-def micro_batches(episodes: list[Episode], size: int, pad_id: int) -> list[TrainBatch]:
-    """One mini-batch's micro-batches; their normalisers count the whole mini-batch."""
+def micro_batches(episodes: list[Episode], size: int, pad_id: int, max_tokens: int = 0) -> list[TrainBatch]:
+    """One mini-batch's micro-batches: `size` sequences each, or (`max_tokens` > 0) as many as fit in
+    that many padded positions; their normalisers count the whole mini-batch either way."""
     loss_tokens = sum(e.num_response_tokens for e in episodes)
-    return [TrainBatch.collate(episodes[i:i + size], loss_tokens, len(episodes), pad_id)
-            for i in range(0, len(episodes), size)]
+    groups = (by_tokens(episodes, max_tokens) if max_tokens > 0
+              else [episodes[i:i + size] for i in range(0, len(episodes), size)])
+    return [TrainBatch.collate(group, loss_tokens, len(episodes), pad_id) for group in groups]
+
+
+def by_tokens(episodes: list[Episode], max_tokens: int) -> list[list[Episode]]:
+    """Sequences longest first, each micro-batch filled while its padded size (sequences x the longest,
+    the first) stays within `max_tokens`: neighbours in length share a micro-batch, so padding is small.
+    A sequence longer than the budget is a micro-batch of its own."""
+    groups: list[list[Episode]] = []
+    for e in sorted(episodes, key=lambda e: len(e.tokens), reverse=True):
+        if groups and (len(groups[-1]) + 1) * (len(groups[-1][0].tokens) - 1) <= max_tokens:
+            groups[-1].append(e)
+        else:
+            groups.append([e])
+    return groups
+
+
+def padding_fraction(episodes: list[Episode], batches: list[TrainBatch]) -> float:
+    """The share of the positions the micro-batches compute that are padding."""
+    positions = sum(b.input_ids.numel() for b in batches)
+    return 1 - sum(len(e.tokens) - 1 for e in episodes) / max(positions, 1)
 
 
 def rounds(batches: list[TrainBatch], ranks: int) -> list[list[TrainBatch]]:
@@ -70,7 +92,7 @@ async def train_step(trainer, reference, episodes: list[Episode], config: Traine
     `clip_fraction_by_update` gives each update's clipped share, `loss` and `grad_norm` the mean
     over updates. Each actor call is timed by `span` (a `Tracer.span`) with the trained `version`,
     and bounded by `timeouts.trainer` (the reference's by `timeouts.reference`)."""
-    updates = [micro_batches(chunk, config.micro_batch_size, pad_id)
+    updates = [micro_batches(chunk, config.micro_batch_size, pad_id, config.micro_batch_tokens)
                for chunk in split(episodes, config.mini_batches)]
     if reference:
         for group in rounds([b for batches in updates for b in batches], reference_ranks):
@@ -106,6 +128,7 @@ async def train_step(trainer, reference, episodes: list[Episode], config: Traine
         "updates": len(updates),
         "updates_skipped": skipped,  # not applied: a NaN or infinite loss or gradient norm
         "tokens_trained": int(sum(len(e.tokens) for e in episodes)),
+        "padding_fraction": padding_fraction(episodes, [b for batches in updates for b in batches]),
         "logprob_mismatch": sums["logprob_mismatch"] / tokens,
         "ratio_mean": sums["ratio"] / tokens,
         "ratio_max": sums["ratio_max"],

@@ -1,7 +1,11 @@
 """How a step's episodes become updates and micro-batches (pure logic; the real trainer runs them in
-test_decoupled_ratio.py)."""
+test_decoupled_ratio.py), and token-budget micro-batches checked against fixed counts on the real
+model and loss, in process."""
 
-from meshrl.train_step import micro_batches, split
+import pytest
+import torch
+
+from meshrl.train_step import micro_batches, padding_fraction, split
 from meshrl.types import Episode
 
 
@@ -22,3 +26,59 @@ def test_micro_batches_normalise_by_their_whole_mini_batch():
     assert all(b.loss_tokens == 5 and b.loss_sequences == 3 for b in batches)
     assert sum(int(b.loss_mask.sum()) for b in batches) == 5
     assert all(b.old_logprobs is None for b in batches)  # the first update's pi_old is its own forward
+
+
+def episodes_of_lengths(lengths: list[int]) -> list[Episode]:
+    """One episode per length: a 2-token prompt and the rest response, advantages alternating in sign."""
+    return [Episode(tokens=[100 + 13 * i + t for t in range(n)], loss_mask=[False, False] + [True] * (n - 2),
+                    behaviour_logprobs=[0.0, 0.0] + [-10.5 - 0.1 * t for t in range(n - 2)],
+                    advantage=(-1.0) ** i * (0.5 + 0.1 * i), policy_version=0, group_id=i)
+            for i, n in enumerate(lengths)]
+
+
+def test_token_budget_micro_batches_group_neighbours_in_length_and_pad_less():
+    episodes = episodes_of_lengths([40, 6, 38, 7, 5, 39, 8, 41])
+    fixed = micro_batches(episodes, size=2, pad_id=0)
+    budget = micro_batches(episodes, size=2, pad_id=0, max_tokens=80)
+    # longest first; a micro-batch takes sequences while count x its longest (positions) fits in 80
+    assert [tuple(b.input_ids.shape) for b in budget] == [(2, 40), (2, 38), (4, 7)]
+    assert all(b.input_ids.numel() <= 80 for b in budget)
+    assert padding_fraction(episodes, budget) < 0.1 < padding_fraction(episodes, fixed)
+    # every sequence and loss token once, with the whole mini-batch's normalisers
+    assert sum(b.input_ids.shape[0] for b in budget) == 8
+    assert sum(int(b.loss_mask.sum()) for b in budget) == sum(e.num_response_tokens for e in episodes)
+    assert all(b.loss_tokens == budget[0].loss_tokens and b.loss_sequences == 8 for b in budget)
+    # a sequence longer than the budget is a micro-batch of its own
+    assert [b.input_ids.shape[0] for b in micro_batches(episodes, 2, 0, max_tokens=20)][:4] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
+def test_token_budget_micro_batches_give_the_same_loss_and_gradient_as_fixed_counts(aggregation):
+    """The real model and loss (as the trainer's forward_backward computes them), in process."""
+    from meshrl.configs import LossConfig
+    from meshrl.losses import on_positions, policy_loss, response_logits, token_entropy, token_logprobs
+    from meshrl.model import load_policy, resolve_checkpoint
+
+    model, _ = load_policy(resolve_checkpoint("tiny"))
+    config = LossConfig(aggregation=aggregation)
+    episodes = episodes_of_lengths([12, 5, 11, 6, 4, 12, 7, 9])
+
+    def loss_and_grads(batches):
+        model.zero_grad()
+        total = 0.0
+        for batch in batches:
+            logits = response_logits(model, batch)
+            mask = batch.loss_mask
+            entropy = on_positions(token_entropy(logits), mask)
+            loss, _ = policy_loss(on_positions(token_logprobs(logits, batch.target_ids[mask]), mask), batch,
+                                  config, entropy)
+            loss.backward()
+            total += loss.detach().item()
+        return total, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    fixed_loss, fixed_grads = loss_and_grads(micro_batches(episodes, size=3, pad_id=0))
+    budget_loss, budget_grads = loss_and_grads(micro_batches(episodes, size=3, pad_id=0, max_tokens=24))
+    assert budget_loss == pytest.approx(fixed_loss, rel=1e-5, abs=1e-7)
+    for name, grad in fixed_grads.items():
+        torch.testing.assert_close(budget_grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+    assert any(g.abs().sum() > 0 for g in fixed_grads.values())

@@ -93,6 +93,7 @@ class TrainerConfig:
     max_grad_norm: float = 1.0  # gradient clipping by global norm
     loss: LossConfig = field(default_factory=LossConfig)
     micro_batch_size: int = 16  # sequences per forward/backward pass (gradients accumulate)
+    micro_batch_tokens: int = 0  # > 0: micro-batches filled up to this many padded positions instead, sequences sorted by length (less padding); 0: micro_batch_size sequences each
     mini_batches: int = 1  # optimizer updates per step: the step's episodes split in this many mini-batches
     bf16_autocast: bool = True  # forward in bf16 autocast where the device has bf16 math (CUDA, CPUs with AVX512-BF16 or AMX; fp32 elsewhere); master weights stay fp32
     device: str = "auto"  # auto (planned GPUs if the hosts have some, else the CPU) | cpu | cuda | cuda:N (per local rank: "cuda:4;cuda:5")
