@@ -18,12 +18,13 @@ from meshrl.types import Completion, Prompt, Sampling, TrainBatch
 
 # Mean |trainer - vLLM| logprob per token of a completion, nats, on the tiny stand-ins, vLLM serving bf16
 # and the trainer in bf16 autocast. Largest measured here (2026-11-23, 6 completions each): Llama 0.008,
-# Qwen3 0.004, Qwen3-MoE 0.018 (a near tie in the router's top-k can pick other experts in bf16).
+# Qwen3 0.004, Qwen3-MoE 0.018 (a near tie in the router's top-k can pick other experts in bf16). The
+# suite runs Llama and Qwen3 here; every family's end-to-end run checks its steps' mismatch < 0.05
+# (test_train_smoke.py), and `-k reach_vllm` with tiny_qwen3_moe added measures the MoE figure again.
 PARITY = {"tiny": 0.02, "tiny_qwen3": 0.02, "tiny_qwen3_moe": 0.05}
 
 
-@pytest.mark.parametrize("source, generator_class", [("tiny", VLLMGenerator), ("tiny_qwen3_moe", VLLMGenerator),
-                                                     ("tiny_qwen3", ThroughFileGenerator)])
+@pytest.mark.parametrize("source, generator_class", [("tiny", VLLMGenerator), ("tiny_qwen3", ThroughFileGenerator)])
 def test_trainer_weights_reach_vllm_and_change_its_output(source, generator_class):
     """For each model family: vLLM and the trainer score vLLM's samples alike before and after a
     published update, which vLLM loads under its own names (the family's adapter gives the ring's layout).

@@ -57,7 +57,7 @@ def test_a_stalled_pull_replaces_the_replica_and_a_stalled_trainer_ends_the_run(
         [sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path / "run"),
          "--controller.steps", "4", "--job.kind", "process", *TWO_HOSTS,
          "--generator.impl", "faulty_actors:StallingPullGenerator", "--weight_sync.timeout_s", "5",
-         "--trainer.impl", "faulty_actors:StallingTrainer", "--trainer.timeout_s", "30"],
+         "--trainer.impl", "faulty_actors:StallingTrainer", "--trainer.timeout_s", "15"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "MESHRL_TEST_STALL_DIR": str(stall_dir)})
     actors = []
@@ -82,7 +82,7 @@ def test_a_stalled_pull_replaces_the_replica_and_a_stalled_trainer_ends_the_run(
     # the trainer's stalled optimizer step ended the run with one line naming the call
     assert run.returncode == 1
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("meshrl: error: trainer did not answer its optim_step call within 30 s "
+    assert last.startswith("meshrl: error: trainer did not answer its optim_step call within 15 s "
                            "(trainer.timeout_s) (after 1 steps; metrics, rollouts, trace are in"), last
     assert "Traceback" not in stderr
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -75,8 +75,10 @@ def test_smoke_run_writes_metrics_plot_and_a_final_policy_vllm_loads(tmp_path, t
 
 
 @pytest.mark.parametrize("overrides, check", [
-    # the KL penalty starts the ReferenceModel actor; GSPO's sequence ratio; RLOO's baseline
-    (["--trainer.loss.name", "gspo", "--trainer.loss.kl_coef", "0.05", "--controller.advantage", "rloo"],
+    # the KL penalty starts the ReferenceModel actor; GSPO's sequence ratio; RLOO's baseline; all on the
+    # tiny Qwen3-MoE (the family's end-to-end run too: see trained_and_served)
+    (["--trainer.loss.name", "gspo", "--trainer.loss.kl_coef", "0.05", "--controller.advantage", "rloo",
+      "--model.source", "tiny_qwen3_moe"],
      lambda rows: all(r["kl"] >= 0 and r["entropy"] > 0 and r["tokens_trained"] > 0 for r in rows)),
     # the tiny random model never earns a reward: DAPO's dynamic sampling drops every group, and
     # the trainer still steps (on nothing) so the loop goes on; the batch trained has no rewards
@@ -93,6 +95,8 @@ def test_smoke_runs_with_other_losses_and_estimators(tmp_path, overrides, check)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in rows] == [1, 2]
     assert check(rows)
+    if "--model.source" in overrides:
+        trained_and_served(run_dir, overrides[overrides.index("--model.source") + 1])
 
 
 def test_wandb_without_network_or_key_logs_offline_into_the_run_dir(tmp_path):
@@ -100,8 +104,8 @@ def test_wandb_without_network_or_key_logs_offline_into_the_run_dir(tmp_path):
     # no API key (a fresh HOME: no ~/.netrc), the model cache where it was
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {
         "HOME": str(tmp_path), "MESHRL_CACHE": str(cache_dir())}
-    result = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(run_dir),
-                             "--logging.wandb", "true", "--logging.rollouts_fraction", "0.5"],
+    result = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "qwen3_smoke", "--run-dir",
+                             str(run_dir), "--logging.wandb", "true", "--logging.rollouts_fraction", "0.5"],
                             capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     offline = list((run_dir / "wandb").glob("offline-run-*"))
@@ -109,21 +113,24 @@ def test_wandb_without_network_or_key_logs_offline_into_the_run_dir(tmp_path):
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
     kept = (run_dir / "rollouts.jsonl").read_text().splitlines()
     assert 0 < len(kept) < 16  # about half of the 2 x 8 trained completions
+    trained_and_served(run_dir, "tiny_qwen3")  # qwen3_smoke: the Qwen3 family end to end
 
 
-@pytest.mark.parametrize("source", ["tiny_qwen3", "tiny_qwen3_moe", "qwen2_checkpoint"])
-def test_other_families_train_end_to_end_and_vllm_loads_the_result(tmp_path, source, request):
-    """`qwen3_smoke` (a tiny random Qwen3), its MoE sibling, and a Qwen2 checkpoint directory (the
-    transformers backend): trained, the trainer scoring vLLM's samples as vLLM did (the step's logprob
-    mismatch), the final policy an HF checkpoint of the same architecture that vLLM serves."""
+def test_a_checkpoint_directory_of_another_architecture_trains_through_the_transformers_backend(
+        tmp_path, qwen2_checkpoint):
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(run_dir),
+                             "--model.source", str(qwen2_checkpoint)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trained_and_served(run_dir, str(qwen2_checkpoint))
+
+
+def trained_and_served(run_dir, source: str) -> None:
+    """A family's end-to-end checks on a finished 2-step run: trained, the trainer scoring vLLM's samples
+    as vLLM did (the step's logprob mismatch), the final policy an HF checkpoint of the same architecture
+    that vLLM serves."""
     from meshrl.model import resolve_checkpoint
 
-    if source == "qwen2_checkpoint":
-        source = str(request.getfixturevalue(source))
-    run_dir = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "qwen3_smoke", "--run-dir", str(run_dir),
-                             "--model.source", source], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in rows] == [1, 2] and all(r["tokens_trained"] > 0 for r in rows)
     # step 1 trains samples of the checkpoint's own weights: vLLM's and the trainer's logprobs agree
