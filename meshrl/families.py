@@ -35,17 +35,10 @@ _WIDE = {"weight": partial(nn.init.normal_, std=0.05)}
 
 
 def shard_decoder(model: nn.Module, mesh) -> None:
-    """FSDP2 as torchtitan applies it to a decoder (dense or MoE), in fp32, with gradients summed over
-    ranks (each rank's loss carries the whole update's normalisers). Gloo has no PREMUL_SUM, which
-    torchtitan's divide factor of 1 asks for: forcing plain sums gives the same result on both."""
-    import torch
-    from torch.distributed.fsdp import FSDPModule
+    """FSDP2 as torchtitan applies it to a decoder (dense or MoE), in fp32."""
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
     apply_fsdp_to_decoder(model, mesh, torch.float32, torch.float32, pp_enabled=False)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
 
 
 @torch.no_grad()

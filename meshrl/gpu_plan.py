@@ -52,9 +52,10 @@ def plan_gpus(config, placement: dict[str, RolePlacement], gpus_per_host: int) -
     gen = placement["generator"]
     # replica i runs on host i % hosts of its group; on its host it is the (i // hosts)-th replica
     generators = [",".join(str((i // gen.hosts) * tp + k) for k in range(tp)) for i in range(config.generator.replicas)]
-    used = {}  # GPUs taken on every host of a group, by the roles placed before
+    used, held = {}, {}  # GPUs taken on every host of a group by the roles placed before; what they are
     if config.generator.replicas:
         used[gen.group] = gen.procs_per_host * tp
+        held[gen.group] = [f"{gen.procs_per_host} generator replicas x tensor_parallel_size {tp}"]
     ranks = {}
     for role in ("trainer", "reference"):
         if role not in placement:
@@ -64,10 +65,10 @@ def plan_gpus(config, placement: dict[str, RolePlacement], gpus_per_host: int) -
         first = used.get(p.group, 0)
         ranks[role] = list(range(first, first + p.procs_per_host))
         used[p.group] = first + p.procs_per_host
+        held.setdefault(p.group, []).append(f"{p.procs_per_host} {role} ranks")
     for group, need in used.items():
         if need > gpus_per_host:
             where = f"group {group!r}" if group else "the controller's host"
             raise ValueError(f"each host of {where} has {gpus_per_host} GPUs; the processes placed there need "
-                             f"{need} ({gen.procs_per_host} generator replicas x tensor_parallel_size {tp} where "
-                             "they share it, then one per trainer and reference rank)")
+                             f"{need} ({', '.join(held[group])}, one GPU per rank)")
     return GpuPlan(generators, ranks["trainer"], ranks["reference"])

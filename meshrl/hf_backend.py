@@ -109,15 +109,10 @@ def init_buffers(model: nn.Module, device: torch.device) -> None:
 
 def shard(model: nn.Module, mesh) -> None:
     """FSDP2 per decoder layer, the embedding, final norm and LM head as one group (they may be tied),
-    then the root; gradients summed over ranks, not averaged, as every family's are (see
-    families.shard_decoder)."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    then the root. (torchtitan's own plan for the backend asks gloo for a PREMUL_SUM it does not have.)"""
+    from torch.distributed.fsdp import fully_shard
 
     for layer in model.layers.values():
         fully_shard(layer, mesh=mesh)
     fully_shard([model.tok_embeddings, model.norm, model.lm_head], mesh=mesh)
     fully_shard(model, mesh=mesh)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)

@@ -3,9 +3,10 @@
 The step's episodes are split into `trainer.mini_batches` mini-batches, each one optimizer update,
 each fed to the trainer in micro-batches whose losses add up to the mini-batch's: of
 `trainer.micro_batch_size` sequences in order, or with `trainer.micro_batch_tokens` as many sequences
-as fit in that many padded positions, sorted by length so that a micro-batch's sequences are alike. Every update clips its ratio against pi_old, the trainer's policy at the start of the
-step: the first update takes it from its own forward pass (detached), the later ones get it from one
-no-grad pass over their micro-batches before the first update.
+as fit in that many padded positions, sorted by length so that a micro-batch's sequences are alike.
+Every update clips its ratio against pi_old, the trainer's policy at the start of the step: the first
+update takes it from its own forward pass (detached), the later ones get it from one no-grad pass over
+their micro-batches before the first update.
 
 A trainer of several ranks gets its micro-batches in rounds, one per rank, every rank the same number
 of calls (a sharded model's collectives need them all): a round short of micro-batches is filled with

@@ -92,12 +92,20 @@ def read_hf_shards(checkpoint, state: dict, adapter) -> dict:
 
 
 def shard(model: torch.nn.Module, rank: Rank, plan: Callable) -> None:
-    """FSDP2 over all ranks with the model family's plan (`Family.shard`); nothing on one rank."""
+    """FSDP2 over all ranks with the model family's plan (`Family.shard`), gradients summed over ranks,
+    not averaged (each rank's loss carries the whole update's normalisers); nothing on one rank.
+    Gloo has no PREMUL_SUM, which a divide factor of 1 asks for: forcing plain sums gives the same
+    result on gloo and NCCL."""
     if rank.world == 1:
         return
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
 
     plan(model, init_device_mesh(rank.device.type, (rank.world,), mesh_dim_names=("fsdp",)))
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
