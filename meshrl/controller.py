@@ -4,7 +4,10 @@ The rollout loop keeps groups in flight across the generator replicas: it starts
 work buffer's staleness gate lets start (meshrl/work_buffer.py), and wakes whenever a group ends or
 a new policy version is published. The training loop takes batch b (complete, its episodes within
 the bound), trains step b + 1 on it at policy version b (meshrl/train_step.py), publishes version
-b + 1, evaluates now and then, and logs the step's row. `controller.max_policy_age` is the one switch
+b + 1, evaluates now and then, and logs the step's row. It does not wait for the publish: the next
+step's batch and forward and backward passes go on meanwhile (the trainer's next optimizer update
+waits for it), and the version counts as published, for the gate and the generators, once the
+trainer says it is readable. An evaluation or a checkpoint waits for it. `controller.max_policy_age` is the one switch
 between synchronous (0: the two loops alternate) and asynchronous training.
 
 A stop (Ctrl-C, SIGTERM) cancels the loops between steps (a step training or a checkpoint being
@@ -48,6 +51,7 @@ class Controller:
                                cfg.drop_equal_reward_groups, cfg.max_failed_fraction)
         self.collector = RolloutCollector(config, task, tokenizer, generators, graders, tracer, self.work, timeouts)
         self.trainer_version = 0  # the newest version the trainer published
+        self.publishing: asyncio.Future | None = None  # the newest publish, maybe still copying
         self.initial: dict = {}  # the eval before training
         self.trainer_busy = 0.0  # seconds the trainer has spent working
         self.updates = {"weight_swaps_in_flight": 0, "prefix_cache_resets_refused": 0}  # the generators', so far
@@ -84,6 +88,9 @@ class Controller:
             asyncio.current_task().uncancel()  # a requested stop: checkpoint what there is
         finally:
             self.signals.task = None
+            if self.publishing and not self.publishing.done():  # a run that failed: let it end, or stop it
+                await bounded(asyncio.gather(self.publishing, return_exceptions=True), self.timeouts.stop,
+                              "the last publish")
             if rollouts:
                 rollouts.cancel()
                 await asyncio.gather(rollouts, return_exceptions=True)
@@ -99,6 +106,7 @@ class Controller:
         checkpoint stays the last good one."""
         if self.rows.bad_steps:
             return
+        await self._published()
         counters = {"generator": (self.generators.restarts, self.generators.retried),
                     "grader": (self.graders.restarts, self.graders.retried), "updates": dict(self.updates)}
         await self.checkpointer.write(RunState(self.rows.done, self.trainer_version, self.work.snapshot(),
@@ -129,6 +137,7 @@ class Controller:
                 row["generator_busy"], row["trainer_busy"] = (
                     (b - a) / row["step_time_s"] for a, b in zip(busy, self._busy()))
                 if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+                    await self._published()  # the policy just trained is the one evaluated
                     row |= await self.collector.evaluate(step)
                 self.rows.log(row, batch)
                 self.work.trained(batch.index)
@@ -164,20 +173,34 @@ class Controller:
                                  self.tokenizer.pad_id, self.tracer.span, batch.index, self.config.reference.ranks,
                                  self.timeouts)
         t2 = time.perf_counter()
-        async with self.tracer.span("trainer", "publish", batch.index + 1, timeout=self.timeouts.trainer) as span:
-            self.trainer_version = span["policy_version"] = await first(self.trainer.publish_weights.call())
+        await self._published()  # the last step's: done, since this step's optimizer update waited for it
+        version = self.trainer_version + 1
+        self.publishing = asyncio.ensure_future(self._publish(version, batch.index + 1))
         t3 = time.perf_counter()
         self.trainer_busy += t3 - t1
-        self.collector.published(self.trainer_version)
         pull, engines_busy = await self._weight_updates()
         counters = {"generator_restarts": self.generators.restarts, "generator_calls_retried": self.generators.retried,
                     "grader_restarts": self.graders.restarts, "grader_calls_retried": self.graders.retried,
                     **self.updates, "batches_ready": len(self.work.ready) - 1}
-        row = step_row(step, self.trainer_version, batch, train,
+        row = step_row(step, version, batch, train,
                        {"wait": t1 - start, "train": t2 - t1, "publish": t3 - t2, "pull": pull}, counters)
         row["generator_idle"] = max(0.0, 1 - engines_busy / self.config.generator.replicas
                                     / (time.perf_counter() - start))
         return row
+
+    async def _publish(self, version: int, trace_version: int) -> None:
+        """The trainer's publish of `version`; once readable, the generators and the gate are told."""
+        async with self.tracer.span("trainer", "publish", trace_version, timeout=self.timeouts.trainer) as span:
+            published = span["policy_version"] = await first(self.trainer.publish_weights.call())
+        if published != version:
+            raise RuntimeError(f"the trainer published version {published}, expected {version}")
+        self.trainer_version = published
+        self.collector.published(published)
+
+    async def _published(self) -> None:
+        """Wait for the newest publish (raising its error, if it failed)."""
+        if self.publishing:
+            await self.publishing
 
     async def _weight_updates(self) -> tuple[float, float]:
         """What the generator replicas did since the last step: their loads become `pull` spans of the

@@ -252,6 +252,7 @@ class FakeTrainer:
     def __init__(self, weights: FakeWeights, costs: Costs = Costs()):
         self.weights, self.costs = weights, costs
         self.version, self.updates, self.trained, self.pending = 0, 0, [], []
+        self.copying: asyncio.Future | None = None  # a publish's copy into the ring, as the real trainer's
 
     async def forward_backward(self, batch) -> dict:
         rows = batch.loss_mask.any(-1)
@@ -266,6 +267,8 @@ class FakeTrainer:
         return batch.behaviour_logprobs
 
     async def optim_step(self, skip: bool = False) -> dict:
+        if self.copying:  # the update changes the weights a publish is copying
+            await self.copying
         self.updates += 1
         self.trained.append(sorted(self.pending))
         self.pending = []
@@ -275,7 +278,8 @@ class FakeTrainer:
         return "ring"
 
     async def publish_weights(self) -> int:
-        await take(self.costs.publish)
+        self.copying = asyncio.ensure_future(take(self.costs.publish))
+        await self.copying
         self.version += 1
         self.weights.version = self.version
         return self.version

@@ -22,11 +22,11 @@ class StallingPullGenerator(VLLMGenerator):
         marker = Path(os.environ["MESHRL_TEST_STALL_DIR"]) / "pull-stalled"
         if not marker.exists() and self.ring is not None and await self.ring.newest() > self.policy_version:
             marker.touch()
-            self.ring.pull_latest = stall  # this replica's reads never finish
+            self.ring.load_latest = stall  # this replica's reads never finish
         await VLLMGenerator._load(self)
 
 
-async def stall(newer_than: int = -1):
+async def stall(*args, **kwargs):
     await asyncio.sleep(3600)
 
 

@@ -26,11 +26,12 @@ class ScalingTrainer(TitanTrainer):
     async def scale_and_publish(self, pattern: str, factor: float) -> int:
         """Multiply every parameter whose (torchtitan) name matches `pattern` by `factor`, publish; the new
         version."""
+        await self._published()  # not under a publish still copying them
         with torch.no_grad():
             for name, param in self.model.named_parameters():
                 if re.fullmatch(pattern, name):
                     param.mul_(factor)
-        return self._publish()
+        return await self._publish()
 
 
 class ThroughFileGenerator(VLLMGenerator):

@@ -7,7 +7,7 @@ import logging
 from collections import Counter
 
 import pytest
-from meshrl.fakes import FakeTrainer, Script, fake_config, read_jsonl, run_fake
+from meshrl.fakes import Costs, FakeTrainer, Script, fake_config, read_jsonl, run_fake
 
 from meshrl import checkpoint
 from meshrl.work_buffer import TooManyFailures
@@ -31,6 +31,22 @@ def test_episodes_are_never_older_than_max_policy_age_and_async_runs_ahead(tmp_p
     assert max(r["staleness"] for r in records) == age  # reaches the bound (async overlaps), never passes it
     assert max(r["staleness_max"] for r in done.rows) == age
     assert sorted(trained_prompts(done.trainer)) == list(range(18))  # every prompt once, none skipped
+
+
+@pytest.mark.parametrize("age", [0, 1])
+def test_a_publish_overlaps_the_next_steps_training_when_the_bound_allows(tmp_path, age):
+    costs = Costs(generate_per_token=0.001, train_per_token=0.002, publish=0.05)
+    done = run(fake_config(steps=4, prompts=2, max_policy_age=age), tmp_path, costs=costs)
+    spans = read_jsonl(tmp_path / "trace.jsonl")
+    publishes = [s for s in spans if s["what"] == "publish"]
+    trains = [s for s in spans if s["what"] == "train"]
+    overlapping = [p for p in publishes if any(p["start"] < t["start"] < p["end"] for t in trains)]
+    assert len(publishes) == 4 and [p["policy_version"] for p in publishes] == [1, 2, 3, 4]
+    # async: the next step trains while the publish copies; sync: its batch needs the new version first
+    assert bool(overlapping) == (age > 0)
+    assert [r["policy_version"] for r in done.rows] == [1, 2, 3, 4] and done.controller.trainer_version == 4
+    assert max(r["staleness_max"] for r in done.rows) <= age
+    assert all(r["weight_sync_s"] < 0.05 for r in done.rows[:-1])  # the loop did not wait for the copies
 
 
 def test_sync_training_alternates_generation_and_training(tmp_path):

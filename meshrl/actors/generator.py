@@ -212,24 +212,27 @@ class VLLMGenerator(Actor):
             if await self.ring.newest() <= self.policy_version:
                 return
             async with self.book.loading(drain=self.update == "drain"):
-                start = time.time()
+                start, in_flight, loads, resets = time.time(), bool(self.running), [], []
+
+                def swap(version: int, weights) -> None:
+                    """Load, and serve as `version` from the next engine step on: nothing may run between the
+                    reload, the version's change and the cache reset (the reader calls this synchronously)."""
+                    loads.append(time.time())
+                    self.reload(weights)
+                    self.policy_version = version
+                    if in_flight and self.update == "in_flight":
+                        resets.append(True)  # running requests keep their prefixes' KV; new ones get a new cache salt
+                    else:
+                        resets.append(self.engine.reset_prefix_cache(reset_running_requests=in_flight))
+
                 try:
-                    latest = await asyncio.wait_for(self.ring.pull_latest(newer_than=self.policy_version),
-                                                    self.pull_timeout or None)
+                    version = await asyncio.wait_for(self.ring.load_latest(swap, newer_than=self.policy_version),
+                                                     self.pull_timeout or None)
                 except TimeoutError:
                     raise ReplicaBroken(f"its weight pull did not finish within {self.pull_timeout:g} s "
                                         "(weight_sync.timeout_s)") from None
-                if latest is None:
-                    return
-                version, weights = latest
-                in_flight = bool(self.running)
-                self.reload(weights)
-                self.policy_version = version
-                if in_flight and self.update == "in_flight":
-                    reset = True  # the running requests keep their prefixes' KV; new ones get a new cache salt
-                else:
-                    reset = self.engine.reset_prefix_cache(reset_running_requests=in_flight)
-                self.book.loaded(start, version, in_flight, reset)
+                if version is not None:
+                    self.book.loaded(start, version, in_flight, resets[-1], read_s=loads[0] - start)
 
     def reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors into vLLM in place: handed to its one worker in this process, or with
@@ -279,7 +282,7 @@ class VLLMGenerator(Actor):
     @endpoint
     async def weight_updates(self) -> dict:
         """What happened since the last call: the loads (`pulls`: wall-clock start and end, version, whether
-        requests were running), swaps with requests running, prefix-cache resets vLLM refused, and the
+        requests were running, seconds reading the rings), swaps with requests running, prefix-cache resets vLLM refused, and the
         seconds the engine had requests to run (`busy_s`)."""
         return self.book.report()
 

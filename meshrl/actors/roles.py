@@ -45,7 +45,8 @@ class Generator(Protocol):
         (benchmarks and tests; training runs leave the loading to the generator)."""
 
     async def weight_updates(self) -> dict:
-        """Since the last call: {"pulls": [{"start", "end" (wall clock), "version", "in_flight"}, ...],
+        """Since the last call: {"pulls": [{"start", "end" (wall clock), "version", "in_flight",
+        "read_s" (of the load, the seconds spent reading the rings)}, ...],
         "weight_swaps_in_flight", "prefix_cache_resets_refused"}."""
 
     async def weight_sync_stats(self) -> dict:
@@ -83,7 +84,9 @@ class Trainer(Protocol):
         """The `RingHandle` of this rank's ring, which generators pull its shards from."""
 
     async def publish_weights(self) -> int:
-        """Publish the current weights as the next policy version; returns it."""
+        """Publish the current weights as the next policy version; returns it once generators can read it.
+        forward_backward and logprobs calls may come while it copies; an optim_step or save_state that
+        comes meanwhile waits for the copy to end before it changes or saves the weights."""
 
     async def save(self, path: str) -> None:
         """Write the current policy as an HF checkpoint (every rank is called; one writes)."""

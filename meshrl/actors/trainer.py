@@ -8,8 +8,13 @@ group (gloo on the CPU, NCCL on CUDA), and the model is sharded with its family'
 rank reading only its own shards of the checkpoint. Each rank computes its micro-batches' loss with
 the normalisers of the whole update, so the ranks' gradients are summed, not averaged; one optimizer
 step follows. Each rank publishes its own shard into its own weight ring (meshrl/weight_sync/shards.py).
+
+A publish copies the weights into the ring in a thread of its own: the next step's forward and
+backward passes, which leave the weights as they are, run meanwhile, and the next optimizer update
+(or checkpoint) waits for it to finish.
 """
 
+import asyncio
 import warnings
 from pathlib import Path
 
@@ -45,6 +50,7 @@ class TitanTrainer(Actor):
                                weight_sync.checksums)
         self.policy_version = 0  # versions published
         self.updates = 0  # optimizer updates taken
+        self.publishing: asyncio.Future | None = None  # the copy into the ring of the newest version
 
     @endpoint
     async def forward_backward(self, batch: TrainBatch) -> dict:
@@ -71,6 +77,7 @@ class TitanTrainer(Actor):
         """One optimizer update from the accumulated gradients (it publishes nothing). Not applied when
         the gradient norm is NaN or infinite, or when the caller says the loss was (`skip`): the
         gradients are dropped and `skipped` is true (every rank decides alike: the norm is global)."""
+        await self._published()  # the ring's copy of the weights this update changes
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if isinstance(grad_norm, DTensor):  # each rank holds its shards' part: the norm of them all
@@ -91,20 +98,29 @@ class TitanTrainer(Actor):
     @endpoint
     async def publish_weights(self) -> int:
         """Put this rank's shard of the current policy into its weight ring as the next version (no
-        waiting for readers, nothing gathered); return that version."""
-        return self._publish()
+        waiting for readers, nothing gathered); return that version once it is readable. Calls that
+        leave the weights unchanged (forward_backward, logprobs) run while it copies."""
+        return await self._publish()
 
-    def _publish(self) -> int:
-        self.policy_version += 1
-        with torch.no_grad():
-            state = self.model.state_dict()
-            self.ring.publish({name: local(state[name]) for name in self.published}, self.policy_version)
-        return self.policy_version
+    async def _publish(self) -> int:
+        await self._published()
+        self.policy_version = version = self.policy_version + 1
+        state = self.model.state_dict()
+        weights = {name: local(state[name]).detach() for name in self.published}
+        self.publishing = asyncio.ensure_future(asyncio.to_thread(self.ring.publish, weights, version))
+        await self._published()
+        return version
+
+    async def _published(self) -> None:
+        """Wait for the publish in progress, if any (shielded: a cancelled caller leaves it to finish)."""
+        if self.publishing is not None:
+            await asyncio.shield(self.publishing)
 
     @endpoint
     async def save_state(self, path: str) -> None:
         """The policy and optimizer state into `path` with torch.distributed.checkpoint (every rank
         writes its shards), and this rank's counters and RNG state beside them."""
+        await self._published()
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -133,7 +149,7 @@ class TitanTrainer(Actor):
         self.updates = extra["updates"]
         torch.set_rng_state(extra["rng"])
         self.policy_version = extra["policy_version"] - 1
-        return self._publish()
+        return await self._publish()
 
     @endpoint
     async def save(self, path: str) -> None:

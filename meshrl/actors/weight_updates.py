@@ -41,12 +41,14 @@ class WeightUpdates:
         finally:
             self.admitting.set()
 
-    def loaded(self, start: float, version: int, in_flight: bool, reset: bool = True) -> None:
-        """A load that began at wall-clock `start`; `in_flight`: requests were running; `reset`: whether
-        the prefix-cache reset asked for was done (False: vLLM refused it)."""
+    def loaded(self, start: float, version: int, in_flight: bool, reset: bool = True, read_s: float = 0.0) -> None:
+        """A load that began at wall-clock `start`, of which `read_s` read the rings (the rest loaded into
+        vLLM); `in_flight`: requests were running; `reset`: whether the prefix-cache reset asked for was
+        done (False: vLLM refused it)."""
         self.counts["weight_swaps_in_flight"] += in_flight
         self.counts["prefix_cache_resets_refused"] += not reset
-        self.pulls.append({"start": start, "end": time.time(), "version": version, "in_flight": in_flight})
+        self.pulls.append({"start": start, "end": time.time(), "version": version, "in_flight": in_flight,
+                           "read_s": read_s})
 
     def report(self) -> dict:
         """Since the last report: the loads (`pulls`), the counts, the engine's busy seconds (`busy_s`)."""

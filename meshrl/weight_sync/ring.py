@@ -177,7 +177,7 @@ class RingReader:
             self.chunk_views = [self.bytes[i:i + chunk] for i in range(0, expected.nbytes, chunk)]
 
     async def pull_latest(self, newer_than: int = -1) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
-        """(version, weights as views into this reader's buffer), or None if nothing newer than `newer_than`."""
+        """(version, weights as views into this reader's own copy), or None if nothing newer than `newer_than`."""
         latest = await pull_together([self], newer_than, self.max_attempts)
         return None if latest is None else (latest[0], latest[1][0])
 
@@ -185,9 +185,9 @@ class RingReader:
         """version -> slot, for the slots of `header` that hold a completely written version."""
         return {row[VERSION]: slot for slot, row in enumerate(header) if row[BEGIN] == row[END] > 0}
 
-    def check_sum(self, row: list[int], version: int) -> bool:
-        """Whether the payload just read matches its slot's checksum (always, without checksums)."""
-        if not self.handle.checksums or checksum(self.bytes) == row[CHECKSUM]:
+    def check_sum(self, row: list[int], version: int, payload: torch.Tensor | None = None) -> bool:
+        """Whether the payload just read (or `payload`) matches its slot's checksum (always, without checksums)."""
+        if not self.handle.checksums or checksum(self.bytes if payload is None else payload) == row[CHECKSUM]:
             return True
         self.corrupt_reads += 1  # torn in a way the seqlock missed: never loaded
         if self.corrupt_reads >= self.max_attempts:
@@ -197,28 +197,68 @@ class RingReader:
     async def read_header(self) -> list[list[int]]:
         """A copy of the header: one [begin, end, version, checksum] row per slot."""
         if self.transport == "shm":
-            self.header_bytes.copy_(self.memory.tensor[:self.header_bytes.numel()])
-        else:
-            await self.handle.header.read_into(self.header_bytes)
+            return self.header_now()
+        await self.handle.header.read_into(self.header_bytes)
+        return self.header_bytes[8:].view(torch.int64).view(self.handle.slots, 4).tolist()
+
+    def header_now(self) -> list[list[int]]:
+        """Over shared memory: the header as it is now, read without yielding to the event loop."""
+        self.header_bytes.copy_(self.memory.tensor[:self.header_bytes.numel()])
         return self.header_bytes[8:].view(torch.int64).view(self.handle.slots, 4).tolist()
 
     async def read_payload(self, slot: int) -> None:
+        """Copy `slot`'s payload into this reader's buffer; over RDMA as concurrent reads of its chunks
+        (each its own stream: faster than one batched RDMAAction over Monarch's TCP fallback)."""
         if self.transport == "shm":
             self.bytes.copy_(self.payloads[slot])
             return
-        from monarch.rdma import RDMAAction
-
-        action = RDMAAction()
-        for src, dst in zip(self.handle.chunks[slot], self.chunk_views):
-            action.read_remote(dst, src)
-        await action.submit()
+        await asyncio.gather(*(src.read_into(dst) for src, dst in zip(self.handle.chunks[slot], self.chunk_views)))
 
 
 async def newest_together(readers: list[RingReader]) -> int:
     """The newest version completely written in every reader's ring, from their headers alone (-1: none)."""
-    headers = await asyncio.gather(*(r.read_header() for r in readers))
+    newest = _newest_common(readers, await asyncio.gather(*(r.read_header() for r in readers)), -1)
+    return -1 if newest is None else newest[0]
+
+
+def _newest_common(readers: list[RingReader], headers: list[list[list[int]]], newer_than: int):
+    """(version, each reader's slot holding it) for the newest version complete in every ring and newer
+    than `newer_than`, or None."""
     complete = [r.complete_versions(header) for r, header in zip(readers, headers)]
-    return max(set(complete[0]).intersection(*complete[1:]), default=-1)
+    common = set(complete[0]).intersection(*complete[1:])
+    if not common or max(common) <= newer_than:
+        return None
+    version = max(common)
+    return version, [versions[version] for versions in complete]
+
+
+def _always_torn(attempts: int) -> TornReadsError:
+    return TornReadsError(f"no untorn read in {attempts} attempts: the trainer overwrites slots faster "
+                          "than this reader copies them; use more weight_sync.slots")
+
+
+def use_in_place(readers: list[RingReader], newer_than: int, max_attempts: int, use) -> int | None:
+    """Over shared memory: hand the newest version completely written in every reader's ring (newer
+    than `newer_than`) to `use(version, shards)`, as each reader's (name, tensor) views of the ring's own memory, with
+    nothing copied first; returns the version, or None if there is none. The seqlock is checked after
+    `use` returns: if a writer started on a slot meanwhile, what `use` saw may be torn, and the newest
+    version is handed to it again. Synchronous, so no other coroutine runs between a read and its check."""
+    for _ in range(max_attempts):
+        before = [r.header_now() for r in readers]
+        newest = _newest_common(readers, before, newer_than)
+        if newest is None:
+            return None
+        version, slots = newest
+        payloads = [r.payloads[slot] for r, slot in zip(readers, slots)]
+        if not all([r.check_sum(b[slot], version, p) for r, b, slot, p in zip(readers, before, slots, payloads)]):
+            continue
+        use(version, [r.layout.unpack(p) for r, p in zip(readers, payloads)])
+        torn = [r for r, b, slot in zip(readers, before, slots) if r.header_now()[slot][BEGIN] != b[slot][BEGIN]]
+        for r in torn:
+            r.torn_reads += 1
+        if not torn:
+            return version
+    raise _always_torn(max_attempts)
 
 
 async def pull_together(readers: list[RingReader], newer_than: int,
@@ -229,12 +269,10 @@ async def pull_together(readers: list[RingReader], newer_than: int,
     refuses is retried whole, so the result is never torn nor a mix of versions."""
     for _ in range(max_attempts):
         before = await asyncio.gather(*(r.read_header() for r in readers))
-        complete = [r.complete_versions(header) for r, header in zip(readers, before)]
-        common = set(complete[0]).intersection(*complete[1:])
-        if not common or max(common) <= newer_than:
+        newest = _newest_common(readers, before, newer_than)
+        if newest is None:
             return None
-        version = max(common)
-        slots = [versions[version] for versions in complete]
+        version, slots = newest
         await asyncio.gather(*(r.read_payload(slot) for r, slot in zip(readers, slots)))
         after = await asyncio.gather(*(r.read_header() for r in readers))
         torn = [r for r, b, a, slot in zip(readers, before, after, slots) if a[slot][BEGIN] != b[slot][BEGIN]]
@@ -244,5 +282,4 @@ async def pull_together(readers: list[RingReader], newer_than: int,
             continue
         if all([r.check_sum(b[slot], version) for r, b, slot in zip(readers, before, slots)]):
             return version, [r.layout.unpack(r.bytes) for r in readers]
-    raise TornReadsError(f"no untorn read in {max_attempts} attempts: the trainer overwrites slots "
-                         "faster than this reader copies them; use more weight_sync.slots")
+    raise _always_torn(max_attempts)
