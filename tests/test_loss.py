@@ -30,6 +30,10 @@ def test_token_logprobs_and_entropy_match_their_definitions():
     assert torch.allclose(token_logprobs(logits, targets), logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), atol=1e-6)
     assert torch.allclose(token_entropy(logits), -(logp.exp() * logp).sum(-1), atol=1e-6)
     assert token_entropy(torch.zeros(1, 1, 8)).item() == pytest.approx(math.log(8))
+    # as a metric it goes a few rows at a time; with a gradient (the entropy bonus) whole: the same values
+    rows = torch.randn(10, 11) * 4
+    whole = token_entropy(rows.clone().requires_grad_())
+    assert whole.requires_grad and torch.allclose(token_entropy(rows, rows=3), whole.detach(), atol=1e-5)
 
 
 # Two sequences: sequence 0 (A=+1) with ratios e^0.5 and e^-0.1 to pi_old and one masked token;
