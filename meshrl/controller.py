@@ -88,7 +88,7 @@ class Controller:
             asyncio.current_task().uncancel()  # a requested stop: checkpoint what there is
         finally:
             self.signals.task = None
-            if self.publishing and not self.publishing.done():  # a run that failed: let it end, or stop it
+            if self.publishing:  # let the last publish end (its error, if the run failed, is the run's)
                 await bounded(asyncio.gather(self.publishing, return_exceptions=True), self.timeouts.stop,
                               "the last publish")
             if rollouts:
@@ -152,14 +152,18 @@ class Controller:
                     await self.checkpoint()
 
     async def _next_batch(self, index: int, rollouts: asyncio.Task) -> Batch:
-        """Batch `index` once complete; re-raises if the rollout loop failed instead of waiting forever."""
+        """Batch `index` once complete; re-raises if the rollout loop or the last publish (whose version
+        the batch may be waiting for) failed, instead of waiting forever."""
         while (batch := self.work.batch(index)) is None:
             self.collector.batch_ready.clear()
             ready = asyncio.ensure_future(self.collector.batch_ready.wait())
+            publishing = {self.publishing} if self.publishing else set()
             try:
-                await asyncio.wait({ready, rollouts}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({ready, rollouts, *publishing}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 ready.cancel()
+            if self.publishing and self.publishing.done():
+                self.publishing.result()  # raises the publish's error
             if rollouts.done():
                 rollouts.result()  # raises the rollout loop's error
                 if self.work.batch(index) is None:

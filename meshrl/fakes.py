@@ -200,8 +200,13 @@ class FakeGenerator:
         """[token offset, version] of each load during [start, end]; [] if none."""
         versions = [[0, first]]
         for at, version in self.swaps:
-            offset = round(length * (at - start) / (end - start)) if end > start else length // 2
-            if start <= at <= end and version != versions[-1][1] and versions[-1][0] < offset < length:
+            if not start <= at <= end or version == versions[-1][1]:
+                continue
+            # a load during the call reaches at least its last token, however late it came
+            offset = min(round(length * (at - start) / (end - start)) if end > start else length // 2, length - 1)
+            if offset == versions[-1][0] and len(versions) > 1:  # two loads between the same tokens: the newer
+                versions[-1][1] = version
+            elif offset > versions[-1][0]:
                 versions.append([offset, version])
         return versions if len(versions) > 1 else []
 

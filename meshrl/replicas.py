@@ -107,12 +107,12 @@ def monarch_replicas(name: Callable[[int], str], cls: type, make_args: Callable[
 
 class ReplicaPool:
     def __init__(self, role: str, start: Callable[[int], Awaitable[Replica]], count: int, max_restarts: int,
-                 on_replaced: Callable[[], None] | None = None, stop_timeout: Timeout | None = None):
+                 on_change: Callable[[], None] | None = None, stop_timeout: Timeout | None = None):
         """`count` replicas, replica i started by `start(i)` (`monarch_replicas`, or a test's fakes),
-        replacements too; `on_replaced` is called once a replacement serves (the controller rewrites
-        processes.json); stopping a replica's mesh is bounded by `stop_timeout`."""
+        replacements too; `on_change` is called when a replica leaves service and when its replacement
+        serves (the run rewrites processes.json); stopping a replica's mesh is bounded by `stop_timeout`."""
         self.role, self.start_replica, self.count = role, start, count
-        self.max_restarts, self.on_replaced, self.stop_timeout = max_restarts, on_replaced, stop_timeout
+        self.max_restarts, self.on_change, self.stop_timeout = max_restarts, on_change, stop_timeout
         self.replicas: list[Replica] = []
         self.restarts = 0
         self.retired_busy_s = 0.0  # busy seconds of replicas since replaced
@@ -154,10 +154,11 @@ class ReplicaPool:
         return self.retired_busy_s + running + sum(r.busy_s for r in self.replicas)
 
     def pids(self) -> dict[str, int]:
-        return {self.name(r.index): r.pid for r in self.replicas}
+        """The serving replicas' pids (a failed one's replacement appears once it serves)."""
+        return {self.name(r.index): r.pid for r in self.replicas if r.healthy}
 
     def hosts(self) -> dict[str, str]:
-        return {self.name(r.index): r.host for r in self.replicas}
+        return {self.name(r.index): r.host for r in self.replicas if r.healthy}
 
     async def stop(self) -> None:
         for task in list(self.respawning):
@@ -205,6 +206,8 @@ class ReplicaPool:
             raise self.failed
         self.restarts += 1
         logger.warning("%s %d (pid %d) failed (%s); replacing it", self.role, replica.index, replica.pid, reason)
+        if self.on_change:
+            self.on_change()
         task = asyncio.create_task(self._respawn(replica))
         self.respawning.add(task)
         task.add_done_callback(self.respawning.discard)
@@ -223,8 +226,8 @@ class ReplicaPool:
             self.retired_busy_s += replica.busy_s
             self.replicas[self.replicas.index(replica)] = fresh
             self.changed.notify_all()
-        if self.on_replaced:
-            self.on_replaced()
+        if self.on_change:
+            self.on_change()
 
     async def _give_up(self, message: str) -> None:
         async with self.changed:

@@ -7,6 +7,7 @@ import logging
 from collections import Counter
 
 import pytest
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from meshrl.fakes import Costs, FakeTrainer, Script, fake_config, read_jsonl, run_fake
 
 from meshrl import checkpoint
@@ -47,6 +48,15 @@ def test_a_publish_overlaps_the_next_steps_training_when_the_bound_allows(tmp_pa
     assert [r["policy_version"] for r in done.rows] == [1, 2, 3, 4] and done.controller.trainer_version == 4
     assert max(r["staleness_max"] for r in done.rows) <= age
     assert all(r["weight_sync_s"] < 0.05 for r in done.rows[:-1])  # the loop did not wait for the copies
+
+
+@pytest.mark.parametrize("age", [0, 1])
+def test_a_trainer_that_dies_while_publishing_ends_the_run_with_its_error(tmp_path, age):
+    # the loop does not wait for the publish; a batch that needs its version must not wait forever either
+    script = Script(die_at={"publish_weights": 2})
+    with pytest.raises(SupervisionError, match="the process exited"):  # its publish, or the next call to it
+        asyncio.run(asyncio.wait_for(run_fake(fake_config(steps=4, prompts=2, max_policy_age=age), tmp_path, script),
+                                     30))
 
 
 def test_sync_training_alternates_generation_and_training(tmp_path):

@@ -60,8 +60,8 @@ def test_a_killed_replica_is_replaced_and_every_group_is_trained_exactly_once(tm
         assert r["staleness"] <= 1
     assert len(steps_of) == 5 * 4 and all(len(s) == 1 for s in steps_of.values())
     assert set(sizes.values()) == {8}
-    # processes.json names the replacement
-    assert json.loads((tmp_path / "processes.json").read_text())["generator1"] != victim.pid
+    # processes.json names live actors only: the replacement, or none if the run ended before it served
+    assert json.loads((tmp_path / "processes.json").read_text()).get("generator1") != victim.pid
     assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
     assert (tmp_path / "final" / "model.safetensors").is_file()
 
