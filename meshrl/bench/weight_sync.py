@@ -106,8 +106,9 @@ async def bench_weight_sync(model: str = "smollm2", repeats: int = 5, stress_sec
 
 async def _ring_figures(checkpoint: str, layout, to_hf, ranks: int, repeats: int, gbps) -> dict:
     """The real trainer's rings on `ranks` ranks, read whole by this process over each transport into
-    memory of its own (every rank's shard, assembled as a generator does: the floor is one memcpy), then publish-to-loaded into a real vLLM generator,
-    with its parts: the trainer's publish, the generator's ring read, and the rest (vLLM's load)."""
+    memory of its own (every rank's shard, assembled as a generator does: the floor is one memcpy),
+    then publish-to-loaded into a real vLLM generator, with its parts: the trainer's publish, the
+    generator's ring read, and the rest (vLLM's load)."""
     figures, procs = {}, []
     try:
         sync = WeightSyncConfig()

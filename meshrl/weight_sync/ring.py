@@ -232,6 +232,15 @@ def _newest_common(readers: list[RingReader], headers: list[list[list[int]]], ne
     return version, [versions[version] for versions in complete]
 
 
+def _torn(readers: list[RingReader], before: list, after: list, slots: list[int]) -> bool:
+    """Whether a writer started on any reader's slot between its headers `before` and `after` (each such
+    read counted as torn)."""
+    torn = [r for r, b, a, slot in zip(readers, before, after, slots) if a[slot][BEGIN] != b[slot][BEGIN]]
+    for r in torn:
+        r.torn_reads += 1
+    return bool(torn)
+
+
 def _always_torn(attempts: int) -> TornReadsError:
     return TornReadsError(f"no untorn read in {attempts} attempts: the trainer overwrites slots faster "
                           "than this reader copies them; use more weight_sync.slots")
@@ -239,8 +248,8 @@ def _always_torn(attempts: int) -> TornReadsError:
 
 def use_in_place(readers: list[RingReader], newer_than: int, max_attempts: int, use) -> int | None:
     """Over shared memory: hand the newest version completely written in every reader's ring (newer
-    than `newer_than`) to `use(version, shards)`, as each reader's (name, tensor) views of the ring's own memory, with
-    nothing copied first; returns the version, or None if there is none. The seqlock is checked after
+    than `newer_than`) to `use(version, shards)`, as each reader's (name, tensor) views of the ring's
+    own memory, with nothing copied first; returns the version, or None if there is none. The seqlock is checked after
     `use` returns: if a writer started on a slot meanwhile, what `use` saw may be torn, and the newest
     version is handed to it again. Synchronous, so no other coroutine runs between a read and its check."""
     for _ in range(max_attempts):
@@ -253,10 +262,7 @@ def use_in_place(readers: list[RingReader], newer_than: int, max_attempts: int, 
         if not all([r.check_sum(b[slot], version, p) for r, b, slot, p in zip(readers, before, slots, payloads)]):
             continue
         use(version, [r.layout.unpack(p) for r, p in zip(readers, payloads)])
-        torn = [r for r, b, slot in zip(readers, before, slots) if r.header_now()[slot][BEGIN] != b[slot][BEGIN]]
-        for r in torn:
-            r.torn_reads += 1
-        if not torn:
+        if not _torn(readers, before, [r.header_now() for r in readers], slots):
             return version
     raise _always_torn(max_attempts)
 
@@ -274,11 +280,7 @@ async def pull_together(readers: list[RingReader], newer_than: int,
             return None
         version, slots = newest
         await asyncio.gather(*(r.read_payload(slot) for r, slot in zip(readers, slots)))
-        after = await asyncio.gather(*(r.read_header() for r in readers))
-        torn = [r for r, b, a, slot in zip(readers, before, after, slots) if a[slot][BEGIN] != b[slot][BEGIN]]
-        for r in torn:
-            r.torn_reads += 1
-        if torn:
+        if _torn(readers, before, await asyncio.gather(*(r.read_header() for r in readers)), slots):
             continue
         if all([r.check_sum(b[slot], version) for r, b, slot in zip(readers, before, slots)]):
             return version, [r.layout.unpack(r.bytes) for r in readers]
