@@ -41,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     weight_sync = bench.add_parser("weight-sync", help="the weight ring against memcpy and raw RDMA")
     weight_sync.add_argument("--json", type=Path, required=True, help="where to write the figures")
     weight_sync.add_argument("--model", default="smollm2", help=MODEL_HELP)
-    weight_sync.add_argument("--repeats", type=int, default=5, help="timings per figure (the median is reported)")
+    weight_sync.add_argument("--repeats", type=int, default=5,
+                             help="timings per figure (transfers: the best, warm; publish-to-loaded: the median)")
     weight_sync.add_argument("--stress-seconds", type=float, default=10.0, help="length of the torn-read stress (0: none)")
     weight_sync.add_argument("--ranks", default="1,2", help="trainer rank counts to measure, comma separated")
     generation = bench.add_parser("generation", help="raw vLLM against one generator replica and against N")

@@ -45,6 +45,15 @@ def join(device: str, cpus: str, num_threads: int) -> Rank:
     return Rank(rank, world, where)
 
 
+def all_gather(value, world: int) -> list:
+    """Every rank's `value`, in rank order (small picklable values only)."""
+    if world == 1:
+        return [value]
+    values = [None] * world
+    dist.all_gather_object(values, value)
+    return values
+
+
 def load_on_ranks(checkpoint, rank: Rank):
     """The policy from the HF checkpoint on this rank's device, and its state-dict adapter. On one rank
     it is loaded whole; on several it is built on the meta device, sharded with the family's FSDP2

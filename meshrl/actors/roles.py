@@ -81,7 +81,8 @@ class Trainer(Protocol):
         `skipped` true) when `skip` says the loss was NaN or infinite, or the gradient norm is."""
 
     async def weight_ring(self):
-        """The `RingHandle` of this rank's ring, which generators pull its shards from."""
+        """The `RingHandle` of the ring this rank's rows are published in, which generators pull from (None
+        from a rank whose rows are in another rank's ring)."""
 
     async def publish_weights(self) -> int:
         """Publish the current weights as the next policy version; returns it once generators can read it.

@@ -7,7 +7,7 @@ With `trainer.ranks` > 1 the actor mesh has that many processes, the ranks of on
 group (gloo on the CPU, NCCL on CUDA), and the model is sharded with its family's FSDP2 plan, each
 rank reading only its own shards of the checkpoint. Each rank computes its micro-batches' loss with
 the normalisers of the whole update, so the ranks' gradients are summed, not averaged; one optimizer
-step follows. Each rank publishes its own shard into its own weight ring (meshrl/weight_sync/shards.py).
+step follows. Each rank publishes its own rows into its host's weight ring (meshrl/weight_sync/shards.py).
 
 A publish copies the weights into the ring in a thread of its own: the next step's forward and
 backward passes, which leave the weights as they are, run meanwhile, and the next optimizer update
@@ -22,14 +22,14 @@ import torch
 from monarch.actor import Actor, endpoint
 from torch.distributed.tensor import DTensor
 
-from meshrl.actors.distributed import join, load_on_ranks, local
+from meshrl.actors.distributed import all_gather, join, load_on_ranks, local
 from meshrl.configs import TrainerConfig, WeightSyncConfig
 from meshrl.losses import (autocast, check, on_positions, policy_logprobs, policy_loss, response_logits,
                            token_entropy, token_logprobs)
 from meshrl.model import published_weights, save_checkpoint
 from meshrl.types import TrainBatch
-from meshrl.weight_sync.ring import RingHandle, WeightRing
-from meshrl.weight_sync.shards import shard_layout
+from meshrl.weight_sync.ring import RingHandle
+from meshrl.weight_sync.shards import host_ring
 
 
 class TitanTrainer(Actor):
@@ -43,11 +43,12 @@ class TitanTrainer(Actor):
         self.model, self.adapter = load_on_ranks(self.checkpoint, me)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        # This rank's rows of each tensor the generators load, in torchtitan's names and the dtype they serve.
+        # This rank's rows of each tensor the generators load, in torchtitan's names and the dtype they serve,
+        # written into the ring its host's ranks share.
         full, _ = published_weights(self.checkpoint, weight_sync.dtype)
         self.published = [spec.name for spec in full.specs]
-        self.ring = WeightRing(shard_layout(full, self.rank, self.world), weight_sync.slots, weight_sync.chunk_mb,
-                               weight_sync.checksums)
+        self.ring = host_ring(full, self.rank, self.world, lambda x: all_gather(x, self.world), weight_sync.slots,
+                              weight_sync.chunk_mb, weight_sync.checksums)
         self.policy_version = 0  # versions published
         self.updates = 0  # optimizer updates taken
         self.publishing: asyncio.Future | None = None  # the copy into the ring of the newest version
@@ -91,8 +92,9 @@ class TitanTrainer(Actor):
         return {"updates": self.updates, "grad_norm": float(grad_norm), "skipped": skipped}
 
     @endpoint
-    async def weight_ring(self) -> RingHandle:
-        """Where generators pull this rank's shard of each published version from."""
+    async def weight_ring(self) -> RingHandle | None:
+        """Where generators pull this rank's rows of each published version from: its host's ring (None
+        from the host's other ranks, whose rows are in the first's)."""
         return self.ring.handle()
 
     @endpoint

@@ -1,12 +1,18 @@
 """A versioned circular buffer of weight slots: the trainer publishes, generators pull the newest.
 
 The trainer owns `slots` byte buffers, each holding one policy version packed in the layout the
-generator loads, and a header row per slot: (begin, end, version, checksum). Publishing writes
-begin = k (k counts publishes), then the payload, then end = k, into slot `version % slots`, and
-never waits for a reader. A reader takes the newest slot whose begin == end, reads its payload,
-and reads the header again: if begin moved, a writer started on that slot during the read, so the
-copy is thrown away (a torn read) and the reader tries again. With checksums on, the writer also
-stores a CRC32 of the payload, and the reader refuses (and counts) a payload that does not match.
+generator loads, and a header row per slot and writer: (begin, end, version, checksum). Publishing
+writes begin = k (k counts the writer's publishes), then the payload, then end = k, into slot
+`version % slots`, and never waits for a reader. A reader takes the newest slot whose rows all have
+begin == end and the same version, reads its payload, and reads the header again: if a begin moved,
+a writer started on that slot during the read, so the copy is thrown away (a torn read) and the
+reader tries again. With checksums on, each writer also stores a CRC32 of what it wrote, and the
+reader refuses (and counts) a payload that does not match.
+
+Several writers share one ring when trainer ranks on one host each write their own rows of every
+tensor (`pieces`: byte ranges of the payload, one list per writer); a reader on that host then sees
+whole tensors in the ring's memory, with nothing to assemble. The first writer creates the memory,
+the others map it (`attach_to`).
 
 The memory is one anonymous shared-memory file (memfd). Readers on another host read it with
 Monarch RDMA (ibverbs, or its TCP fallback), in concurrent chunks; readers on the same host map the
@@ -76,23 +82,36 @@ class _SharedMemory:
         return _SharedMemory(os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR), nbytes)
 
 
-def _header_bytes(slots: int) -> int:
-    return 8 * (1 + 4 * slots)  # a token, then one row of four int64 per slot
+def _header_bytes(slots: int, writers: int) -> int:
+    return 8 * (1 + 4 * slots * writers)  # a token, then a row of four int64 per slot and writer
 
 
-def _slot_offsets(slots: int, payload_bytes: int) -> list[int]:
+def _slot_offsets(slots: int, writers: int, payload_bytes: int) -> list[int]:
     """Where each slot's payload starts, page-aligned, after the header; the last entry is the total size."""
-    first = -(-_header_bytes(slots) // _PAGE) * _PAGE
+    first = -(-_header_bytes(slots, writers) // _PAGE) * _PAGE
     stride = -(-payload_bytes // _PAGE) * _PAGE
     return [first + i * stride for i in range(slots + 1)]
 
 
-def _regions(memory: torch.Tensor, slots: int, payload_bytes: int):
-    """The ring's memory as (token, header [slots, 4], each slot's payload)."""
+def _regions(memory: torch.Tensor, slots: int, writers: int, payload_bytes: int):
+    """The ring's memory as (token, header [slots, writers, 4], each slot's payload)."""
     token = memory[:8].view(torch.int64)
-    header = memory[8:_header_bytes(slots)].view(torch.int64).view(slots, 4)
-    payloads = [memory[o:o + payload_bytes] for o in _slot_offsets(slots, payload_bytes)[:-1]]
+    header = memory[8:_header_bytes(slots, writers)].view(torch.int64).view(slots, writers, 4)
+    payloads = [memory[o:o + payload_bytes] for o in _slot_offsets(slots, writers, payload_bytes)[:-1]]
     return token, header, payloads
+
+
+Pieces = list[list[tuple[str, int, int]]]  # per writer: (tensor name, first byte, end byte) of the payload
+
+
+def _crc(payload: torch.Tensor, pieces: list[tuple[str, int, int]] | None) -> int:
+    """CRC32 of the whole payload, or of one writer's pieces of it in order."""
+    if pieces is None:
+        return checksum(payload)
+    crc = 0
+    for _, lo, hi in pieces:
+        crc = zlib.crc32(memoryview(payload[lo:hi].numpy()), crc)
+    return crc
 
 
 @dataclass
@@ -109,39 +128,73 @@ class RingHandle:
     header: object  # RDMABuffer over the token and header bytes
     chunks: list  # per slot, RDMABuffers over consecutive chunks of its payload
     checksums: bool
+    pieces: Pieces | None = None  # each writer's part of the payload; None: one writer writes it all
+    ranks: tuple[int, int] = (0, 1)  # the trainer ranks [first, end) whose rows the ring holds
+    world: int = 1  # of all the trainer's ranks
+
+    @property
+    def writers(self) -> int:
+        return 1 if self.pieces is None else len(self.pieces)
 
 
 class WeightRing:
-    """Trainer side: `publish` packs the weights into the next slot and returns at once."""
+    """Trainer side: `publish` packs the weights (all of them, or this writer's pieces) into the next
+    slot and returns at once."""
 
-    def __init__(self, layout: WeightLayout, slots: int = 2, chunk_mb: int = 16, checksums: bool = False):
-        from monarch.rdma import RDMABuffer
-
+    def __init__(self, layout: WeightLayout, slots: int = 2, chunk_mb: int = 16, checksums: bool = False,
+                 pieces: Pieces | None = None, ranks: tuple[int, int] = (0, 1), world: int = 1,
+                 writer: int = 0, attach_to: tuple[int, int, int] | None = None):
+        """The first writer creates the ring; writer k > 0 maps it, given the first's `attach_info()`,
+        and has no handle of its own (readers read the ring through the first's)."""
         if slots < 2:
             raise ValueError("a weight ring needs at least 2 slots, so readers never race the only copy")
         self.layout, self.slots, self.checksums = layout, slots, checksums
-        self.memory = _SharedMemory.create(_slot_offsets(slots, layout.nbytes)[-1])
-        token, self.header, self.payloads = _regions(self.memory.tensor, slots, layout.nbytes)
-        token.fill_(secrets.randbits(62))
+        self.pieces, self.writer = pieces, writer
+        writers = 1 if pieces is None else len(pieces)
+        size = _slot_offsets(slots, writers, layout.nbytes)[-1]
+        if attach_to is None:
+            self.memory = _SharedMemory.create(size)
+        else:
+            self.memory = _SharedMemory.attach(attach_to[0], attach_to[1], size)
+        token, self.header, self.payloads = _regions(self.memory.tensor, slots, writers, layout.nbytes)
+        if attach_to is None:
+            token.fill_(secrets.randbits(62))
+        elif int(token) != attach_to[2]:
+            raise RuntimeError(f"process {attach_to[0]}'s weight ring is not on this host")
         self.publishes = 0
-        chunk = chunk_mb << 20
-        self._handle = RingHandle(
-            layout=layout, slots=slots, host=host_id(), hostname=socket.gethostname(), pid=os.getpid(),
-            fd=self.memory.fd, token=int(token), header=RDMABuffer(self.memory.tensor[:_header_bytes(slots)]),
-            chunks=[[RDMABuffer(p[i:i + chunk]) for i in range(0, layout.nbytes, chunk)] for p in self.payloads],
-            checksums=checksums)
+        self._handle = None if writer else self._register(chunk_mb << 20, int(token), ranks, world)
 
-    def handle(self) -> RingHandle:
+    def _register(self, chunk: int, token: int, ranks: tuple[int, int], world: int) -> RingHandle:
+        from monarch.rdma import RDMABuffer
+
+        header = self.memory.tensor[:_header_bytes(self.slots, self.header.shape[1])]
+        return RingHandle(
+            layout=self.layout, slots=self.slots, host=host_id(), hostname=socket.gethostname(), pid=os.getpid(),
+            fd=self.memory.fd, token=token, header=RDMABuffer(header),
+            chunks=[[RDMABuffer(p[i:i + chunk]) for i in range(0, self.layout.nbytes, chunk)] for p in self.payloads],
+            checksums=self.checksums, pieces=self.pieces, ranks=ranks, world=world)
+
+    def attach_info(self) -> tuple[int, int, int]:
+        """(pid, fd, token): what another writer on this host needs to map this ring."""
+        return os.getpid(), self.memory.fd, int(self.memory.tensor[:8].view(torch.int64))
+
+    def handle(self) -> RingHandle | None:
         return self._handle
 
     def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
         slot = version % self.slots
         self.publishes += 1
-        row = self.header[slot]
+        row, payload = self.header[slot, self.writer], self.payloads[slot]
         row[BEGIN] = self.publishes
-        self.layout.pack(weights, self.payloads[slot])
+        mine = None if self.pieces is None else self.pieces[self.writer]
+        if mine is None:
+            self.layout.pack(weights, payload)
+        else:
+            dtypes = {spec.name: spec.dtype for spec in self.layout.specs}
+            for name, lo, hi in mine:
+                payload[lo:hi].view(dtypes[name]).copy_(weights[name].reshape(-1))
         row[VERSION] = version
-        row[CHECKSUM] = checksum(self.payloads[slot]) if self.checksums else 0
+        row[CHECKSUM] = _crc(payload, mine) if self.checksums else 0
         row[END] = self.publishes
 
 
@@ -162,13 +215,13 @@ class RingReader:
         self.handle, self.layout, self.max_attempts = handle, expected, max_attempts
         self.transport = choose_transport(handle, transport)
         self.bytes = torch.empty(expected.nbytes, dtype=torch.uint8)
-        self.header_bytes = torch.empty(_header_bytes(handle.slots), dtype=torch.uint8)
+        self.header_bytes = torch.empty(_header_bytes(handle.slots, handle.writers), dtype=torch.uint8)
         self.torn_reads = 0  # reads retried because the slot was rewritten meanwhile
         self.corrupt_reads = 0  # reads the seqlock passed but the checksum refused (should stay 0)
         if self.transport == "shm":
-            size = _slot_offsets(handle.slots, expected.nbytes)[-1]
+            size = _slot_offsets(handle.slots, handle.writers, expected.nbytes)[-1]
             self.memory = _SharedMemory.attach(handle.pid, handle.fd, size)
-            token, _, self.payloads = _regions(self.memory.tensor, handle.slots, expected.nbytes)
+            token, _, self.payloads = _regions(self.memory.tensor, handle.slots, handle.writers, expected.nbytes)
             if int(token) != handle.token:
                 raise RuntimeError(f"the shared-memory weight ring of {handle.hostname} (pid {handle.pid}) is not "
                                    "this host's: use weight_sync.transport=rdma")
@@ -181,30 +234,37 @@ class RingReader:
         latest = await pull_together([self], newer_than, self.max_attempts)
         return None if latest is None else (latest[0], latest[1][0])
 
-    def complete_versions(self, header: list[list[int]]) -> dict[int, int]:
-        """version -> slot, for the slots of `header` that hold a completely written version."""
-        return {row[VERSION]: slot for slot, row in enumerate(header) if row[BEGIN] == row[END] > 0}
+    def complete_versions(self, header: list[list[list[int]]]) -> dict[int, int]:
+        """version -> slot, for the slots of `header` that every writer has completely written, with one version."""
+        return {rows[0][VERSION]: slot for slot, rows in enumerate(header)
+                if all(row[BEGIN] == row[END] > 0 and row[VERSION] == rows[0][VERSION] for row in rows)}
 
-    def check_sum(self, row: list[int], version: int, payload: torch.Tensor | None = None) -> bool:
-        """Whether the payload just read (or `payload`) matches its slot's checksum (always, without checksums)."""
-        if not self.handle.checksums or checksum(self.bytes if payload is None else payload) == row[CHECKSUM]:
+    def check_sum(self, rows: list[list[int]], version: int, payload: torch.Tensor | None = None) -> bool:
+        """Whether the payload just read (or `payload`) matches each writer's checksum in its slot's `rows`
+        (always, without checksums)."""
+        payload = self.bytes if payload is None else payload
+        pieces = self.handle.pieces or [None]
+        if not self.handle.checksums or all(_crc(payload, p) == row[CHECKSUM] for p, row in zip(pieces, rows)):
             return True
         self.corrupt_reads += 1  # torn in a way the seqlock missed: never loaded
         if self.corrupt_reads >= self.max_attempts:
             raise CorruptWeightsError(f"weights of version {version} keep failing their checksum")
         return False
 
-    async def read_header(self) -> list[list[int]]:
-        """A copy of the header: one [begin, end, version, checksum] row per slot."""
+    async def read_header(self) -> list[list[list[int]]]:
+        """A copy of the header: per slot, one [begin, end, version, checksum] row per writer."""
         if self.transport == "shm":
             return self.header_now()
         await self.handle.header.read_into(self.header_bytes)
-        return self.header_bytes[8:].view(torch.int64).view(self.handle.slots, 4).tolist()
+        return self._rows()
 
-    def header_now(self) -> list[list[int]]:
+    def header_now(self) -> list[list[list[int]]]:
         """Over shared memory: the header as it is now, read without yielding to the event loop."""
         self.header_bytes.copy_(self.memory.tensor[:self.header_bytes.numel()])
-        return self.header_bytes[8:].view(torch.int64).view(self.handle.slots, 4).tolist()
+        return self._rows()
+
+    def _rows(self) -> list[list[list[int]]]:
+        return self.header_bytes[8:].view(torch.int64).view(self.handle.slots, self.handle.writers, 4).tolist()
 
     async def read_payload(self, slot: int) -> None:
         """Copy `slot`'s payload into this reader's buffer; over RDMA as concurrent reads of its chunks
@@ -235,7 +295,8 @@ def _newest_common(readers: list[RingReader], headers: list[list[list[int]]], ne
 def _torn(readers: list[RingReader], before: list, after: list, slots: list[int]) -> bool:
     """Whether a writer started on any reader's slot between its headers `before` and `after` (each such
     read counted as torn)."""
-    torn = [r for r, b, a, slot in zip(readers, before, after, slots) if a[slot][BEGIN] != b[slot][BEGIN]]
+    torn = [r for r, b, a, slot in zip(readers, before, after, slots)
+            if [row[BEGIN] for row in a[slot]] != [row[BEGIN] for row in b[slot]]]
     for r in torn:
         r.torn_reads += 1
     return bool(torn)

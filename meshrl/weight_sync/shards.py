@@ -1,16 +1,17 @@
 """Weights split by rows across trainer ranks, as FSDP2 shards them (dim 0, torch.chunk sizes):
-which rows each rank holds, and the reader that reads every rank's ring and puts the newest version
-they all completed back together in the layout vLLM loads. Nobody gathers the full model: each rank
-publishes its own shard, and only the readers assemble.
+which rows each rank holds, one weight ring per host that the host's ranks write their rows into,
+and the reader that reads every host's ring and puts the newest version they all completed back
+together in the layout vLLM loads. Nobody gathers the full model: each rank publishes its own rows,
+and only readers reading rings on several hosts assemble.
 
 The rings hold torchtitan's names and row order; `to_hf` (the model's state-dict adapter) turns the
 assembled tensors into HF names and order after the read, because torchtitan's q/k rows map to HF's
 within each head, across shard boundaries. One rank is the single-ring case.
 
-What a reader hands on is copied as few times as the transport allows: over shared memory with one
-rank, not at all before the generator's own load copies it out of the trainer's ring; with several
-ranks, once, each shard straight into its rows of the full tensors; over RDMA, once more, from the
-network's landing buffer.
+What a reader hands on is copied as few times as the transport allows: over shared memory from a
+trainer on one host, not at all before the generator's own load copies it out of the trainer's ring;
+from rings on several hosts, once, each ring's rows straight into the full tensors; over RDMA, once
+more, from the network's landing buffer.
 """
 
 from typing import Callable
@@ -18,35 +19,80 @@ from typing import Callable
 import torch
 
 from meshrl.weight_sync import WeightLayout
-from meshrl.weight_sync.ring import RingHandle, RingReader, newest_together, pull_together, use_in_place
+from meshrl.weight_sync.ring import (Pieces, RingHandle, RingReader, WeightRing, host_id, newest_together,
+                                     pull_together, use_in_place)
 
 Weights = list[tuple[str, torch.Tensor]]
 
 
-def shard_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
-    """The [start, end) rows of `rank`: chunks of ceil(rows / world), the last short, any after it empty."""
+def shard_rows(rows: int, rank: int, world: int, end_rank: int | None = None) -> tuple[int, int]:
+    """The [start, end) rows of `rank` (or of ranks [rank, end_rank)): chunks of ceil(rows / world),
+    the last short, any after it empty."""
     per = -(-rows // world)
-    return min(rank * per, rows), min((rank + 1) * per, rows)
+    return min(rank * per, rows), min((end_rank or rank + 1) * per, rows)
 
 
-def shard_layout(full: WeightLayout, rank: int, world: int) -> WeightLayout:
-    """The layout of `rank`'s shard of every tensor of `full`."""
+def shard_layout(full: WeightLayout, rank: int, world: int, end_rank: int | None = None) -> WeightLayout:
+    """The layout of `rank`'s (or ranks [rank, end_rank)'s) rows of every tensor of `full`."""
     shapes = {}
     for spec in full.specs:
-        start, end = shard_rows(spec.shape[0], rank, world)
+        start, end = shard_rows(spec.shape[0], rank, world, end_rank)
         shapes[spec.name] = ((end - start, *spec.shape[1:]), spec.dtype)
     return WeightLayout.of(shapes)
 
 
+def writer_pieces(full: WeightLayout, first: int, end: int, world: int) -> Pieces:
+    """For each rank of [first, end): where its rows of each tensor lie in a ring holding all their rows."""
+    pieces, full_rows = [[] for _ in range(first, end)], {spec.name: spec.shape[0] for spec in full.specs}
+    for spec in shard_layout(full, first, world, end).specs:
+        rows = full_rows[spec.name]
+        row_bytes = spec.nbytes // spec.shape[0] if spec.shape[0] else 0
+        base = shard_rows(rows, first, world)[0]
+        for rank in range(first, end):
+            start, stop = shard_rows(rows, rank, world)
+            lo = spec.offset + (start - base) * row_bytes
+            pieces[rank - first].append((spec.name, lo, lo + (stop - start) * row_bytes))
+    return pieces
+
+
+def same_host_run(hosts: list[str], rank: int) -> tuple[int, int]:
+    """The ranks [first, end) around `rank` that are consecutive and on its host (`hosts`: each rank's)."""
+    first, end = rank, rank + 1
+    while first > 0 and hosts[first - 1] == hosts[rank]:
+        first -= 1
+    while end < len(hosts) and hosts[end] == hosts[rank]:
+        end += 1
+    return first, end
+
+
+def host_ring(full: WeightLayout, rank: int, world: int, gather: Callable[[object], list], slots: int,
+              chunk_mb: int, checksums: bool) -> WeightRing:
+    """This rank's ring: one per run of consecutive ranks on one host, created by the first of them and
+    written by each into its rows. `gather(x)` returns every rank's x in rank order (an all-gather)."""
+    first, end = same_host_run(gather(host_id()), rank)
+    layout = shard_layout(full, first, world, end)
+    pieces = writer_pieces(full, first, end, world) if end - first > 1 else None
+    ring = None
+    if rank == first:
+        ring = WeightRing(layout, slots, chunk_mb, checksums, pieces, (first, end), world)
+    infos = gather(ring.attach_info() if ring else None)
+    return ring or WeightRing(layout, slots, chunk_mb, checksums, pieces, (first, end), world, rank - first,
+                              infos[first])
+
+
 class ShardedReader:
-    """Generator side: `load_latest` hands the newest version every rank's ring holds complete to a
+    """Generator side: `load_latest` hands the newest version every host's ring holds complete to a
     loader, as full tensors under HF names; never a torn shard, never shards of different versions."""
 
-    def __init__(self, handles: list[RingHandle], full: WeightLayout, to_hf: Callable[[dict], dict],
+    def __init__(self, handles: list[RingHandle | None], full: WeightLayout, to_hf: Callable[[dict], dict],
                  transport: str = "auto", max_attempts: int = 50):
-        world = len(handles)
-        self.readers = [RingReader(h, shard_layout(full, rank, world), transport, max_attempts)
-                        for rank, h in enumerate(handles)]
+        """`handles`: every trainer rank's `weight_ring()`, in rank order (None from a rank that writes into
+        another rank's ring)."""
+        handles = [h for h in handles if h is not None]
+        if [r for h in handles for r in range(*h.ranks)] != list(range(handles[0].world)):
+            raise ValueError(f"the rings hold ranks {[h.ranks for h in handles]}, not each of {handles[0].world} once")
+        self.readers = [RingReader(h, shard_layout(full, h.ranks[0], h.world, h.ranks[1]), transport, max_attempts)
+                        for h in handles]
         self.full, self.to_hf, self.max_attempts = full, to_hf, max_attempts
         self.transport = self.readers[0].transport
         self.assembled: torch.Tensor | None = None  # the full tensors, with several ranks
@@ -80,14 +126,15 @@ class ShardedReader:
         return version
 
     def _hf(self, shards: list[Weights]) -> Weights:
-        """Every rank's shard of each tensor as one full tensor under its HF name."""
+        """Every ring's rows of each tensor as one full tensor under its HF name."""
         if len(shards) == 1:
             return list(self.to_hf(dict(shards[0])).items())
         if self.assembled is None:
             self.assembled = torch.empty(self.full.nbytes, dtype=torch.uint8)
         full = dict(self.full.unpack(self.assembled))
-        for rank, shard in enumerate(shards):
+        for reader, shard in zip(self.readers, shards):
+            (first, end), world = reader.handle.ranks, reader.handle.world
             for name, tensor in shard:
-                start, end = shard_rows(full[name].shape[0], rank, len(shards))
-                full[name][start:end].copy_(tensor)
+                start, stop = shard_rows(full[name].shape[0], first, world, end)
+                full[name][start:stop].copy_(tensor)
         return list(self.to_hf(full).items())
