@@ -51,10 +51,17 @@ def episode(turns: list[Completion], advantage: float, group_id: int, temperatur
 def check_rates(scored: list[ScoredCompletion], total: int, prefix: str,
                 accuracy: str = "correct") -> dict[str, float]:
     """The mean of each reward check over `total` completions (those not in `scored` count as 0): the
-    task's `accuracy` check as `{prefix}accuracy`, the others under their own names."""
-    names = dict.fromkeys([accuracy, *(k for s in scored for k in s.reward_components)])
-    return {prefix + ("accuracy" if k == accuracy else k):
-            sum(s.reward_components.get(k, 0.0) for s in scored) / total if total else math.nan for k in names}
+    task's `accuracy` check as `{prefix}accuracy`, the others under their own names. A check of a part
+    of the task, `<check>/<part>` (a dataset of a mix), is the mean over the completions that carry it
+    (`{prefix}accuracy/<part>` for the accuracy check's)."""
+    rates = {}
+    for name in dict.fromkeys([accuracy, *(k for s in scored for k in s.reward_components)]):
+        check, slash, part = name.partition("/")
+        carrying = [s for s in scored if name in s.reward_components] if part else scored
+        count = len(carrying) if part else total
+        rates[prefix + ("accuracy" if check == accuracy else check) + slash + part] = (
+            sum(s.reward_components.get(name, 0.0) for s in carrying) / count if count else math.nan)
+    return rates
 
 
 def rollout_record(scored: ScoredCompletion, group_id: int, prompt: str) -> dict:

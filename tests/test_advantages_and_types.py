@@ -42,3 +42,12 @@ def test_check_rates_average_each_check_and_count_unscored_completions_as_zero()
     assert check_rates([a, b], 4, prefix="") == {"accuracy": 0.25, "format": 0.5}  # two whose reward raised
     rates = check_rates([], 0, prefix="")
     assert list(rates) == ["accuracy"] and rates["accuracy"] != rates["accuracy"]  # NaN: nothing scored
+
+
+def test_check_rates_of_a_part_of_the_task_average_over_the_completions_of_that_part():
+    from meshrl.episodes import check_rates
+
+    parts = [("sums", 1.0), ("sums", 0.0), ("sums", 1.0), ("countdown", 0.0)]  # a mix of two datasets
+    done = [ScoredCompletion(scored(r).completion, r, {"correct": r, f"correct/{name}": r}) for name, r in parts]
+    rates = check_rates(done, 5, prefix="eval_")  # one more completion whose reward raised
+    assert rates == {"eval_accuracy": 0.4, "eval_accuracy/sums": 2 / 3, "eval_accuracy/countdown": 0.0}

@@ -15,6 +15,7 @@ from typing import Callable
 from meshrl.configs.job import JobConfig
 from meshrl.configs.overrides import ConfigError, apply_overrides
 from meshrl.tasks.dataset import DatasetConfig
+from meshrl.tasks.reasoning_gym import ReasoningGymConfig
 from meshrl.tasks.sum_digits import SumDigitsConfig
 from meshrl.tasks.zorplex import ZorplexConfig
 
@@ -181,11 +182,12 @@ class Config:
     """A whole run: one section per role, the task and its own section, logging, and where the roles run."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    task: str = "sum_digits"  # sum_digits | dataset | zorplex (settings: the section of the same name) | module:Class
+    task: str = "sum_digits"  # sum_digits | dataset | zorplex | reasoning_gym (settings: the section of the same name) | module:Class
     task_args: str = ""  # a module:Class task's settings, as JSON for its Config dataclass ('{"size": 100}')
     sum_digits: SumDigitsConfig = field(default_factory=SumDigitsConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     zorplex: ZorplexConfig = field(default_factory=ZorplexConfig)
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     grader: GraderConfig = field(default_factory=GraderConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -1,7 +1,7 @@
 """Tasks: where prompts and rewards come from. A task maps a training index to a Sample, holds a fixed
 eval split, and scores a reply with named checks. An environment is a multi-turn task: it answers the
 model's turns (a tool's result, say) until the conversation ends, then scores the whole conversation. Chosen by name (`--task sum_digits`, `--task
-dataset`) or by `module:Class` (`--task mypkg.tasks:MyTask`), so a task in a user's own package needs
+dataset`, `--task reasoning_gym`) or by `module:Class` (`--task mypkg.tasks:MyTask`), so a task in a user's own package needs
 no edit here; built-in tasks have a config section of their own (`--sum_digits.num_terms 3`), a
 `module:Class` task is built from its `Config` dataclass with `--task_args '{"size": 100}'`.
 """
@@ -72,7 +72,7 @@ def is_environment(task) -> bool:
 
 
 BUILT_IN = {"sum_digits": "meshrl.tasks.sum_digits:SumDigits", "dataset": "meshrl.tasks.dataset:DatasetTask",
-            "zorplex": "meshrl.tasks.zorplex:Zorplex"}
+            "zorplex": "meshrl.tasks.zorplex:Zorplex", "reasoning_gym": "meshrl.tasks.reasoning_gym:ReasoningGym"}
 
 
 def task_class(name: str) -> type:

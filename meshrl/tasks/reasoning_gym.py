@@ -1,0 +1,115 @@
+"""Tasks from reasoning-gym: about a hundred procedurally generated reasoning datasets (arithmetic,
+countdown, logic puzzles, graphs, ...) by name, or a weighted mix of several, each rewarded by the
+dataset's own scorer. What many RL papers and frameworks train and report on, with no task code here.
+
+Training samples come from each dataset generated with `seed`, the fixed eval split from the same
+datasets generated with a seed that no training index reaches (reasoning-gym seeds entry i with
+seed + i: training indices stay below `TRAIN_SIZE`, the eval seed is `seed + TRAIN_SIZE`). A small
+problem space can still repeat a question across the two; that is the dataset's own doing.
+
+The prompt is the dataset's question followed by reasoning-gym's own answer instruction: the final
+answer between <answer> and </answer>. The last such tag of the reply is the answer (reasoning-gym's
+`extract_answer`), scored by the dataset's `score_answer` (1.0 right; some datasets give part marks).
+A sample's `answer` is a small JSON reference (dataset, split, index, reference answer): the grader
+regenerates the entry from it, as every scorer needs the entry's metadata.
+"""
+
+import difflib
+import json
+import random
+from dataclasses import dataclass
+
+from meshrl.tasks import Sample
+
+TRAIN_SIZE = 10**9
+INSTRUCTION = "Give only your final answer between <answer> and </answer> tags, e.g. <answer>42</answer>."
+
+
+@dataclass
+class ReasoningGymConfig:
+    """reasoning-gym datasets by name, mixed by weight."""
+
+    datasets: str = "basic_arithmetic:1"  # name:weight, comma separated ("basic_arithmetic:1,countdown:1")
+    dataset_args: str = ""  # JSON: each dataset's own settings, {"basic_arithmetic": {"max_terms": 3}}
+    format_weight: float = 0.1  # reward for an answer in the tags, right or wrong; the score adds to it
+    eval_size: int = 64  # held-out eval samples, from the datasets by weight
+    seed: int = 0  # which samples
+
+
+def _library():
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ValueError("task reasoning_gym needs the reasoning-gym package: pip install 'meshrl[envs]'") from None
+    return reasoning_gym
+
+
+def parse_mix(datasets: str, known: list[str]) -> dict[str, float]:
+    """`name:weight,...` (a missing weight is 1) -> {name: weight}; an unknown name is an error naming
+    the closest known ones."""
+    mix = {}
+    for item in filter(None, (part.strip() for part in datasets.split(","))):
+        name, _, weight = item.partition(":")
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=4, cutoff=0.5)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(f"unknown reasoning_gym dataset {name!r}{hint} (all {len(known)}: "
+                             "python -c 'import reasoning_gym; print(sorted(reasoning_gym.factory.DATASETS))')")
+        try:
+            mix[name] = float(weight or 1)
+        except ValueError:
+            raise ValueError(f"reasoning_gym.datasets: weight of {name} is not a number: {weight!r}") from None
+        if mix[name] <= 0:
+            raise ValueError(f"reasoning_gym.datasets: weight of {name} must be > 0, not {mix[name]}")
+    if not mix:
+        raise ValueError("reasoning_gym.datasets names no dataset")
+    return mix
+
+
+class ReasoningGym:
+    accuracy = "correct"
+
+    def __init__(self, config: ReasoningGymConfig):
+        library = _library()
+        self.config = config
+        self.mix = parse_mix(config.datasets, sorted(library.factory.DATASETS))
+        try:
+            args = json.loads(config.dataset_args) if config.dataset_args else {}
+        except ValueError as e:
+            raise ValueError(f"reasoning_gym.dataset_args is not JSON ({e})") from None
+        if extra := set(args) - set(self.mix):
+            raise ValueError(f"reasoning_gym.dataset_args names datasets not in the mix: {sorted(extra)}")
+        self.splits = {"train": {}, "eval": {}}
+        for name in self.mix:
+            for split, seed in (("train", config.seed), ("eval", config.seed + TRAIN_SIZE)):
+                try:
+                    self.splits[split][name] = library.create_dataset(name, **args.get(name, {}), seed=seed,
+                                                                      size=TRAIN_SIZE)
+                except (TypeError, AssertionError, ValueError) as e:
+                    raise ValueError(f"reasoning_gym dataset {name}: bad settings {args.get(name, {})} ({e})") from None
+        self.extract = library.utils.extract_answer
+
+    def _sample(self, split: str, index: int) -> Sample:
+        rng = random.Random(f"{split}-{self.config.seed}-{index}")
+        name = rng.choices(list(self.mix), weights=list(self.mix.values()))[0]
+        entry = self.splits[split][name][index]
+        reference = json.dumps({"dataset": name, "split": split, "index": index, "answer": entry["answer"]})
+        return Sample(f"{entry['question']}\n\n{INSTRUCTION}", reference, {"dataset": name})
+
+    def train_sample(self, index: int) -> Sample:
+        return self._sample("train", index % TRAIN_SIZE)
+
+    def eval_samples(self) -> list[Sample]:
+        return [self._sample("eval", i) for i in range(self.config.eval_size)]
+
+    def reward(self, text: str, answer: str) -> tuple[float, dict[str, float]]:
+        """The reward, and its checks: `score` (the dataset's scorer, 0 to 1), `correct` (score 1),
+        `format` (an answer in the tags), and `correct/<dataset>` (averaged over that dataset's replies)."""
+        ref = json.loads(answer)
+        dataset = self.splits[ref["split"]][ref["dataset"]]
+        reply = self.extract(text)
+        score = float(dataset.score_answer(reply, dataset[ref["index"]])) if reply is not None else 0.0
+        correct = float(score >= 1.0)
+        checks = {"score": score, "correct": correct, "format": float(reply is not None),
+                  f"correct/{ref['dataset']}": correct}
+        return score + self.config.format_weight * checks["format"], checks

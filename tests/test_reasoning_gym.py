@@ -1,0 +1,84 @@
+"""reasoning-gym tasks: datasets by name and weight, seeded samples with an eval split of its own, the
+dataset's own scorer behind the answer tags, clear errors for names and settings, and a smoke run on a
+mix of two datasets (real actors, vLLM, torchtitan, tiny model) reporting each dataset's accuracy."""
+
+import collections
+import json
+import subprocess
+import sys
+
+import pytest
+
+from meshrl.tasks.reasoning_gym import ReasoningGym, ReasoningGymConfig
+
+
+def task(**settings) -> ReasoningGym:
+    return ReasoningGym(ReasoningGymConfig(**settings))
+
+
+def test_a_weighted_mix_samples_each_dataset_by_weight_the_same_way_every_time():
+    mix = task(datasets="chain_sum:3, leg_counting:1", eval_size=40)
+    names = collections.Counter(mix.train_sample(i).info["dataset"] for i in range(400))
+    assert set(names) == {"chain_sum", "leg_counting"} and 250 < names["chain_sum"] < 350
+    again = task(datasets="chain_sum:3, leg_counting:1", eval_size=40)
+    assert [again.train_sample(i) for i in range(20)] == [mix.train_sample(i) for i in range(20)]
+    assert task(datasets="chain_sum:3,leg_counting:1", seed=1).train_sample(0) != mix.train_sample(0)
+    held_out = {s.prompt for s in mix.eval_samples()}
+    assert len(held_out) == 40 and not held_out & {mix.train_sample(i).prompt for i in range(400)}
+    assert all(s.prompt.endswith("between <answer> and </answer> tags, e.g. <answer>42</answer>.")
+               for s in mix.eval_samples())
+
+
+def test_the_datasets_own_scorer_rewards_the_answer_in_the_last_tags():
+    sums = task(datasets="chain_sum", format_weight=0.1)
+    sample = sums.train_sample(3)
+    right = json.loads(sample.answer)["answer"]
+    assert sums.reward(f"Let me think. <answer>{right}</answer>", sample.answer) == (
+        1.1, {"score": 1.0, "correct": 1.0, "format": 1.0, "correct/chain_sum": 1.0})
+    assert sums.reward(f"<answer>{right}</answer> no: <answer>{int(right) + 1}</answer>", sample.answer)[1] == {
+        "score": 0.0, "correct": 0.0, "format": 1.0, "correct/chain_sum": 0.0}
+    assert sums.reward(f"The answer is {right}.", sample.answer) == (
+        0.0, {"score": 0.0, "correct": 0.0, "format": 0.0, "correct/chain_sum": 0.0})
+
+
+def test_each_datasets_settings_are_passed_to_it():
+    two_terms = task(datasets="chain_sum", dataset_args='{"chain_sum": {"min_terms": 2, "max_terms": 2}}')
+    for i in range(10):
+        question = two_terms.train_sample(i).prompt.split("\n")[0]
+        assert question.count("+") + question.count(" - ") == 1, question
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"datasets": "countdwn:1"}, "unknown reasoning_gym dataset 'countdwn'; did you mean countdown"),
+    ({"datasets": "chain_sum:x"}, "weight of chain_sum is not a number: 'x'"),
+    ({"datasets": "chain_sum:0"}, "weight of chain_sum must be > 0"),
+    ({"datasets": " , "}, "names no dataset"),
+    ({"dataset_args": "{nope"}, "dataset_args is not JSON"),
+    ({"dataset_args": '{"countdown": {}}'}, r"names datasets not in the mix: \['countdown'\]"),
+    ({"datasets": "chain_sum", "dataset_args": '{"chain_sum": {"max_trems": 2}}'},
+     "reasoning_gym dataset chain_sum: bad settings"),
+])
+def test_bad_names_and_settings_are_one_clear_error(settings, message):
+    with pytest.raises(ValueError, match=message):
+        task(**settings)
+
+
+def test_a_mix_of_two_datasets_trains_and_reports_each_ones_accuracy(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path / "run"),
+                          "--checkpoint.every", "0", "--task", "reasoning_gym", "--reasoning_gym.datasets",
+                          "chain_sum:1,leg_counting:1", "--reasoning_gym.eval_size", "6"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evaluated = {k for row in rows for k in row if k.startswith("eval_accuracy/")}
+    assert evaluated == {"eval_accuracy/chain_sum", "eval_accuracy/leg_counting"}
+    assert {k for row in rows for k in row if k.startswith("accuracy/")} <= {"accuracy/chain_sum", "accuracy/leg_counting"}
+    assert all(0 <= row[k] <= 1 for row in rows for k in row if k.startswith(("accuracy/", "eval_accuracy/")))
+    bad = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path / "bad"),
+                          "--task", "reasoning_gym", "--reasoning_gym.datasets", "chain_sum,leg_countin"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and not (tmp_path / "bad").exists()
+    assert bad.stderr.strip().splitlines() == [
+        "meshrl: error: unknown reasoning_gym dataset 'leg_countin'; did you mean leg_counting, letter_counting, "
+        "rectangle_count, countdown? (all 106: "
+        "python -c 'import reasoning_gym; print(sorted(reasoning_gym.factory.DATASETS))')"]
