@@ -4,6 +4,7 @@ that loads a `module:Class` task, and smoke runs of both (real actors, vLLM, tor
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -19,15 +20,46 @@ from meshrl.tasks.dataset import DatasetConfig, DatasetTask, exact, math_answer,
     (numeric, "1,234 apples", "1234", {"correct": 1.0, "has_number": 1.0}),
     (numeric, "7 then 8", "7", {"correct": 0.0, "has_number": 1.0}),
     (numeric, "no idea", "7", {"correct": 0.0, "has_number": 0.0}),
-    (math_answer, r"so \boxed{12} and then \boxed{0.5}", "1/2", {"correct": 0.0, "format": 1.0}),
-    (math_answer, r"so \boxed{12} and then \boxed{0.5}", "0.50", {"correct": 1.0, "format": 1.0}),
-    (math_answer, "Answer: x+1\nAnswer: **42**", "42", {"correct": 0.0, "format": 1.0}),  # bold is not the value
-    (math_answer, "Answer: 42", "42", {"correct": 1.0, "format": 1.0}),
-    (math_answer, "42", "42", {"correct": 0.0, "format": 0.0}),
 ])
 def test_dataset_rewards_by_hand(reward, text, answer, expected):
     value, checks = reward(text, answer)
     assert checks == expected and value == expected["correct"]
+
+
+@pytest.mark.parametrize("text, answer, correct, found", [
+    # equal forms the old regex reward (numbers only, last \boxed{} or "Answer:") got wrong
+    (r"So the probability is \boxed{\frac{1}{2}}.", "0.5", 1, 1),
+    (r"Solving gives \boxed{x=3}", "3", 1, 1),
+    (r"The set is \boxed{\{1, 2\}}", r"\{2,1\}", 1, 1),
+    (r"\boxed{2\sqrt{2}}", r"\sqrt{8}", 1, 1),
+    (r"$\frac{3}{4}$ of it", "0.75", 1, 1),
+    (r"\boxed{[0, 1)}", "[0,1)", 1, 1),
+    ("Answer: x+1\nAnswer: **42**", "42", 1, 1),
+    ("1,234 apples", "1234", 1, 1),
+    # wrong ones it rejects, and replies without an answer
+    (r"\boxed{\frac{1}{3}}", "0.5", 0, 1),
+    (r"Solving gives \boxed{x=4}", "3", 0, 1),
+    (r"\boxed{(0, 1)}", "[0,1)", 0, 1),
+    (r"\boxed{\{1, 3\}}", r"\{1,2\}", 0, 1),
+    ("so it is 41", "42", 0, 1),
+    ("no idea", "7", 0, 0),
+])
+def test_math_rewards_compare_answers_with_math_verify(text, answer, correct, found):
+    assert math_answer(text, answer) == (float(correct), {"correct": float(correct), "format": float(found)})
+
+
+def test_a_reply_that_keeps_math_verify_busy_is_cut_off_and_the_next_is_compared():
+    from meshrl.tasks.math_reward import MathVerifier
+
+    verifier = MathVerifier(timeout_s=1.0)
+    try:
+        assert verifier("warm: \\boxed{1}", "1") == {"found": True, "correct": True}  # the child has started
+        start = time.monotonic()
+        assert verifier(r"\boxed{9^{9^{9^{9}}}}", "5") is None  # sympy would work on it for minutes
+        assert time.monotonic() - start < 2.0
+        assert verifier(r"\boxed{\frac{1}{2}}", "0.5") == {"found": True, "correct": True}  # a new child
+    finally:
+        verifier.close()
 
 
 def write_jsonl(path, rows) -> str:

@@ -32,13 +32,11 @@ class DatasetConfig:
     eval_size: int = 64  # held-out rows taken from `path` when there is no eval_path (at most this many of eval_path)
     prompt_field: str = "prompt"  # the user's message
     answer_field: str = "answer"  # the reference answer
-    reward: str = "exact"  # exact (normalised text) | numeric (the last number) | math (the last \boxed{} or "Answer:" value) | module:function
+    reward: str = "exact"  # exact (normalised text) | numeric (the last number) | math (math-verify) | module:function
     seed: int = 0  # the order of the training rows
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-_TAGGED = re.compile(r"Answer:\**\s*([^\n]+)")
 
 
 def normalise(text: str) -> str:
@@ -75,11 +73,23 @@ def numeric(text: str, answer: str) -> tuple[float, dict[str, float]]:
 
 
 def math_answer(text: str, answer: str) -> tuple[float, dict[str, float]]:
-    """1 when the last \\boxed{...}, or failing that the text after the last "Answer:", is the answer
-    (as a number when both are numbers); `format` says whether the reply gave one at all."""
-    given = (_BOXED.findall(text) or [m.strip() for m in _TAGGED.findall(text)] or [None])[-1]
-    correct = float(given is not None and _same(given, answer))
-    return correct, {"correct": correct, "format": float(given is not None)}
+    """1 when math-verify reads the reply's final answer (the last \\boxed{}, else the last LaTeX or plain
+    expression) as equal to the reference (0.5 = \\frac{1}{2}, x=3 = 3, sets, intervals); `format` says
+    whether it found an answer at all. A reply it cannot compare within math_reward.TIMEOUT_S scores 0,
+    with the check `timed_out`."""
+    global _verifier
+    if _verifier is None:
+        from meshrl.tasks.math_reward import MathVerifier
+
+        _verifier = MathVerifier()
+    result = _verifier(text, answer)
+    if result is None:
+        return 0.0, {"correct": 0.0, "format": 0.0, "timed_out": 1.0}
+    correct = float(result["correct"])
+    return correct, {"correct": correct, "format": float(result["found"])}
+
+
+_verifier = None  # this process's math-verify child, started on first use
 
 
 REWARDS = {"exact": exact, "numeric": numeric, "math": math_answer}
