@@ -245,7 +245,7 @@ class FakeGenerator:
 class FakeGrader:
     """roles.Grader: a completion's reward is the number its text is."""
 
-    async def score(self, completions: list[Completion], expected_answer: str) -> list[ScoredCompletion]:
+    async def score(self, completions: list[Completion], sample) -> list[ScoredCompletion]:
         return [ScoredCompletion(c, float(c.text), {"correct": float(c.text)}) for c in completions]
 
 

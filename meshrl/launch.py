@@ -70,6 +70,12 @@ def check_config(config: Config) -> None:
         raise ValueError("controller.max_turns must be at least 1")
     estimator(cfg.advantage.removeprefix(STEP_WISE))
     check_loss(config.trainer.loss)
+    if not 0 <= config.grader.judge.rule_weight <= 1:
+        raise ValueError(f"grader.judge.rule_weight must be in [0, 1], not {config.grader.judge.rule_weight:g}")
+    if config.grader.judge.rubric:
+        from meshrl.actors.judge import check_rubric
+
+        check_rubric(config.grader.judge.rubric)
 
 
 @dataclass
@@ -192,7 +198,7 @@ class DtypeProbe(Actor):
 
     @endpoint
     async def served(self, dtype: str) -> str:
-        from meshrl.actors.generator import vllm_dtype
+        from meshrl.actors.engine import vllm_dtype
 
         return vllm_dtype(dtype)
 
@@ -207,7 +213,7 @@ async def weight_dtype(config: Config, hosts: Hosts, local: bool) -> str:
     if config.weight_sync.dtype != "auto":
         return config.weight_sync.dtype
     if local:
-        from meshrl.actors.generator import vllm_dtype
+        from meshrl.actors.engine import vllm_dtype
 
         served = vllm_dtype(config.generator.dtype)
     else:

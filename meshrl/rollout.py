@@ -147,5 +147,5 @@ class RolloutCollector:
             completions = len(scored) + failed
         else:
             first = await generate([Prompt(index, self.tokenizer.encode_chat(sample.prompt))], sampling)
-            scored, completions = await grade("score", first, sample.answer), len(first)
+            scored, completions = await grade("score", first, sample), len(first)
         return Group(index, scored, completions, tokens, oldest, launched, spans[0]["start"], spans[-1]["end"])

@@ -181,7 +181,7 @@ class Run:
             timeouts.generate), gen.replicas, gen.max_restarts, self._write_processes, timeouts.stop)
         graders = ReplicaPool("grader", monarch_replicas(
             lambda i: replica_name("grader", i, grade.replicas), self.classes["grader"],
-            lambda i: (cfg.task, task_config(cfg)), lambda i: self.hosts.host("grader", i), None, timeouts.grade),
+            lambda i: (cfg.task, task_config(cfg), grade), lambda i: self.hosts.host("grader", i), None, timeouts.grade),
             grade.replicas, grade.max_restarts, self._write_processes, timeouts.stop)
         self.pools = [generators, graders]
         await asyncio.gather(generators.start(), graders.start())

@@ -12,6 +12,7 @@ from meshrl.actors.grader import Grader
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
 from meshrl.model import ChatTokenizer, resolve_checkpoint
+from meshrl.tasks import Sample
 from meshrl.tasks.sum_digits import SumDigitsConfig
 from meshrl.types import Completion, Prompt, Sampling, TrainBatch
 
@@ -84,7 +85,7 @@ def test_grader_scores_a_group_and_skips_malformed_completions():
             def c(text):
                 return Completion(0, [1], [2], [-0.1], text, 0, "stop")
 
-            scored = await grader.score.call_one([c("Answer: 7"), c(None), c("8")], "7")
+            scored = await grader.score.call_one([c("Answer: 7"), c(None), c("8")], Sample("What is 3 + 4?", "7"))
             assert [s.completion.text for s in scored] == ["Answer: 7", "8"]
             assert [s.reward for s in scored] == pytest.approx([1.1, 0.0])
             assert scored[0].reward_components == {"correct": 1.0, "format": 1.0, "last_number": 1.0}

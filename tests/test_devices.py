@@ -57,7 +57,7 @@ def test_bf16_autocast_only_where_the_cpu_has_bf16_math():
 
 def test_vllm_gets_bf16_only_where_the_device_has_bf16_math():
     from meshrl.actors import has_bf16_math, resolve_device
-    from meshrl.actors.generator import vllm_dtype
+    from meshrl.actors.engine import vllm_dtype
 
     assert vllm_dtype("auto") == ("bfloat16" if has_bf16_math(resolve_device("auto")) else "float32")
     assert vllm_dtype("bfloat16") == "bfloat16" and vllm_dtype("float32") == "float32"

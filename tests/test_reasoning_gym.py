@@ -25,7 +25,7 @@ def test_a_weighted_mix_samples_each_dataset_by_weight_the_same_way_every_time()
     assert task(datasets="chain_sum:3,leg_counting:1", seed=1).train_sample(0) != mix.train_sample(0)
     held_out = {s.prompt for s in mix.eval_samples()}
     assert len(held_out) == 40 and not held_out & {mix.train_sample(i).prompt for i in range(400)}
-    assert all(s.prompt.endswith("between <answer> and </answer> tags, e.g. <answer>42</answer>.")
+    assert all(s.prompt.endswith("\n\nGive your final answer between <answer> and </answer> tags.")
                for s in mix.eval_samples())
 
 

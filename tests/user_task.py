@@ -79,7 +79,7 @@ class ScoreOnlyGrader(Actor):
     """A user's grader written for single-turn tasks: no `step` endpoint (never spawned in the tests)."""
 
     @endpoint
-    async def score(self, completions, expected_answer):
+    async def score(self, completions, sample):
         return []
 
 

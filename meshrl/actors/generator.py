@@ -37,7 +37,7 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 from safetensors.torch import save_file
 
-from meshrl.actors import has_bf16_math, pin_cpus, resolve_device
+from meshrl.actors.engine import start_vllm
 from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.weight_updates import WeightUpdates
 from meshrl.configs import GeneratorConfig, WeightSyncConfig
@@ -77,27 +77,13 @@ class Request:
 
 class VLLMGenerator(Actor):
     def __init__(self, config: GeneratorConfig, weight_sync: WeightSyncConfig, checkpoint: str):
-        # vLLM reads these at import: keep the engine in this process, size its CPU KV cache,
-        # and keep the thread count we pin instead of lowering it to 1.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
-        os.environ["OMP_NUM_THREADS"] = str(config.num_threads)
-        if config.cpus:  # vLLM binds its OpenMP threads itself: to our cores, not to all of them
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpus
-        # vLLM's per-call CPU notices would drown the progress bar; VLLM_LOGGING_LEVEL=INFO brings them back.
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-        if config.devices:  # this replica's GPUs (meshrl/gpu_plan.py), before anything starts CUDA
-            os.environ["CUDA_VISIBLE_DEVICES"] = config.devices
-        pin_cpus(config.cpus, config.num_threads)
-        from vllm import LLM
-
         self.config = config
         # processed logprobs: those of the distribution each token was sampled from (after the temperature),
         # which the trainer's logprobs of logits / temperature are compared with
-        self.llm = LLM(checkpoint, dtype=vllm_dtype(config.dtype), max_model_len=config.max_model_len,
-                       gpu_memory_utilization=config.memory_fraction, seed=config.seed, enforce_eager=True,
-                       tensor_parallel_size=config.tensor_parallel_size,
-                       logprobs_mode="processed_logprobs")
+        self.llm = start_vllm(checkpoint, dtype=config.dtype, max_model_len=config.max_model_len,
+                              memory_fraction=config.memory_fraction, seed=config.seed, num_threads=config.num_threads,
+                              cpus=config.cpus, kv_cache_gib=config.kv_cache_gib, devices=config.devices,
+                              tensor_parallel_size=config.tensor_parallel_size, logprobs_mode="processed_logprobs")
         # what the trainer's ranks publish, together
         self.layout, self.adapter = published_weights(checkpoint, weight_sync.dtype)
         self.transport, self.pull_timeout, self.poll_s = weight_sync.transport, weight_sync.timeout_s, weight_sync.poll_s
@@ -290,11 +276,3 @@ class VLLMGenerator(Actor):
     async def weight_sync_stats(self) -> dict:
         return {"transport": self.ring.transport, "torn_reads": self.ring.torn_reads,
                 "corrupt_reads": self.ring.corrupt_reads}
-
-
-def vllm_dtype(dtype: str) -> str:
-    """`auto`: bfloat16 where vLLM's device (a GPU if there is one, else the CPU) has bf16 math, else
-    float32; any other value goes to vLLM as it is."""
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if has_bf16_math(resolve_device("auto")) else "float32"

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from monarch.actor import Actor, endpoint
 
+from meshrl.configs import GraderConfig
 from meshrl.tasks import Sample, make_task
 from meshrl.types import Completion, ScoredCompletion
 
@@ -24,21 +25,28 @@ class EnvReply:
 
 
 class Grader(Actor):
-    def __init__(self, task: str, task_config):
+    """Scores with the task's own reward function (roles.Grader)."""
+
+    def __init__(self, task: str, task_config, config: GraderConfig | None = None):
         self.task = make_task(task, task_config)
 
     @endpoint
-    async def score(self, completions: list[Completion], expected_answer: str) -> list[ScoredCompletion]:
+    async def score(self, completions: list[Completion], sample: Sample) -> list[ScoredCompletion]:
         """Completions whose reward function raises are logged and left out; the caller counts them."""
-        scored = []
+        return [ScoredCompletion(c, reward, checks) for c, (reward, checks) in zip(completions, self.rewards(completions, sample))
+                if reward is not None]
+
+    def rewards(self, completions: list[Completion], sample: Sample) -> list[tuple[float | None, dict]]:
+        """The task's (reward, checks) of each completion; (None, {}) where its reward function raised (logged)."""
+        results = []
         for completion in completions:
             try:
-                reward, components = self.task.reward(completion.text, expected_answer)
+                reward, checks = self.task.reward(completion.text, sample.answer)
+                results.append((float(reward), checks))
             except Exception:
                 logger.exception("reward function failed on %r", completion.text)
-                continue
-            scored.append(ScoredCompletion(completion, float(reward), components))
-        return scored
+                results.append((None, {}))
+        return results
 
     @endpoint
     async def step(self, sample: Sample, conversations: list[list[dict]], last: bool) -> list[EnvReply]:

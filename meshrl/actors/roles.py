@@ -54,11 +54,12 @@ class Generator(Protocol):
 
 
 class Grader(Protocol):
-    """Scores one prompt's group. Constructed with (task name, task config). Raising (rather than
-    leaving a completion out) fails the group."""
+    """Scores one prompt's group. Constructed with (task name, task config, GraderConfig). Raising
+    (rather than leaving a completion out) fails the group."""
 
-    async def score(self, completions: list[Completion], expected_answer: str) -> list[ScoredCompletion]:
-        """Completions whose reward function raises are left out (the caller counts them)."""
+    async def score(self, completions: list[Completion], sample) -> list[ScoredCompletion]:
+        """Scores the completions of one prompt (`sample`: the task's Sample, with the prompt and the
+        reference answer). Completions whose reward function raises are left out (the caller counts them)."""
 
     async def step(self, sample, conversations: list[list[dict]], last: bool) -> list:
         """Needed only for a multi-turn task (an `Environment`): one `EnvReply` per conversation, the environment's

@@ -55,14 +55,32 @@ class GeneratorConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """The model-judged grader (grader.impl meshrl.actors.judge:JudgeGrader): a language model, served
+    by vLLM in each grader replica, says whether a reply answers the question."""
+
+    model: str = "smollm2"  # the judge: smollm2 (embedded) | an HF checkpoint directory
+    rubric: str = ""  # its prompt, with {question}, {reference} and {reply}, asking for a yes or no; "": the built-in one
+    rule_weight: float = 0.0  # the task's own reward mixed in: reward = (1 - w) * P(yes) + w * task reward
+    max_model_len: int = 1024  # vLLM's context length for the judge
+    dtype: str = "auto"  # as generator.dtype
+    memory_fraction: float = 0.2  # vLLM's gpu_memory_utilization
+    kv_cache_gib: int = 1  # vLLM's CPU KV cache
+    num_threads: int = 1  # torch/OpenMP threads of each replica's judge
+    cpus: str = ""  # pin each grader replica to these cores; "" leaves placement to the OS
+    devices: str = ""  # CUDA_VISIBLE_DEVICES of the grader replicas ("": what the process sees)
+
+
+@dataclass
 class GraderConfig:
-    """Scores completions with the task's reward function."""
+    """Scores completions with the task's reward function (or a judge model, with JudgeGrader)."""
 
     impl: str = "meshrl.actors.grader:Grader"  # the actor class, module:Class
     replicas: int = 1  # grader actors; groups go to the least loaded
     max_restarts: int = 3  # failed replicas replaced before the run stops
     hosts: str = ""  # the job.hosts group the replicas go on, round-robin over its hosts; "": the controller's host
     timeout_s: float = 300.0  # one group's grading: past it the replica is replaced
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
 @dataclass
@@ -228,6 +246,19 @@ def zorplex_smollm2() -> Config:
     config.controller.max_turns = 3
     config.controller.eval_temperature, config.controller.eval_samples = 1.0, 4
     config.checkpoint.every = 0
+    return config
+
+
+@register
+def reasoning_gym_smollm2() -> Config:
+    """SmolLM2-135M on reasoning-gym's chain_sum (two one-digit terms), answering in <answer> tags: the
+    untrained model almost never uses the tags (1% of sampled replies, 0 right), so the format pays
+    at first, as in the demo."""
+    config = sum_digits_smollm2()
+    config.task = "reasoning_gym"
+    config.reasoning_gym.datasets = "chain_sum"
+    config.reasoning_gym.dataset_args = '{"chain_sum": {"min_terms": 2, "max_terms": 2, "max_digits": 1}}'
+    config.reasoning_gym.format_weight = 0.2
     return config
 
 

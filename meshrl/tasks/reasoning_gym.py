@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from meshrl.tasks import Sample
 
 TRAIN_SIZE = 10**9
-INSTRUCTION = "Give only your final answer between <answer> and </answer> tags, e.g. <answer>42</answer>."
+INSTRUCTION = "Give your final answer between <answer> and </answer> tags."
 
 
 @dataclass
@@ -94,7 +94,7 @@ class ReasoningGym:
         name = rng.choices(list(self.mix), weights=list(self.mix.values()))[0]
         entry = self.splits[split][name][index]
         reference = json.dumps({"dataset": name, "split": split, "index": index, "answer": entry["answer"]})
-        return Sample(f"{entry['question']}\n\n{INSTRUCTION}", reference, {"dataset": name})
+        return Sample(f"{entry['question']}\n\n{INSTRUCTION}", reference, {"dataset": name, "reference": entry["answer"]})
 
     def train_sample(self, index: int) -> Sample:
         return self._sample("train", index % TRAIN_SIZE)

@@ -1,0 +1,34 @@
+"""Starting vLLM inside an actor's process, as a generator replica and a judge grader both do: the
+environment vLLM reads at import (the engine in this process, its CPU KV cache, the cores its OpenMP
+threads bind to, quiet logs, the GPUs), this process pinned to its cores, then the engine."""
+
+import os
+
+from meshrl.actors import has_bf16_math, pin_cpus, resolve_device
+
+
+def start_vllm(checkpoint: str, *, dtype: str, max_model_len: int, memory_fraction: float, seed: int,
+               num_threads: int, cpus: str, kv_cache_gib: int, devices: str = "", **options):
+    """A `vllm.LLM` of `checkpoint` in this process (eager: no graph capture); `options` go to `LLM`."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)  # the count we pin, rather than vLLM lowering it to 1
+    if cpus:  # vLLM binds its OpenMP threads itself: to our cores, not to all of them
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+    # vLLM's per-call CPU notices would drown the progress bar; VLLM_LOGGING_LEVEL=INFO brings them back.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if devices:  # this replica's GPUs (meshrl/gpu_plan.py), before anything starts CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    pin_cpus(cpus, num_threads)
+    from vllm import LLM
+
+    return LLM(checkpoint, dtype=vllm_dtype(dtype), max_model_len=max_model_len, gpu_memory_utilization=memory_fraction,
+               seed=seed, enforce_eager=True, **options)
+
+
+def vllm_dtype(dtype: str) -> str:
+    """`auto`: bfloat16 where vLLM's device (a GPU if there is one, else the CPU) has bf16 math, else
+    float32; any other value goes to vLLM as it is."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if has_bf16_math(resolve_device("auto")) else "float32"

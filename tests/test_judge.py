@@ -1,0 +1,52 @@
+"""The model-judged grader: its verdict read from the judge's first-token log-probabilities, rubric
+checks, and a smoke run with it as the grader (tiny policy, the embedded SmolLM2 as the judge, real
+actors and vLLM), whose rewards mix the judge's P(yes) with the task's own reward as configured."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from meshrl.actors.judge import RUBRIC, check_rubric, p_yes
+
+
+def test_the_verdict_is_p_yes_against_no_over_the_first_tokens_alternatives():
+    lp = math.log
+    assert p_yes({" Yes": lp(0.6), "yes": lp(0.1), "No": lp(0.1), "Maybe": lp(0.2)}) == pytest.approx(0.875)
+    assert p_yes({"no": lp(0.5), "The": lp(0.5)}) == 0.0
+    assert p_yes({"The": lp(0.9), "A": lp(0.1)}) is None  # neither: the judge did not answer
+
+
+def test_a_rubric_must_show_the_reply_and_name_only_known_fields():
+    check_rubric(RUBRIC)
+    check_rubric("Is this right? {reply} Say yes or no.")
+    with pytest.raises(ValueError, match=r"must show the judge the \{reply\}"):
+        check_rubric("Is {reference} the answer to {question}?")
+    with pytest.raises(ValueError, match=r"only \{question\}, \{reference\} and \{reply\}"):
+        check_rubric("{reply} vs {gold}")
+
+
+def test_a_run_graded_by_a_judge_model_mixes_its_verdict_with_the_tasks_reward(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path / "run"),
+                          "--checkpoint.every", "0", "--grader.impl", "meshrl.actors.judge:JudgeGrader",
+                          "--grader.judge.rule_weight", "0.5", "--sum_digits.format_weight", "0.2"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rollouts = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert rollouts
+    for r in rollouts:
+        checks = r["reward_components"]
+        rule = checks["correct"] + 0.2 * checks["format"]  # sum_digits' own reward
+        assert r["reward"] == pytest.approx(0.5 * checks["judge_yes"] + 0.5 * rule)
+        assert 0 <= checks["judge_yes"] <= 1 and checks["judge_parsed"] in (0.0, 1.0)
+    assert any(r["reward_components"]["judge_parsed"] for r in rollouts)  # SmolLM2 answers yes or no
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert {"judge_yes", "judge_agrees", "eval_judge_yes"} <= rows[-1].keys()
+    bad = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path / "bad"),
+                          "--grader.impl", "meshrl.actors.judge:JudgeGrader", "--grader.judge.rubric", "{answer}?"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and not (tmp_path / "bad").exists()
+    assert bad.stderr.strip().splitlines() == [
+        "meshrl: error: grader.judge.rubric may use only {question}, {reference} and {reply} (KeyError('answer'))"]
