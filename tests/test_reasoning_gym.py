@@ -39,6 +39,8 @@ def test_the_datasets_own_scorer_rewards_the_answer_in_the_last_tags():
         "score": 0.0, "correct": 0.0, "format": 1.0, "correct/chain_sum": 0.0}
     assert sums.reward(f"The answer is {right}.", sample.answer) == (
         0.0, {"score": 0.0, "correct": 0.0, "format": 0.0, "correct/chain_sum": 0.0})
+    for echo in ("I give it between <answer> and </answer> tags", "<answer> </answer>"):  # no answer in them
+        assert sums.reward(echo, sample.answer)[1]["format"] == 0.0
 
 
 def test_each_datasets_settings_are_passed_to_it():

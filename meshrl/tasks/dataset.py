@@ -8,6 +8,7 @@ row, an empty file) is one error naming the file and the row, before anything st
 prompts are too long for the generator are skipped at load, their count and row numbers said once.
 """
 
+import importlib.util
 import json
 import logging
 import math
@@ -98,6 +99,8 @@ REWARDS = {"exact": exact, "numeric": numeric, "math": math_answer}
 def reward_function(name: str):
     """A built-in reward, or `module:function` returning a float or (float, {check: value}); a float
     alone becomes the check `correct` too."""
+    if name == "math" and importlib.util.find_spec("math_verify") is None:
+        raise ValueError("dataset.reward math needs the math-verify package: pip install 'meshrl[envs]'")
     if name in REWARDS:
         return REWARDS[name]
     if ":" not in name:

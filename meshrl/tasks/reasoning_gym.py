@@ -9,7 +9,8 @@ problem space can still repeat a question across the two; that is the dataset's 
 
 The prompt is the dataset's question followed by reasoning-gym's own answer instruction: the final
 answer between <answer> and </answer>. The last such tag of the reply is the answer (reasoning-gym's
-`extract_answer`), scored by the dataset's `score_answer` (1.0 right; some datasets give part marks).
+`extract_answer`), scored by the dataset's `score_answer` (1.0 right; some datasets give part marks);
+tags around nothing, or around the "and" of the instruction repeated, are no answer.
 A sample's `answer` is a small JSON reference (dataset, split, index, reference answer): the grader
 regenerates the entry from it, as every scorer needs the entry's metadata.
 """
@@ -23,6 +24,9 @@ from meshrl.tasks import Sample
 
 TRAIN_SIZE = 10**9
 INSTRUCTION = "Give your final answer between <answer> and </answer> tags."
+# What a reply that repeats the instruction has between the tags. Measured: with format paid for
+# any tags, SmolLM2 learnt within 15 steps to echo "between <answer> and </answer>" and nothing else.
+ECHOES = ("", "and")
 
 
 @dataclass
@@ -108,6 +112,8 @@ class ReasoningGym:
         ref = json.loads(answer)
         dataset = self.splits[ref["split"]][ref["dataset"]]
         reply = self.extract(text)
+        if reply is not None and reply.strip() in ECHOES:
+            reply = None  # the instruction repeated ("between <answer> and </answer>"), not an answer
         score = float(dataset.score_answer(reply, dataset[ref["index"]])) if reply is not None else 0.0
         correct = float(score >= 1.0)
         checks = {"score": score, "correct": correct, "format": float(reply is not None),
