@@ -43,6 +43,19 @@ def test_the_datasets_own_scorer_rewards_the_answer_in_the_last_tags():
         assert sums.reward(echo, sample.answer)[1]["format"] == 0.0
 
 
+def test_the_answer_line_format_takes_the_rest_of_the_last_answer_line():
+    sums = task(datasets="chain_sum", answer_format="line", format_weight=0.1)
+    sample = sums.train_sample(3)
+    right = json.loads(sample.answer)["answer"]
+    assert sample.prompt.endswith("\n\nPut your final answer after 'Answer:'.")
+    assert sums.reward(f"Answer: 0\nSo **Answer:** {right}.", sample.answer)[1]["correct"] == 1.0
+    assert sums.reward(f"{right}", sample.answer)[1] == {
+        "score": 0.0, "correct": 0.0, "format": 0.0, "correct/chain_sum": 0.0}
+    assert sums.reward("I put it after 'Answer:'.", sample.answer)[1]["format"] == 0.0  # the instruction echoed
+    with pytest.raises(ValueError, match="answer_format must be one of tags, line, not 'xml'"):
+        task(answer_format="xml")
+
+
 def test_each_datasets_settings_are_passed_to_it():
     two_terms = task(datasets="chain_sum", dataset_args='{"chain_sum": {"min_terms": 2, "max_terms": 2}}')
     for i in range(10):

@@ -251,13 +251,15 @@ def zorplex_smollm2() -> Config:
 
 @register
 def reasoning_gym_smollm2() -> Config:
-    """SmolLM2-135M on reasoning-gym's chain_sum (two one-digit terms), answering in <answer> tags: the
-    untrained model almost never uses the tags (1% of sampled replies, 0 right), so the format pays
-    at first, as in the demo."""
+    """SmolLM2-135M on reasoning-gym's chain_sum (two one-digit terms), its answer after "Answer:": the
+    untrained model never gave one in <answer> tags (0 of 704 sampled replies over 11 steps of this
+    config with the tags, once the instruction's own tags repeated were not counted), and the format
+    pays at first, as in the demo."""
     config = sum_digits_smollm2()
     config.task = "reasoning_gym"
     config.reasoning_gym.datasets = "chain_sum"
     config.reasoning_gym.dataset_args = '{"chain_sum": {"min_terms": 2, "max_terms": 2, "max_digits": 1}}'
+    config.reasoning_gym.answer_format = "line"
     config.reasoning_gym.format_weight = 0.2
     return config
 

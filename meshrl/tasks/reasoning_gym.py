@@ -7,10 +7,12 @@ datasets generated with a seed that no training index reaches (reasoning-gym see
 seed + i: training indices stay below `TRAIN_SIZE`, the eval seed is `seed + TRAIN_SIZE`). A small
 problem space can still repeat a question across the two; that is the dataset's own doing.
 
-The prompt is the dataset's question followed by reasoning-gym's own answer instruction: the final
-answer between <answer> and </answer>. The last such tag of the reply is the answer (reasoning-gym's
-`extract_answer`), scored by the dataset's `score_answer` (1.0 right; some datasets give part marks);
-tags around nothing, or around the "and" of the instruction repeated, are no answer.
+The prompt is the dataset's question followed by an answer instruction: by default reasoning-gym's
+own, the final answer between <answer> and </answer>, the last such tag of the reply being the answer
+(reasoning-gym's `extract_answer`); or (`answer_format line`, which small models follow more often)
+after "Answer:", the rest of the last such line being the answer. It is scored by the dataset's
+`score_answer` (1.0 right; some datasets give part marks); an empty answer, or the "and" of the tags
+instruction repeated, is no answer.
 A sample's `answer` is a small JSON reference (dataset, split, index, reference answer): the grader
 regenerates the entry from it, as every scorer needs the entry's metadata.
 """
@@ -18,15 +20,24 @@ regenerates the entry from it, as every scorer needs the entry's metadata.
 import difflib
 import json
 import random
+import re
 from dataclasses import dataclass
 
 from meshrl.tasks import Sample
 
 TRAIN_SIZE = 10**9
-INSTRUCTION = "Give your final answer between <answer> and </answer> tags."
-# What a reply that repeats the instruction has between the tags. Measured: with format paid for
-# any tags, SmolLM2 learnt within 15 steps to echo "between <answer> and </answer>" and nothing else.
+INSTRUCTIONS = {"tags": "Give your final answer between <answer> and </answer> tags.",
+                "line": "Put your final answer after 'Answer:'."}
+_LINE = re.compile(r"Answer:\**\s*([^\n]*)")
+# What a reply that repeats the instruction has where the answer goes: no answer. Measured: with the
+# format paid for any tags, SmolLM2 learnt within 15 steps to echo "between <answer> and </answer>".
 ECHOES = ("", "and")
+
+
+def answer_in_line(text: str) -> str | None:
+    """The text after the last "Answer:" (markdown bold, quotes and a final full stop taken off)."""
+    found = _LINE.findall(text)
+    return found[-1].strip().strip("*'\"`").rstrip(".").strip() if found else None
 
 
 @dataclass
@@ -35,7 +46,8 @@ class ReasoningGymConfig:
 
     datasets: str = "basic_arithmetic:1"  # name:weight, comma separated ("basic_arithmetic:1,countdown:1")
     dataset_args: str = ""  # JSON: each dataset's own settings, {"basic_arithmetic": {"max_terms": 3}}
-    format_weight: float = 0.1  # reward for an answer in the tags, right or wrong; the score adds to it
+    answer_format: str = "tags"  # tags: between <answer> and </answer> (reasoning-gym's) | line: after "Answer:"
+    format_weight: float = 0.1  # reward for an answer where the format says, right or wrong; the score adds to it
     eval_size: int = 64  # held-out eval samples, from the datasets by weight
     seed: int = 0  # which samples
 
@@ -91,14 +103,18 @@ class ReasoningGym:
                                                                       size=TRAIN_SIZE)
                 except (TypeError, AssertionError, ValueError) as e:
                     raise ValueError(f"reasoning_gym dataset {name}: bad settings {args.get(name, {})} ({e})") from None
-        self.extract = library.utils.extract_answer
+        if config.answer_format not in INSTRUCTIONS:
+            raise ValueError(f"reasoning_gym.answer_format must be one of {', '.join(INSTRUCTIONS)}, "
+                             f"not {config.answer_format!r}")
+        self.instruction = INSTRUCTIONS[config.answer_format]
+        self.extract = library.utils.extract_answer if config.answer_format == "tags" else answer_in_line
 
     def _sample(self, split: str, index: int) -> Sample:
         rng = random.Random(f"{split}-{self.config.seed}-{index}")
         name = rng.choices(list(self.mix), weights=list(self.mix.values()))[0]
         entry = self.splits[split][name][index]
         reference = json.dumps({"dataset": name, "split": split, "index": index, "answer": entry["answer"]})
-        return Sample(f"{entry['question']}\n\n{INSTRUCTION}", reference, {"dataset": name, "reference": entry["answer"]})
+        return Sample(f"{entry['question']}\n\n{self.instruction}", reference, {"dataset": name, "reference": entry["answer"]})
 
     def train_sample(self, index: int) -> Sample:
         return self._sample("train", index % TRAIN_SIZE)
@@ -108,12 +124,12 @@ class ReasoningGym:
 
     def reward(self, text: str, answer: str) -> tuple[float, dict[str, float]]:
         """The reward, and its checks: `score` (the dataset's scorer, 0 to 1), `correct` (score 1),
-        `format` (an answer in the tags), and `correct/<dataset>` (averaged over that dataset's replies)."""
+        `format` (an answer where the format says), and `correct/<dataset>` (averaged over that dataset's replies)."""
         ref = json.loads(answer)
         dataset = self.splits[ref["split"]][ref["dataset"]]
         reply = self.extract(text)
         if reply is not None and reply.strip() in ECHOES:
-            reply = None  # the instruction repeated ("between <answer> and </answer>"), not an answer
+            reply = None  # the instruction repeated ("between <answer> and </answer>"), or nothing
         score = float(dataset.score_answer(reply, dataset[ref["index"]])) if reply is not None else 0.0
         correct = float(score >= 1.0)
         checks = {"score": score, "correct": correct, "format": float(reply is not None),
