@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-zorplex test install clean
+.PHONY: demo demo-zorplex demo-reasoning-gym test install clean
 
 demo: $(STAMP)
 	$(BIN)/meshrl prepare-model
@@ -14,6 +14,11 @@ demo: $(STAMP)
 demo-zorplex: $(STAMP)
 	$(BIN)/meshrl prepare-model
 	$(BIN)/meshrl train --config zorplex_smollm2 --run-dir runs/zorplex
+
+# A reasoning-gym task (README: Tasks, From reasoning-gym)
+demo-reasoning-gym: $(STAMP)
+	$(BIN)/meshrl prepare-model
+	$(BIN)/meshrl train --config reasoning_gym_smollm2 --run-dir runs/reasoning_gym
 
 # Two workers, each taking whole files (tests of one file share fixtures and may not overlap, e.g.
 # the multi-host test's network namespaces): the suite's real processes wait on each other often

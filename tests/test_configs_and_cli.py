@@ -10,7 +10,7 @@ from meshrl.configs import CONFIGS, Config, ConfigError, load_config
 
 
 def test_registry_has_the_demo_and_smoke_configs():
-    assert {"smoke", "sum_digits_smollm2"} <= set(CONFIGS)
+    assert {"smoke", "sum_digits_smollm2", "reasoning_gym_smollm2"} <= set(CONFIGS)
     assert load_config("smoke", []).model.source == "tiny"
     assert load_config("sum_digits_smollm2", []).model.source == "smollm2"
 

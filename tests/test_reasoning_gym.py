@@ -97,3 +97,13 @@ def test_a_mix_of_two_datasets_trains_and_reports_each_ones_accuracy(tmp_path):
         "meshrl: error: unknown reasoning_gym dataset 'leg_countin'; did you mean leg_counting, letter_counting, "
         "rectangle_count, countdown? (all 106: "
         "python -c 'import reasoning_gym; print(sorted(reasoning_gym.factory.DATASETS))')"]
+
+
+def test_the_demo_config_builds_its_task_with_the_answer_line():
+    from meshrl.configs import load_config
+    from meshrl.tasks import make_task, task_config
+
+    config = load_config("reasoning_gym_smollm2", [])
+    demo = make_task(config.task, task_config(config))
+    first = demo.eval_samples()[0]
+    assert first.info["dataset"] == "chain_sum" and first.prompt.endswith("Put your final answer after 'Answer:'.")
