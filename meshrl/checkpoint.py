@@ -11,16 +11,27 @@
 
 A checkpoint is written into `.step-N.partial/` and renamed into place once complete, so a run
 killed while writing leaves no `step-N/` that looks complete but is not; `latest` ignores the rest.
+
+A run directory is an input too, perhaps written by someone else: nothing `--resume` reads may run
+code. `state.pt` and the ranks' files are read with `torch.load(weights_only=True)` allowing only
+meshrl's own state classes, and DCP's `.metadata` (a plain pickle, which DCP itself unpickles
+whole) with an unpickler that allows only DCP's metadata classes. `resumable` checks all of it, and
+that every shard file DCP will read is there and long enough, before anything starts: a checkpoint
+that would run code is refused; a damaged one (a missing or truncated file) is named, and the
+previous complete one is used if there is one.
 """
 
 import json
 import os
+import pickle
 import re
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from meshrl.actors import first, in_rank_order
 
@@ -102,5 +113,123 @@ def commit(partial: Path, state: RunState, keep: int) -> Path:
     return final
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from: the file and why."""
+
+
+class UnsafeCheckpoint(CheckpointError):
+    """A checkpoint file that would run code if it were loaded."""
+
+
+def _state_classes() -> list[type]:
+    from meshrl.types import Completion, Episode, ScoredCompletion, Trajectory
+    from meshrl.work_buffer import Batch, Filling, Group
+
+    return [RunState, Filling, Group, Batch, Completion, Trajectory, ScoredCompletion, Episode]
+
+
+def _why(error: Exception) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0]
+
+
+def load_safely(path: Path, classes: list[type] = ()):
+    """`torch.load` of `path` allowing tensors, plain containers and `classes` only."""
+    try:
+        with torch.serialization.safe_globals(list(classes)):
+            return torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except pickle.UnpicklingError as e:
+        if "Unsupported global" in str(e) or "not an allowed global" in str(e):
+            raise UnsafeCheckpoint(f"{path} would run code if loaded ({_why(e)}); "
+                                   "not resuming from it") from None
+        raise CheckpointError(f"{path} is damaged ({_why(e)})") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as e:
+        raise CheckpointError(f"{path} is damaged ({_why(e)})") from None
+
+
 def load(checkpoint: Path) -> RunState:
-    return torch.load(checkpoint / "state.pt", weights_only=False)
+    return load_safely(checkpoint / "state.pt", _state_classes())
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's `.metadata` and nothing else: its metadata classes, torch dtypes, sizes and
+    layouts, and paths."""
+
+    ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+               ("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+               ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str):
+        if module == "torch.distributed.checkpoint.metadata" or (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"Unsupported global {module}.{name}")
+
+
+def read_metadata(path: Path):
+    """DCP's metadata file, unpickled with `_MetadataUnpickler`."""
+    try:
+        with open(path, "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except pickle.UnpicklingError as e:
+        if str(e).startswith("Unsupported global"):
+            raise UnsafeCheckpoint(f"{path} would run code if loaded ({e}); not resuming from it") from None
+        raise CheckpointError(f"{path} is damaged ({e})") from None
+    except (EOFError, ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path} is damaged ({e!r})") from None
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, its metadata read by `read_metadata` (the tensors it reads are weights_only already)."""
+
+    def read_metadata(self, *args, **kwargs):
+        metadata = read_metadata(Path(self.path) / ".metadata")
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def verify(checkpoint: Path) -> None:
+    """Raise CheckpointError (UnsafeCheckpoint) unless every file `--resume` reads from `checkpoint` is
+    there, whole, and loads without running code."""
+    load(checkpoint)
+    trainer = checkpoint / "trainer"
+    metadata = read_metadata(trainer / ".metadata")
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, length in sorted(needed.items()):
+        file = trainer / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing")
+        if file.stat().st_size < length:
+            raise CheckpointError(f"{file} is damaged (truncated: {file.stat().st_size} of {length} bytes)")
+    ranks = sorted(trainer.glob("rank*.pt"))
+    if not ranks:
+        raise CheckpointError(f"{trainer / 'rank0.pt'} is missing")
+    for rank in ranks:
+        load_safely(rank)
+
+
+def resumable(run_dir: Path) -> Path:
+    """The newest checkpoint of `run_dir` that `verify` passes. A damaged one is named on stderr and the
+    one before it tried; one that would run code stops the search (CheckpointError / UnsafeCheckpoint)."""
+    done = checkpoints(run_dir)
+    if not done:
+        raise CheckpointError(f"{run_dir} has no complete checkpoint to resume from (checkpoints/step-N)")
+    for i, (_, path) in enumerate(reversed(done)):
+        try:
+            verify(path)
+            return path
+        except UnsafeCheckpoint:
+            raise
+        except CheckpointError as e:
+            if i == len(done) - 1:
+                raise
+            older = done[len(done) - 2 - i][1]
+            print(f"meshrl: {e}: resuming from the checkpoint before it, {older.name}", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")

@@ -209,7 +209,7 @@ def _prepare_train(name: str, overrides: list[str], run_dir: Path | None):
 
 def _prepare_resume(run_dir: Path, overrides: list[str]):
     """The Run that continues `run_dir` from its newest complete checkpoint."""
-    from meshrl.checkpoint import latest
+    from meshrl.checkpoint import resumable
     from meshrl.configs import Config, from_dict, resumable_overrides
     from meshrl.configs.overrides import apply_overrides
     from meshrl.run import Run
@@ -219,9 +219,7 @@ def _prepare_resume(run_dir: Path, overrides: list[str]):
     saved = from_dict(Config, json.loads((run_dir / "config.json").read_text()))
     config = apply_overrides(saved, overrides)
     resumable_overrides(saved, config)
-    if (newest := latest(run_dir)) is None:
-        raise ValueError(f"{run_dir} has no complete checkpoint to resume from (checkpoints/step-N)")
-    return Run(config, run_dir, resume_from=newest)
+    return Run(config, run_dir, resume_from=resumable(run_dir))
 
 
 def _dry_run(run) -> None:

@@ -1,6 +1,7 @@
 """The model-judged grader: its verdict read from the judge's first-token log-probabilities, rubric
 checks, and a smoke run with it as the grader (tiny policy, the embedded SmolLM2 as the judge, real
-actors and vLLM), whose rewards mix the judge's P(yes) with the task's own reward as configured."""
+actors and vLLM) on a mix of two reasoning-gym datasets, whose rewards mix the judge's P(yes) with
+the task's own reward as configured and whose metrics give each dataset's accuracy."""
 
 import json
 import math
@@ -28,22 +29,27 @@ def test_a_rubric_must_show_the_reply_and_name_only_known_fields():
         check_rubric("{reply} vs {gold}")
 
 
-def test_a_run_graded_by_a_judge_model_mixes_its_verdict_with_the_tasks_reward(tmp_path):
+def test_a_reasoning_gym_mix_graded_by_a_judge_model_trains_and_reports_each_datasets_accuracy(tmp_path):
     run = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path / "run"),
-                          "--checkpoint.every", "0", "--grader.impl", "meshrl.actors.judge:JudgeGrader",
-                          "--grader.judge.rule_weight", "0.5", "--sum_digits.format_weight", "0.2"],
+                          "--checkpoint.every", "0", "--task", "reasoning_gym", "--reasoning_gym.datasets",
+                          "chain_sum:1,leg_counting:1", "--reasoning_gym.eval_size", "6", "--reasoning_gym.format_weight",
+                          "0.1", "--grader.impl", "meshrl.actors.judge:JudgeGrader", "--grader.judge.rule_weight", "0.5"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rollouts = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
     assert rollouts
     for r in rollouts:
         checks = r["reward_components"]
-        rule = checks["correct"] + 0.2 * checks["format"]  # sum_digits' own reward
+        rule = checks["score"] + 0.1 * checks["format"]  # the reasoning-gym task's own reward
         assert r["reward"] == pytest.approx(0.5 * checks["judge_yes"] + 0.5 * rule)
         assert 0 <= checks["judge_yes"] <= 1 and checks["judge_parsed"] in (0.0, 1.0)
     assert any(r["reward_components"]["judge_parsed"] for r in rollouts)  # SmolLM2 answers yes or no
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert {"judge_yes", "judge_agrees", "eval_judge_yes"} <= rows[-1].keys()
+    evaluated = {k for row in rows for k in row if k.startswith("eval_accuracy/")}
+    assert evaluated == {"eval_accuracy/chain_sum", "eval_accuracy/leg_counting"}
+    assert {k for row in rows for k in row if k.startswith("accuracy/")} <= {"accuracy/chain_sum", "accuracy/leg_counting"}
+    assert all(0 <= row[k] <= 1 for row in rows for k in row if k.startswith(("accuracy/", "eval_accuracy/")))
     bad = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path / "bad"),
                           "--grader.impl", "meshrl.actors.judge:JudgeGrader", "--grader.judge.rubric", "{answer}?"],
                          capture_output=True, text=True, timeout=120)

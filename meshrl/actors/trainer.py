@@ -23,6 +23,7 @@ from monarch.actor import Actor, endpoint
 from torch.distributed.tensor import DTensor
 
 from meshrl.actors.distributed import all_gather, join, load_on_ranks, local
+from meshrl.checkpoint import SafeReader, load_safely
 from meshrl.configs import TrainerConfig, WeightSyncConfig
 from meshrl.losses import (autocast, check, on_positions, policy_logprobs, policy_loss, response_logits,
                            token_entropy, token_logprobs)
@@ -144,10 +145,10 @@ class TitanTrainer(Actor):
         state = {"model": model, "optim": optim}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=path, no_dist=self.world == 1)
+            dcp.load(state, storage_reader=SafeReader(path), no_dist=self.world == 1)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         mine = Path(path) / f"rank{self.rank}.pt"
-        extra = torch.load(mine if mine.exists() else Path(path) / "rank0.pt")
+        extra = load_safely(mine if mine.exists() else Path(path) / "rank0.pt")
         self.updates = extra["updates"]
         torch.set_rng_state(extra["rng"])
         self.policy_version = extra["policy_version"] - 1
