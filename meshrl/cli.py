@@ -4,7 +4,9 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -37,6 +39,21 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("configs", help="list the named configs")
     report = sub.add_parser("report", help="summarize runs side by side and redraw their plots")
     report.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    certs = sub.add_parser("certs", help="create a CA and a key and certificate for TLS between a controller "
+                                         "and its workers")
+    certs.add_argument("dir", type=Path, metavar="DIR", help="where ca.crt, ca.key, tls.crt and tls.key go (a CA "
+                                                            "already there signs the new certificate)")
+    certs.add_argument("--hosts", default="", help="host names and IP addresses the certificate is for, comma "
+                                                   "separated: every worker's and the controller's (default: this "
+                                                   "host's name, localhost and 127.0.0.1)")
+    certs.add_argument("--days", type=int, default=365, help="how long the certificates are valid")
+    worker = sub.add_parser("worker", help="run a Monarch worker that a controller attaches to (job.kind workers)")
+    worker.add_argument("--address", required=True, help="where it listens: tls://HOST:PORT (HOST as the "
+                                                         "controller reaches it, and in the certificate)")
+    worker.add_argument("--tls", type=Path, metavar="DIR", help="the files of `meshrl certs DIR`: only clients "
+                                                                "holding a key this CA signed may use the worker")
+    worker.add_argument("--insecure", action="store_true", help="listen on tcp://HOST:PORT and run whatever any "
+                                                                "client that reaches the port asks")
     bench = sub.add_parser("bench", help="run a benchmark").add_subparsers(dest="bench", required=True)
     weight_sync = bench.add_parser("weight-sync", help="the weight ring against memcpy and raw RDMA")
     weight_sync.add_argument("--json", type=Path, required=True, help="where to write the figures")
@@ -115,6 +132,15 @@ def main(argv: list[str] | None = None) -> int:
             print(report(args.run_dirs))
         elif args.command == "prepare-model":
             print(resolve_checkpoint(args.source))
+        elif args.command == "certs":
+            from meshrl.certs import make_certs
+
+            hosts = [h.strip() for h in args.hosts.split(",") if h.strip()] or [socket.gethostname(), "localhost",
+                                                                                "127.0.0.1"]
+            for path in make_certs(args.dir, hosts, args.days):
+                print(path)
+        elif args.command == "worker":
+            return _worker(args)
         elif args.command == "bench" and args.bench == "weight-sync":
             _bench_weight_sync(args)
         elif args.command == "bench" and args.bench == "generation":
@@ -132,6 +158,27 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ModelError, ValueError) as e:
         return _error(str(e))
     return _train(run) if args.command == "train" and not args.dry_run else 0
+
+
+def _worker(args) -> int:
+    """A Monarch worker serving at args.address until it is killed; over TLS with args.tls's files."""
+    scheme = "tcp://" if args.insecure else "tls://"
+    if not args.address.startswith(scheme):
+        return _error(f"--address {args.address}: a worker listens on {scheme}HOST:PORT"
+                      + ("" if args.insecure else " (or tcp:// with --insecure)"))
+    if args.insecure == bool(args.tls):
+        return _error("meshrl worker needs --tls DIR (from `meshrl certs DIR`) or, to trust every connection, --insecure")
+    if args.tls:
+        from meshrl.certs import tls_environment
+
+        os.environ.update(tls_environment(args.tls.resolve()))
+    else:
+        print("meshrl: warning: --insecure: this worker runs whatever any client that reaches its port asks",
+              file=sys.stderr, flush=True)
+    from monarch.actor import run_worker_loop_forever
+
+    run_worker_loop_forever(address=args.address, ca="trust_all_connections")  # TLS comes from the environment
+    return 0
 
 
 def _error(message: str) -> int:

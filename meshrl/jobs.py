@@ -10,7 +10,9 @@ over their group's hosts; generator and grader replicas go round-robin over thei
 
 import asyncio
 import logging
+import os
 import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,12 +116,49 @@ def check_job(job: JobConfig, groups: dict[str, int]) -> None:
     if job.kind == "workers" and len(_addresses(job)) != sum(groups.values()):
         raise ValueError(f"job.workers names {len(_addresses(job))} worker addresses; job.hosts "
                          f"({job.hosts}) needs {sum(groups.values())}, one per host")
+    if job.kind == "workers":
+        check_tls(job)
     if job.kind == "kubernetes":
         bad = [g for g in groups if not (g.isalnum() and g.islower() and g[0].isalpha())]
         if bad:
             raise ValueError(f"job.hosts group {bad[0]!r}: Kubernetes meshes need lowercase letters and digits only")
     if job.kind == "slurm" and job.slurm.time_limit and not all(p.isdigit() for p in job.slurm.time_limit.split(":")):
         raise ValueError(f"job.slurm.time_limit {job.slurm.time_limit!r} is not HH:MM:SS")
+
+
+def check_tls(job: JobConfig) -> None:
+    """Workers are attached over mutual TLS (job.tls: its files there, every address tls://), or over
+    plain TCP only when job.tls.insecure says so."""
+    scheme = "tcp://" if job.tls.insecure else "tls://"
+    addresses = _addresses(job) + ([job.bind] if job.bind else [])
+    if bad := [a for a in addresses if not a.startswith(scheme)]:
+        if job.tls.insecure:
+            raise ValueError(f"job.tls.insecure attaches over plain TCP: {bad[0]} is not a tcp:// address")
+        raise ValueError(f"{bad[0]} is not a TLS address: start workers with `meshrl worker --address "
+                         "tls://HOST:PORT --tls DIR` (or set job.tls.insecure true to trust every connection)")
+    if job.tls.insecure:
+        return
+    files = {"job.tls.ca": job.tls.ca, "job.tls.cert": job.tls.cert, "job.tls.key": job.tls.key}
+    if unset := [name for name, path in files.items() if not path]:
+        raise ValueError(f"job.kind workers attaches over mutual TLS: set {', '.join(unset)} (`meshrl certs DIR` "
+                         "makes them), or job.tls.insecure true to trust every connection")
+    if missing := [f"{name} {path}" for name, path in files.items() if not Path(path).is_file()]:
+        raise ValueError(f"{missing[0]} does not exist")
+
+
+def _use_tls(job: JobConfig) -> str:
+    """Point Monarch's TLS transport at job.tls's files (before any Monarch call); the transport to use."""
+    if job.tls.insecure:
+        print("meshrl: warning: job.tls.insecure: the workers run whatever any client that reaches their ports "
+              "asks, and nothing between them and this controller is encrypted", file=sys.stderr, flush=True)
+        return "tcp"
+    from monarch._rust_bindings.monarch_hyperactor.config import reload_config_from_env
+
+    os.environ.update({"HYPERACTOR_TLS_CA": str(Path(job.tls.ca).resolve()),
+                       "HYPERACTOR_TLS_CERT": str(Path(job.tls.cert).resolve()),
+                       "HYPERACTOR_TLS_KEY": str(Path(job.tls.key).resolve())})
+    reload_config_from_env()  # Monarch read its environment when it was imported
+    return "tls"
 
 
 def _addresses(job: JobConfig) -> list[str]:
@@ -136,7 +175,8 @@ def make_job(job: JobConfig, log_dir: Path):
     if job.kind == "process":
         return ProcessJob(groups)
     if job.kind == "workers":
-        enable_transport(job.bind or "tcp")
+        transport = _use_tls(job)
+        enable_transport(job.bind or transport)
         return AttachedWorkers(groups, _addresses(job))
     if job.kind == "slurm":
         s = job.slurm

@@ -155,7 +155,12 @@ class Run:
         try:
             launched = make_job(job, self.run_dir / "job")
             hosts = Hosts(launched, self.placement)
-            await hosts.connected()
+            try:
+                await asyncio.wait_for(hosts.connected(), (job.kind == "workers" and job.connect_timeout_s) or None)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"no answer from its workers within job.connect_timeout_s ({job.connect_timeout_s:g} "
+                                   "s): are they running, and do they and this controller trust each other's "
+                                   "certificates (job.tls)?") from None
             return hosts
         except Exception as e:
             if launched is not None:

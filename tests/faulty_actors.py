@@ -59,3 +59,11 @@ class SlowSaveTrainer(TitanTrainer):
     async def save_state(self, path: str) -> None:
         await asyncio.sleep(60)
         return await TitanTrainer.save_state._method(self, path)
+
+
+class MarkingGenerator(VLLMGenerator):
+    """Writes the file its worker's MESHRL_TEST_MARKER names as it starts: evidence that it ran."""
+
+    def __init__(self, *args, **kwargs):
+        Path(os.environ["MESHRL_TEST_MARKER"]).write_text("spawned")
+        super().__init__(*args, **kwargs)

@@ -1,7 +1,7 @@
 """Test hosts on this machine that differ as real hosts do: each in its own network namespace, with
-its own address on a private bridge and its own host name, running one Monarch worker
-(`run_worker_loop_forever`). The controller attaches to them with `--job.kind workers`. Needs root
-and iproute2. Everything made (namespaces, links, /etc/netns files, the workers and every process
+its own address on a private bridge and its own host name, running one Monarch worker (`meshrl
+worker`, over mutual TLS with certificates from `meshrl certs`, or plain TCP with `--insecure`). The
+controller attaches to them with `--job.kind workers`. Needs root and iproute2. Everything made (namespaces, links, /etc/netns files, the workers and every process
 they started) is removed on the way out, also when the test fails."""
 
 import contextlib
@@ -14,8 +14,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-WORKER = ("from monarch.actor import run_worker_loop_forever; "
-          "run_worker_loop_forever(address={address!r}, ca='trust_all_connections')")
 PORT = 26600
 
 
@@ -26,6 +24,7 @@ class NamespaceHosts:
     addresses: list[str]  # the workers', in host order: --job.workers
     bind: str  # where the workers reach the controller: --job.bind
     workers: list[subprocess.Popen]
+    job_args: list[str]  # the controller's --job.* arguments to attach to them (its TLS files, or insecure)
 
 
 def usable() -> str:
@@ -68,7 +67,7 @@ def _stop_workers(workers: list[subprocess.Popen]) -> None:
 
 
 def _wait_listening(address: str, seconds: float = 60) -> None:
-    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    host, port = address.split("://", 1)[1].rsplit(":", 1)
     deadline = time.monotonic() + seconds
     while True:
         with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=1):
@@ -79,8 +78,10 @@ def _wait_listening(address: str, seconds: float = 60) -> None:
 
 
 @contextlib.contextmanager
-def namespace_hosts(count: int, log_dir):
-    """`count` hosts on a bridge of their own; yields NamespaceHosts. Worker logs go to `log_dir`."""
+def namespace_hosts(count: int, log_dir, tls: bool = True, env: dict | None = None):
+    """`count` hosts on a bridge of their own; yields NamespaceHosts. With `tls`, `meshrl certs` makes a CA
+    and a certificate for every host and the controller (in log_dir/tls), and the workers accept only
+    clients holding it. Worker logs go to `log_dir`; `env` is added to the workers' environment."""
     tag = f"{os.getpid() % 100000}"
     subnet = f"10.213.{os.getpid() % 250}"
     bridge = f"mrb{tag}"
@@ -107,16 +108,25 @@ def namespace_hosts(count: int, log_dir):
             os.makedirs(f"/etc/netns/{name}", exist_ok=True)
             with open(f"/etc/netns/{name}/hosts", "w") as f:
                 f.write(hosts_file)
-        addresses = [f"tcp://{subnet}.{10 + i}:{PORT}" for i in range(count)]
+        scheme, certs = ("tls", os.path.join(log_dir, "tls")) if tls else ("tcp", None)
+        addresses = [f"{scheme}://{subnet}.{10 + i}:{PORT}" for i in range(count)]
+        if certs:
+            ips = [f"{subnet}.{10 + i}" for i in range(count)]
+            hosts = [*names, *ips, f"{subnet}.1", socket.gethostname(), "localhost", "127.0.0.1"]
+            subprocess.run([sys.executable, "-m", "meshrl", "certs", certs, "--hosts", ",".join(hosts)], check=True,
+                           capture_output=True)
+        security = f"--tls {certs}" if certs else "--insecure"
         for name, address in zip(names, addresses):
             log = open(os.path.join(log_dir, f"{name}.log"), "w")
-            command = f"hostname {name} && exec {sys.executable} -c \"{WORKER.format(address=address)}\""
+            command = f"hostname {name} && exec {sys.executable} -m meshrl worker --address {address} {security}"
             workers.append(subprocess.Popen(["ip", "netns", "exec", name, "unshare", "--uts", "sh", "-c", command],
                                             stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                            start_new_session=True))
+                                            start_new_session=True, env={**os.environ, **(env or {})}))
         for address in addresses:
             _wait_listening(address)
-        yield NamespaceHosts(names, made_namespaces, addresses, f"tcp://{subnet}.1:0", workers)
+        job_args = (["--job.tls.ca", f"{certs}/ca.crt", "--job.tls.cert", f"{certs}/tls.crt", "--job.tls.key",
+                     f"{certs}/tls.key"] if certs else ["--job.tls.insecure", "true"])
+        yield NamespaceHosts(names, made_namespaces, addresses, f"{scheme}://{subnet}.1:0", workers, job_args)
     finally:
         _stop_workers(workers)
         for name in made_namespaces:

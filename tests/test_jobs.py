@@ -49,7 +49,17 @@ def test_ranks_spread_over_their_group_and_replicas_go_round_robin():
     (dict(job__kind="process", job__hosts="a:1", trainer__hosts="b"), "trainer.hosts 'b' is not a group of job.hosts"),
     (dict(job__kind="process", job__hosts="a:2", trainer__hosts="a", trainer__ranks=3),
      "trainer.ranks (3) must be a multiple of the hosts in its group 'a' (2)"),
-    (dict(job__kind="workers", job__hosts="a:2", job__workers="tcp://x:1"), "job.workers names 1 worker addresses"),
+    (dict(job__kind="workers", job__hosts="a:2", job__workers="tls://x:1"), "job.workers names 1 worker addresses"),
+    (dict(job__kind="workers", job__hosts="a:1", job__workers="tcp://x:1"),
+     "tcp://x:1 is not a TLS address: start workers with `meshrl worker --address tls://HOST:PORT --tls DIR` (or set "
+     "job.tls.insecure true to trust every connection)"),
+    (dict(job__kind="workers", job__hosts="a:1", job__workers="tls://x:1"),
+     "job.kind workers attaches over mutual TLS: set job.tls.ca, job.tls.cert, job.tls.key (`meshrl certs DIR` "
+     "makes them), or job.tls.insecure true to trust every connection"),
+    (dict(job__kind="workers", job__hosts="a:1", job__workers="tls://x:1", job__tls__ca="/nope/ca.crt",
+          job__tls__cert="/nope/tls.crt", job__tls__key="/nope/tls.key"), "job.tls.ca /nope/ca.crt does not exist"),
+    (dict(job__kind="workers", job__hosts="a:1", job__workers="tls://x:1", job__tls__insecure=True),
+     "job.tls.insecure attaches over plain TCP: tls://x:1 is not a tcp:// address"),
     (dict(job__kind="kubernetes", job__hosts="gen_hosts:1"), "Kubernetes meshes need lowercase letters and digits"),
     (dict(job__kind="slurm", job__hosts="a:1", job__slurm__time_limit="1 hour"), "is not HH:MM:SS"),
 ])

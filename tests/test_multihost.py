@@ -1,7 +1,8 @@
-"""`meshrl train` across hosts (real Monarch workers, vLLM, torchtitan, tiny model): the trainer on
-one host and the generator on another pull weights over RDMA (the TCP fallback here) to the last
-step; and calls that stall end as timeouts (a replica replaced, or one line for the trainer), never
-as a hang, with no process left behind."""
+"""`meshrl train` across hosts (real Monarch workers over mutual TLS, vLLM, torchtitan, tiny model):
+the trainer on one host and the generator on another pull weights over RDMA (the TCP fallback here)
+to the last step; a controller whose key the workers' CA did not sign spawns nothing on them; and
+calls that stall end as timeouts (a replica replaced, or one line for the trainer), never as a hang,
+with no process left behind."""
 
 import json
 import os
@@ -30,7 +31,7 @@ def test_training_across_hosts_in_their_own_network_namespaces_pulls_weights_ove
         result = subprocess.run(
             [sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(run_dir),
              "--controller.steps", "3", "--weight_sync.checksums", "true", "--job.kind", "workers",
-             "--job.workers", ",".join(hosts.addresses), "--job.bind", hosts.bind, *TWO_HOSTS,
+             "--job.workers", ",".join(hosts.addresses), "--job.bind", hosts.bind, *hosts.job_args, *TWO_HOSTS,
              "--job.hosts", "trainer:2,generators:1", "--trainer.ranks", "2", "--trainer.num_threads", "1"],
             capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -47,6 +48,28 @@ def test_training_across_hosts_in_their_own_network_namespaces_pulls_weights_ove
     versions = {r["step"]: r["policy_version"] for r in read_jsonl(run_dir / "rollouts.jsonl")}
     assert versions == {1: 0, 2: 1, 3: 2}
     assert (run_dir / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.skipif(bool(usable()), reason=usable())
+def test_a_controller_the_workers_ca_did_not_sign_spawns_nothing_on_them(tmp_path):
+    marker = tmp_path / "spawned"
+    with namespace_hosts(1, tmp_path, env={"MESHRL_TEST_MARKER": str(marker)}) as hosts:
+        stranger = tmp_path / "stranger"  # a CA and key of its own, for the same host names
+        subprocess.run([sys.executable, "-m", "meshrl", "certs", str(stranger), "--hosts",
+                        ",".join(hosts.names + [hosts.bind.split("://")[1].rsplit(":", 1)[0]])], check=True)
+        tls = ["--job.tls.ca", f"{stranger}/ca.crt", "--job.tls.cert", f"{stranger}/tls.crt", "--job.tls.key",
+               f"{stranger}/tls.key"]
+        result = subprocess.run(
+            [sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path / "run"),
+             "--job.kind", "workers", "--job.workers", hosts.addresses[0], "--job.bind", hosts.bind, *tls,
+             "--job.hosts", "generators:1", "--generator.hosts", "generators", "--job.connect_timeout_s", "20",
+             "--generator.impl", "faulty_actors:MarkingGenerator"], capture_output=True, text=True, timeout=300)
+        worker_children = psutil.Process(hosts.workers[0].pid).children(recursive=True)
+        assert [p for p in worker_children if "meshrl" not in " ".join(p.cmdline())] == []  # no proc spawned
+    assert result.returncode != 0 and not marker.exists()
+    errors = [line for line in result.stderr.splitlines() if line.startswith("meshrl: error:")]
+    assert len(errors) == 1 and "did not start: no answer from its workers within job.connect_timeout_s" in errors[0]
+    assert not leftovers(hosts), leftovers(hosts)
 
 
 def test_a_stalled_pull_replaces_the_replica_and_a_stalled_trainer_ends_the_run(tmp_path):

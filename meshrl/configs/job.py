@@ -36,13 +36,27 @@ class KubernetesConfig:
 
 
 @dataclass
+class TlsConfig:
+    """Mutual TLS between this controller and Monarch workers (`job.kind workers`): files from
+    `meshrl certs DIR`. Workers spawn whatever a connecting client asks: without TLS, anyone who can
+    reach their ports can run code on them."""
+
+    ca: str = ""  # the CA certificate both sides check the other's certificate against (DIR/ca.crt)
+    cert: str = ""  # this controller's certificate, signed by that CA (DIR/tls.crt)
+    key: str = ""  # its private key (DIR/tls.key)
+    insecure: bool = False  # attach to workers over plain TCP, trusting every connection (one warning line)
+
+
+@dataclass
 class JobConfig:
     """Where the roles run (meshrl/jobs.py): the kind of job, its host groups, and each kind's settings."""
 
     kind: str = "local"  # local (this host) | process (a local worker process per host) | workers (Monarch workers at job.workers) | slurm | kubernetes
     hosts: str = ""  # host groups and their host counts, e.g. "trainer:1,generators:2"; roles pick one with their `hosts`
-    workers: str = ""  # kind workers: the workers' addresses, the groups' hosts in order ("tcp://node1:26600,tcp://node2:26600")
+    workers: str = ""  # kind workers: the workers' addresses, the groups' hosts in order ("tls://node1:26600,tls://node2:26600")
     gpus_per_host: int = 0  # GPUs of each host the roles share (meshrl/gpu_plan.py); 0: slurm.gpus_per_node, kubernetes.gpus_per_pod, or this host's own for local and process jobs (none: the CPU)
-    bind: str = ""  # kind workers: the address the workers reach this controller at ("tcp://10.0.0.1:0"); "": tcp on this host's name
+    bind: str = ""  # kind workers: the address the workers reach this controller at ("tls://10.0.0.1:0"); "": on this host's name
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    connect_timeout_s: float = 300.0  # kind workers: how long the workers may take to answer the attach (0: no limit)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
