@@ -1,0 +1,83 @@
+"""The README and docs/ as a newcomer walks them: every link to a file or a heading lands, and every
+`meshrl` command shown in them is one the command line takes (`train` commands: their config and
+every override load; other commands: their options parse, through `--help`)."""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from meshrl.cli import main
+from meshrl.configs import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\((?!https?:)([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """The anchor GitHub gives a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lstrip("#").strip().lower()).replace(" ", "-")
+
+
+def prose(page: Path) -> list[str]:
+    """The page's lines outside code blocks."""
+    lines, in_code = [], False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code:
+            lines.append(line)
+    return lines
+
+
+def commands(page: Path) -> list[list[str]]:
+    """The `meshrl` command lines of the page's bash blocks (continuation lines joined, comments cut)."""
+    found, block, in_bash = [], [], False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            in_bash = line.strip() == "```bash" and not in_bash
+            continue
+        if in_bash:
+            block.append(line)
+    text = "\n".join(block).replace("\\\n", " ")
+    for line in text.splitlines():
+        if line.strip().startswith(("meshrl ", ".venv/bin/meshrl ")):
+            found.append(shlex.split(line, comments=True)[1:])
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_link_lands_on_a_file_and_heading(page):
+    for line in prose(page):
+        for target in LINK.findall(line):
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            assert file.exists(), f"{page.name}: {target} (no such file)"
+            if anchor:
+                headings = {slug(h) for h in prose(file) if h.startswith("#")}
+                assert anchor in headings, f"{page.name}: {target} (no such heading)"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_command_shown_is_one_the_command_line_takes(page, capsys):
+    for words in commands(page):
+        if words[0] == "train" and "--config" in words:
+            i = words.index("--config")
+            overrides = [w for j, w in enumerate(words[1:], 1)
+                         if j not in (i, i + 1) and w not in ("--dry-run",) and not (j > 0 and words[j - 1] == "--run-dir")
+                         and w != "--run-dir"]
+            load_config(words[i + 1], overrides)  # raises on an unknown config or override
+            continue
+        subcommand = [w for w in words if not w.startswith("-")][:2 if words[0] == "bench" else 1]
+        try:
+            code = main([*subcommand, "--help"])
+        except SystemExit as e:  # argparse's help
+            code = e.code
+        assert code == 0, f"{page.name}: meshrl {' '.join(words)}"
+    capsys.readouterr()
+
+
+def test_the_docs_show_commands_to_check():
+    assert sum(len(commands(page)) for page in PAGES) >= 15
