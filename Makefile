@@ -10,12 +10,12 @@ demo: $(STAMP)
 	$(BIN)/meshrl prepare-model
 	$(BIN)/meshrl train --config sum_digits_smollm2 --run-dir runs/demo
 
-# The multi-turn tool-use demo (README: Multi-turn environments and tool use)
+# The multi-turn tool-use demo (docs/tasks.md: Multi-turn environments and tool use)
 demo-zorplex: $(STAMP)
 	$(BIN)/meshrl prepare-model
 	$(BIN)/meshrl train --config zorplex_smollm2 --run-dir runs/zorplex
 
-# A reasoning-gym task (README: Tasks, From reasoning-gym)
+# A reasoning-gym task (docs/tasks.md: From reasoning-gym)
 demo-reasoning-gym: $(STAMP)
 	$(BIN)/meshrl prepare-model
 	$(BIN)/meshrl train --config reasoning_gym_smollm2 --run-dir runs/reasoning_gym

@@ -85,7 +85,7 @@ class GraderConfig:
 
 @dataclass
 class LossConfig:
-    """The policy loss (meshrl/losses.py, the README's table). Each loss clips the ratio to the
+    """The policy loss (meshrl/losses.py, the table in docs/training.md). Each loss clips the ratio to the
     trainer's own pi_old and is weighted by pi_old / pi_behaviour, truncated at tis_cap."""
 
     name: str = "ppo_clip"  # ppo_clip | dapo | gspo | cispo

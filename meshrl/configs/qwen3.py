@@ -1,5 +1,5 @@
 """Qwen3 configs: the tiny stand-in that the tests train, and GPU-cluster examples that start from a
-checkpoint the user downloads (README, "Models"). Registered with the others (meshrl/configs/__init__.py)."""
+checkpoint the user downloads (docs/models.md). Registered with the others (meshrl/configs/__init__.py)."""
 
 from meshrl.configs import Config, ControllerConfig, ModelConfig, register, smoke
 
@@ -13,7 +13,7 @@ def qwen3_smoke() -> Config:
 
 
 def _gsm8k(source: str) -> Config:
-    """GSM8K (a JSONL of question and numeric answer, README) on two 8-GPU Slurm nodes: one of generator
+    """GSM8K (a JSONL of question and numeric answer, docs/models.md) on two 8-GPU Slurm nodes: one of generator
     replicas (vLLM), one of trainer ranks (FSDP2), weights over RDMA, sampling one step ahead."""
     config = Config(model=ModelConfig(source=source))
     config.task = "dataset"

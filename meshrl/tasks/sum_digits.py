@@ -18,7 +18,7 @@ _NUMBER = re.compile(r"-?\d+")
 _ANSWER = re.compile(r"Answer:\**\s*(-?\d+)")  # "Answer: 7", also in markdown bold: "**Answer:** 7"
 
 # {sum} is "3 + 4", {terms} is "3 and 4" (or "3, 4 and 5"). Each asks for the tagged answer; the
-# untrained model follows none of them when decoding greedily (measured; see the README).
+# untrained model follows none of them when decoding greedily (measured; see the README, "What the demo teaches").
 PHRASINGS = (
     "What is {sum}? Put the final answer after 'Answer:'.",
     "Add {terms}. Give the result as 'Answer: <number>'.",
