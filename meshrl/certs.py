@@ -87,5 +87,10 @@ def tls_environment(where: Path) -> dict[str, str]:
     missing = [name for name in ("ca.crt", "tls.crt", "tls.key") if not (where / name).is_file()]
     if missing:
         raise ValueError(f"{where} has no {', '.join(missing)}: create them with `meshrl certs {where}`")
-    return {"HYPERACTOR_TLS_CA": str(where / "ca.crt"), "HYPERACTOR_TLS_CERT": str(where / "tls.crt"),
-            "HYPERACTOR_TLS_KEY": str(where / "tls.key")}
+    return tls_files_environment(where / "ca.crt", where / "tls.crt", where / "tls.key")
+
+
+def tls_files_environment(ca: Path, cert: Path, key: Path) -> dict[str, str]:
+    """The environment that makes Monarch's `tls` transport check peers against `ca` and present `cert`
+    and `key` (it reads these at import: a process already running must reload them)."""
+    return {"HYPERACTOR_TLS_CA": str(ca), "HYPERACTOR_TLS_CERT": str(cert), "HYPERACTOR_TLS_KEY": str(key)}

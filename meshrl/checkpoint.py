@@ -27,6 +27,7 @@ import pickle
 import re
 import shutil
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,20 +133,26 @@ def _why(error: Exception) -> str:
     return (str(error).splitlines() or [type(error).__name__])[0]
 
 
-def load_safely(path: Path, classes: list[type] = ()):
-    """`torch.load` of `path` allowing tensors, plain containers and `classes` only."""
+@contextmanager
+def _reading(path: Path):
+    """Turns what reading `path` raised into a CheckpointError naming it: missing, damaged, or (a global
+    the unpickler does not allow) UnsafeCheckpoint."""
     try:
-        with torch.serialization.safe_globals(list(classes)):
-            return torch.load(path, weights_only=True)
+        yield
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
     except pickle.UnpicklingError as e:
         if "Unsupported global" in str(e) or "not an allowed global" in str(e):
-            raise UnsafeCheckpoint(f"{path} would run code if loaded ({_why(e)}); "
-                                   "not resuming from it") from None
+            raise UnsafeCheckpoint(f"{path} would run code if loaded ({_why(e)}); not resuming from it") from None
         raise CheckpointError(f"{path} is damaged ({_why(e)})") from None
-    except (RuntimeError, EOFError, ValueError, OSError) as e:
+    except (RuntimeError, EOFError, ValueError, TypeError, AttributeError, OSError) as e:
         raise CheckpointError(f"{path} is damaged ({_why(e)})") from None
+
+
+def load_safely(path: Path, classes: list[type] = ()):
+    """`torch.load` of `path` allowing tensors, plain containers and `classes` only."""
+    with _reading(path), torch.serialization.safe_globals(list(classes)):
+        return torch.load(path, weights_only=True)
 
 
 def load(checkpoint: Path) -> RunState:
@@ -170,17 +177,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_metadata(path: Path):
     """DCP's metadata file, unpickled with `_MetadataUnpickler`."""
-    try:
-        with open(path, "rb") as f:
-            return _MetadataUnpickler(f).load()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing") from None
-    except pickle.UnpicklingError as e:
-        if str(e).startswith("Unsupported global"):
-            raise UnsafeCheckpoint(f"{path} would run code if loaded ({e}); not resuming from it") from None
-        raise CheckpointError(f"{path} is damaged ({e})") from None
-    except (EOFError, ValueError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{path} is damaged ({e!r})") from None
+    with _reading(path), open(path, "rb") as f:
+        return _MetadataUnpickler(f).load()
 
 
 class SafeReader(FileSystemReader):

@@ -154,9 +154,9 @@ def _use_tls(job: JobConfig) -> str:
         return "tcp"
     from monarch._rust_bindings.monarch_hyperactor.config import reload_config_from_env
 
-    os.environ.update({"HYPERACTOR_TLS_CA": str(Path(job.tls.ca).resolve()),
-                       "HYPERACTOR_TLS_CERT": str(Path(job.tls.cert).resolve()),
-                       "HYPERACTOR_TLS_KEY": str(Path(job.tls.key).resolve())})
+    from meshrl.certs import tls_files_environment
+
+    os.environ.update(tls_files_environment(*(Path(p).resolve() for p in (job.tls.ca, job.tls.cert, job.tls.key))))
     reload_config_from_env()  # Monarch read its environment when it was imported
     return "tls"
 

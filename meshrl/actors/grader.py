@@ -33,7 +33,8 @@ class Grader(Actor):
     @endpoint
     async def score(self, completions: list[Completion], sample: Sample) -> list[ScoredCompletion]:
         """Completions whose reward function raises are logged and left out; the caller counts them."""
-        return [ScoredCompletion(c, reward, checks) for c, (reward, checks) in zip(completions, self.rewards(completions, sample))
+        rewards = self.rewards(completions, sample)
+        return [ScoredCompletion(c, reward, checks) for c, (reward, checks) in zip(completions, rewards)
                 if reward is not None]
 
     def rewards(self, completions: list[Completion], sample: Sample) -> list[tuple[float | None, dict]]:

@@ -78,8 +78,8 @@ class JudgeGrader(Grader):
         for completion, (rule, checks), yes in zip(completions, rules, verdicts):
             if rule is None:
                 continue
-            checks = {**checks, "judge_yes": yes or 0.0, "judge_parsed": float(yes is not None)}
-            yes = yes or 0.0
+            parsed, yes = yes is not None, yes or 0.0  # no yes or no among its tokens: scored 0
+            checks = {**checks, "judge_yes": yes, "judge_parsed": float(parsed)}
             if accuracy in checks:
                 checks["judge_agrees"] = float((yes > 0.5) == (checks[accuracy] >= 0.5))
             scored.append(ScoredCompletion(completion, (1 - w) * yes + w * rule, checks))

@@ -161,22 +161,24 @@ class WeightRing:
             token.fill_(secrets.randbits(62))
         elif int(token) != attach_to[2]:
             raise RuntimeError(f"process {attach_to[0]}'s weight ring is not on this host")
+        self.token = int(token)
+        self.dtypes = {spec.name: spec.dtype for spec in layout.specs}
         self.publishes = 0
-        self._handle = None if writer else self._register(chunk_mb << 20, int(token), ranks, world)
+        self._handle = None if writer else self._register(chunk_mb << 20, ranks, world)
 
-    def _register(self, chunk: int, token: int, ranks: tuple[int, int], world: int) -> RingHandle:
+    def _register(self, chunk: int, ranks: tuple[int, int], world: int) -> RingHandle:
         from monarch.rdma import RDMABuffer
 
         header = self.memory.tensor[:_header_bytes(self.slots, self.header.shape[1])]
         return RingHandle(
             layout=self.layout, slots=self.slots, host=host_id(), hostname=socket.gethostname(), pid=os.getpid(),
-            fd=self.memory.fd, token=token, header=RDMABuffer(header),
+            fd=self.memory.fd, token=self.token, header=RDMABuffer(header),
             chunks=[[RDMABuffer(p[i:i + chunk]) for i in range(0, self.layout.nbytes, chunk)] for p in self.payloads],
             checksums=self.checksums, pieces=self.pieces, ranks=ranks, world=world)
 
     def attach_info(self) -> tuple[int, int, int]:
         """(pid, fd, token): what another writer on this host needs to map this ring."""
-        return os.getpid(), self.memory.fd, int(self.memory.tensor[:8].view(torch.int64))
+        return os.getpid(), self.memory.fd, self.token
 
     def handle(self) -> RingHandle | None:
         return self._handle
@@ -190,9 +192,8 @@ class WeightRing:
         if mine is None:
             self.layout.pack(weights, payload)
         else:
-            dtypes = {spec.name: spec.dtype for spec in self.layout.specs}
             for name, lo, hi in mine:
-                payload[lo:hi].view(dtypes[name]).copy_(weights[name].reshape(-1))
+                payload[lo:hi].view(self.dtypes[name]).copy_(weights[name].reshape(-1))
         row[VERSION] = version
         row[CHECKSUM] = _crc(payload, mine) if self.checksums else 0
         row[END] = self.publishes
