@@ -1,4 +1,4 @@
-"""`meshrl` command line: train, report, bench, prepare-model, configs."""
+"""`meshrl` command line: train, report, study, bench, prepare-model, configs."""
 
 import argparse
 import asyncio
@@ -39,6 +39,13 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("configs", help="list the named configs")
     report = sub.add_parser("report", help="summarize runs side by side and redraw their plots")
     report.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    study = sub.add_parser("study", help="run a named study (several training runs) and write its report.md")
+    study.add_argument("name", nargs="?", help="the study (--list names them)")
+    study.add_argument("--list", action="store_true", help="name the studies and what each answers")
+    study.add_argument("--dir", type=Path, help="the study's directory (default: runs/study-NAME); started again, a "
+                                                "study goes on from its first unfinished run")
+    study.add_argument("--dry-run", action="store_true", help="print the runs' commands, run nothing")
+    study.add_argument("--report-only", action="store_true", help="write report.md from the finished runs only")
     certs = sub.add_parser("certs", help="create a CA and a key and certificate for TLS between a controller "
                                          "and its workers")
     certs.add_argument("dir", type=Path, metavar="DIR", help="where ca.crt, ca.key, tls.crt and tls.key go (a CA "
@@ -141,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(path)
         elif args.command == "worker":
             return _worker(args)
+        elif args.command == "study":
+            return _study(args)
         elif args.command == "bench" and args.bench == "weight-sync":
             _bench_weight_sync(args)
         elif args.command == "bench" and args.bench == "generation":
@@ -178,6 +187,30 @@ def _worker(args) -> int:
     from monarch.actor import run_worker_loop_forever
 
     run_worker_loop_forever(address=args.address, ca="trust_all_connections")  # TLS comes from the environment
+    return 0
+
+
+def _study(args) -> int:
+    import meshrl.studies  # noqa: F401 (registers them)
+    from meshrl.study import STUDIES, StudyFailed, run_study, write_report
+
+    if args.list or not args.name:
+        for study in STUDIES.values():
+            print(f"{study.name:26s} {study.question}")
+        return 0 if args.list else _error("study needs a NAME (or --list)")
+    if args.name not in STUDIES:
+        return _error(f"unknown study {args.name!r}; known: {', '.join(STUDIES)}")
+    study, directory = STUDIES[args.name], args.dir or Path("runs") / f"study-{args.name}"
+    for run in study.runs:
+        run.steps()  # every run's config and overrides checked before the first starts
+    if args.dry_run:
+        print("\n".join(" ".join(run.command(directory / run.name)) for run in study.runs))
+        return 0
+    try:
+        path = write_report(study, directory) if args.report_only else run_study(study, directory)
+    except StudyFailed as e:
+        return _error(str(e))
+    print(f"report: {path}")
     return 0
 
 

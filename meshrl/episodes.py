@@ -66,10 +66,12 @@ def check_rates(scored: list[ScoredCompletion], total: int, prefix: str,
 
 def rollout_record(scored: ScoredCompletion, group_id: int, prompt: str) -> dict:
     """One completion as rollouts.jsonl keeps it (the recorder adds the step and the staleness): with
-    `versions`, [token offset, version] of each model turn's tokens where weights changed under them."""
+    `versions`, [token offset, version] of each model turn's tokens where weights changed under them;
+    `logprob`: the sum of its tokens' sampling logprobs."""
     c = scored.completion
     changed = [t.versions for t in model_turns(c) if t.versions]
     return {"prompt_index": c.prompt_index, "group": group_id, "prompt": prompt, "completion": c.text,
+            "logprob": sum(sum(t.logprobs) for t in model_turns(c)),
             "reward": scored.reward, "reward_components": scored.reward_components,
             "policy_version": c.policy_version, "finish_reason": c.finish_reason,
             **({"versions": [t.versions for t in model_turns(c)]} if changed else {}),

@@ -56,6 +56,11 @@ def check_config(config: Config) -> None:
                          "in_flight, recompute")
     if cfg.staleness not in ("oldest_token", "newest_token"):
         raise ValueError(f"unknown controller.staleness {cfg.staleness!r}; known: oldest_token, newest_token")
+    if config.weight_sync.transport not in ("auto", "shm", "rdma", "disk"):
+        raise ValueError(f"unknown weight_sync.transport {config.weight_sync.transport!r}; known: auto, shm, rdma, disk")
+    if config.weight_sync.transport == "disk" and config.weight_sync.verify:
+        raise ValueError("weight_sync.verify checks the ring's loads against the disk path: it needs a ring "
+                         "(weight_sync.transport auto, shm or rdma)")
     if config.weight_sync.dtype not in ("auto", "bfloat16", "float32", "float16"):
         raise ValueError(f"unknown weight_sync.dtype {config.weight_sync.dtype!r}; known: auto, bfloat16, float32, float16")
     if min(config.generator.replicas, config.grader.replicas, config.trainer.ranks, config.reference.ranks) < 1:

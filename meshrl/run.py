@@ -52,6 +52,8 @@ class Run:
         """Everything checked before anything starts: the config, the placement, the task, each role's
         implementation, the model. `resume_from`: a checkpoint of this run to go on from."""
         check_config(config)
+        if (config.weight_sync.transport == "disk" or config.weight_sync.verify) and not config.weight_sync.disk_dir:
+            config.weight_sync.disk_dir = str((run_dir / "weights").absolute())
         self.placement = plan(config)
         self.gpus = plan_gpus(config, self.placement, gpus_per_host(config.job))
         self.timeouts = Timeouts.of(config)

@@ -31,6 +31,7 @@ import os
 import shutil
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -43,8 +44,10 @@ from meshrl.actors.weight_updates import WeightUpdates
 from meshrl.configs import GeneratorConfig, WeightSyncConfig
 from meshrl.model import published_weights
 from meshrl.types import Completion, Prompt, Sampling
+from meshrl.weight_sync.disk import DiskHandle, DiskReader
 from meshrl.weight_sync.ring import RingHandle
 from meshrl.weight_sync.shards import ShardedReader
+from meshrl.weight_sync.verify import Verifier
 
 logger = logging.getLogger(__name__)
 WEIGHT_UPDATES = ("drain", "in_flight", "recompute")
@@ -92,7 +95,8 @@ class VLLMGenerator(Actor):
         if self.update not in WEIGHT_UPDATES:
             raise ValueError(f"unknown generator.weight_update {config.weight_update!r}; known: auto, "
                              f"{', '.join(WEIGHT_UPDATES)}")
-        self.ring: ShardedReader | None = None
+        self.ring: ShardedReader | DiskReader | None = None
+        self.verifier = Verifier(weight_sync.disk_dir, self.reload, self._vllm_model) if weight_sync.verify else None
         self.loading = asyncio.Lock()  # one load at a time: they share the reader's buffer
         self.book = WeightUpdates()
         self.policy_version = 0
@@ -119,12 +123,16 @@ class VLLMGenerator(Actor):
             raise self.broken
         s = sampling or Sampling(temperature=self.config.temperature, top_p=self.config.top_p,
                                  max_tokens=self.config.max_tokens)
-        params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
-                                logprobs=0, output_kind=RequestOutputKind.DELTA, stop=s.stop or None,
-                                include_stop_str_in_output=True)
         loop = asyncio.get_running_loop()
         requests = []
         for prompt in prompts:  # vLLM refusing one (too long, say) raises here: this call's group fails
+            # each request seeded from the engine's seed, its prompt and the version: the same samples whatever
+            # else the engine batches with it
+            seed = zlib.crc32(f"{self.config.seed}/{prompt.index}/{len(prompt.token_ids)}/{self.policy_version}/{s}"
+                              .encode())
+            params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
+                                    logprobs=0, output_kind=RequestOutputKind.DELTA, stop=s.stop or None,
+                                    include_stop_str_in_output=True, seed=seed)
             request_id = str(next(self.request_ids))
             self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt.token_ids,
                                                              cache_salt=f"v{self.policy_version}"), params)
@@ -219,6 +227,8 @@ class VLLMGenerator(Actor):
                                         "(weight_sync.timeout_s)") from None
                 if version is not None:
                     self.book.loaded(start, version, in_flight, resets[-1], read_s=loads[0] - start)
+                    if self.verifier:  # after the load's timing: the check is not part of it
+                        self.verifier.check(version)
 
     def reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors into vLLM in place: handed to its one worker in this process, or with
@@ -228,6 +238,9 @@ class VLLMGenerator(Actor):
             self.engine.model_executor.driver_worker.worker.reload_weights(weights_iterator=iter(weights))
         else:
             self.reload_through_file(weights)
+
+    def _vllm_model(self) -> torch.nn.Module:
+        return self.engine.model_executor.driver_worker.worker.model_runner.get_model()
 
     def reload_through_file(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         where = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None, prefix="meshrl-weights-")
@@ -248,10 +261,12 @@ class VLLMGenerator(Actor):
         self.book.done()
 
     @endpoint
-    async def attach_weights(self, rings: list[RingHandle]) -> str:
-        """Pull weights from the trainer's rings (one per rank, in rank order) from now on; returns the
-        transport chosen."""
-        self.ring = ShardedReader(rings, self.layout, self.adapter.to_hf, self.transport)
+    async def attach_weights(self, rings: list[RingHandle | DiskHandle | None]) -> str:
+        """Pull weights from the trainer's rings (one per rank, in rank order) from now on, or from its
+        directory of versions (transport disk); returns the transport chosen."""
+        disk = [h for h in rings if isinstance(h, DiskHandle)]
+        self.ring = DiskReader(disk[0]) if disk else ShardedReader(rings, self.layout, self.adapter.to_hf,
+                                                                   self.transport)
         served, published = self.engine.model_config.dtype, self.layout.specs[0].dtype
         if served != published:
             logger.warning("versions are published in %s but vLLM serves %s here: the served policy is a rounded "

@@ -29,6 +29,7 @@ from meshrl.losses import (autocast, check, on_positions, policy_logprobs, polic
                            token_entropy, token_logprobs)
 from meshrl.model import published_weights, save_checkpoint
 from meshrl.types import TrainBatch
+from meshrl.weight_sync.disk import DiskHandle, write_version
 from meshrl.weight_sync.ring import RingHandle
 from meshrl.weight_sync.shards import host_ring
 
@@ -48,8 +49,13 @@ class TitanTrainer(Actor):
         # written into the ring its host's ranks share.
         full, _ = published_weights(self.checkpoint, weight_sync.dtype)
         self.published = [spec.name for spec in full.specs]
-        self.ring = host_ring(full, self.rank, self.world, lambda x: all_gather(x, self.world), weight_sync.slots,
-                              weight_sync.chunk_mb, weight_sync.checksums)
+        self.dtype = full.specs[0].dtype
+        self.ring = None if weight_sync.transport == "disk" else host_ring(
+            full, self.rank, self.world, lambda x: all_gather(x, self.world), weight_sync.slots, weight_sync.chunk_mb,
+            weight_sync.checksums)
+        # the plain path (meshrl/weight_sync/disk.py): the policy gathered and saved per version, instead or as a check
+        self.disk = Path(weight_sync.disk_dir) if weight_sync.transport == "disk" or weight_sync.verify else None
+        self.keep = weight_sync.slots
         self.policy_version = 0  # versions published
         self.updates = 0  # optimizer updates taken
         self.publishing: asyncio.Future | None = None  # the copy into the ring of the newest version
@@ -93,9 +99,12 @@ class TitanTrainer(Actor):
         return {"updates": self.updates, "grad_norm": float(grad_norm), "skipped": skipped}
 
     @endpoint
-    async def weight_ring(self) -> RingHandle | None:
+    async def weight_ring(self) -> RingHandle | DiskHandle | None:
         """Where generators pull this rank's rows of each published version from: its host's ring (None
-        from the host's other ranks, whose rows are in the first's)."""
+        from the host's other ranks, whose rows are in the first's); with transport disk, rank 0's
+        directory of versions."""
+        if self.ring is None:
+            return DiskHandle(str(self.disk)) if self.rank == 0 else None
         return self.ring.handle()
 
     @endpoint
@@ -109,10 +118,23 @@ class TitanTrainer(Actor):
         await self._published()
         self.policy_version = version = self.policy_version + 1
         state = self.model.state_dict()
-        weights = {name: local(state[name]).detach() for name in self.published}
-        self.publishing = asyncio.ensure_future(asyncio.to_thread(self.ring.publish, weights, version))
-        await self._published()
+        if self.disk is not None:
+            self._write_version(state, version)
+        if self.ring is not None:
+            weights = {name: local(state[name]).detach() for name in self.published}
+            self.publishing = asyncio.ensure_future(asyncio.to_thread(self.ring.publish, weights, version))
+            await self._published()
         return version
+
+    def _write_version(self, state: dict, version: int) -> None:
+        """The plain path: every rank takes part in gathering the whole policy, rank 0 saves it (HF names,
+        the served dtype) as the version's file; it is complete when this returns."""
+        with torch.no_grad():
+            full = {name: (state[name].full_tensor() if isinstance(state[name], DTensor) else state[name])
+                    for name in self.published}
+            if self.rank == 0:
+                hf = self.adapter.to_hf({name: t.detach().to("cpu", self.dtype) for name, t in full.items()})
+                write_version(self.disk, version, hf, self.keep)
 
     async def _published(self) -> None:
         """Wait for the publish in progress, if any (shielded: a cancelled caller leaves it to finish)."""

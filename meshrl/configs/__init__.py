@@ -130,12 +130,14 @@ class WeightSyncConfig:
     """The versioned weight ring from the trainer to the generators."""
 
     slots: int = 2  # versions the trainer's ring holds; readers of the newest never race the writer
-    transport: str = "auto"  # auto (shared memory on the trainer's host, else rdma) | shm | rdma
+    transport: str = "auto"  # auto (shared memory on the trainer's host, else rdma) | shm | rdma | disk (no ring: the plain path, each version saved as a file and loaded from it; a baseline)
     chunk_mb: int = 16  # RDMA reads a slot in chunks of this size, concurrently
     checksums: bool = False  # CRC32 every published version and verify it on load (stress tests)
     timeout_s: float = 300.0  # one generator's pull of a version (read and load): past it the replica is replaced
     dtype: str = "auto"  # what versions are published in: auto (the dtype the generators serve) | bfloat16 | float32
     poll_s: float = 0.05  # in_flight and recompute: how often a generating replica looks for a newer version
+    verify: bool = False  # also write each version to disk_dir and have every generator load it a second time from there and compare every tensor vLLM holds (meshrl/weight_sync/disk.py)
+    disk_dir: str = ""  # disk and verify: where the versions' files go, on a filesystem the trainer and the generators share; "": RUN_DIR/weights
 
 
 @dataclass

@@ -6,6 +6,12 @@ of two.
 SmolLM2-135M-Instruct does not call the tool from instructions alone (measured: 0 of 32 greedy replies,
 no call of the word asked about in 256 sampled ones), so by default the conversation opens with one worked example of
 the same level; with it the model calls the tool often enough, at level 1, for RL to have a signal.
+
+`curriculum` "START-END" trains on level 1 first and mixes in `level`'s questions as training goes
+on: train prompts before index START are at level 1, from END on all at `level`, and between the
+share at `level` rises linearly (a step takes `controller.prompts_per_step` prompts). A schedule
+over prompt indices, not a feedback loop: each prompt's level follows from its index alone, so a
+resumed run samples the same prompts. The eval split is always at `level`.
 """
 
 import random
@@ -39,6 +45,7 @@ class ZorplexConfig:
     tool_weight: float = 0.1  # reward for looking up every word the question names; a right tagged answer adds 1
     eval_size: int = 64  # held-out eval samples
     seed: int = 0  # which words and values
+    curriculum: str = ""  # "START-END": train prompts below index START at level 1, from END all at `level`, the share at `level` rising linearly between; "": all at `level`
 
 
 class Zorplex:
@@ -49,26 +56,36 @@ class Zorplex:
         if config.level not in QUESTIONS:
             raise ValueError(f"zorplex level must be one of {sorted(QUESTIONS)}, not {config.level}")
         self.config = config
+        self.schedule = _schedule(config.curriculum)
 
-    def _sample(self, rng: random.Random) -> Sample:
+    def _sample(self, rng: random.Random, level: int) -> Sample:
         words = []
-        while len(words) < self.config.level:
+        while len(words) < level:
             word = "".join(rng.sample(_SYLLABLES, 2))
             words += [word] if word not in words else []
         values = {w: rng.randint(10, 99) for w in words}
-        question = rng.choice(QUESTIONS[self.config.level]).format(*words)
+        question = rng.choice(QUESTIONS[level]).format(*words)
         return Sample(question, str(sum(values.values())), {"values": values})
 
     def train_sample(self, index: int) -> Sample:
-        return self._sample(random.Random(f"train-{self.config.seed}-{index}"))
+        return self._sample(random.Random(f"train-{self.config.seed}-{index}"), self.train_level(index))
+
+    def train_level(self, index: int) -> int:
+        """The level of train prompt `index`: `level`, or under a curriculum 1 or `level` by its schedule."""
+        if self.schedule is None:
+            return self.config.level
+        start, end = self.schedule
+        share = min(1.0, max(0.0, (index - start + 1) / (end - start + 1)))
+        return self.config.level if random.Random(f"level-{self.config.seed}-{index}").random() < share else 1
 
     def eval_samples(self) -> list[Sample]:
-        return [self._sample(random.Random(f"eval-{self.config.seed}-{i}")) for i in range(self.config.eval_size)]
+        return [self._sample(random.Random(f"eval-{self.config.seed}-{i}"), self.config.level)
+                for i in range(self.config.eval_size)]
 
     def opening(self, sample: Sample) -> list[dict]:
         messages = [{"role": "system", "content": SYSTEM}]
         if self.config.example:
-            values, question = EXAMPLES[self.config.level]
+            values, question = EXAMPLES[len(sample.info["values"])]  # the sample's own level
             messages.append({"role": "user", "content": question})
             for word, value in values.items():
                 messages += [{"role": "assistant", "content": f"LOOKUP[{word}]"},
@@ -94,3 +111,16 @@ class Zorplex:
         checks = {"correct": float(bool(tagged) and tagged[-1] == sample.answer), "tagged": float(bool(tagged)),
                   "tool_call": float(set(sample.info["values"]) <= called)}
         return checks["correct"] + self.config.tool_weight * checks["tool_call"], checks
+
+
+def _schedule(curriculum: str) -> tuple[int, int] | None:
+    if not curriculum:
+        return None
+    try:
+        start, end = (int(n) for n in curriculum.split("-"))
+    except ValueError:
+        raise ValueError(f"zorplex.curriculum {curriculum!r} is not START-END (train prompt indices, e.g. 40-120)") \
+            from None
+    if not 0 <= start <= end:
+        raise ValueError(f"zorplex.curriculum {curriculum!r}: START-END needs 0 <= START <= END")
+    return start, end
