@@ -10,6 +10,7 @@ import pytest
 from actor_helpers import vllm_generates
 
 from meshrl.model import cache_dir, load_hf_weights
+from meshrl.weight_sync.disk import versions
 
 KEYS = {"step", "policy_version", "reward_mean", "reward_std", "accuracy", "format", "last_number", "loss",
         "updates", "tokens_generated", "tokens_trained", "step_time_s", "gen_time_s", "train_time_s", "weight_sync_s",
@@ -17,7 +18,7 @@ KEYS = {"step", "policy_version", "reward_mean", "reward_std", "accuracy", "form
         "behaviour_weight_mean", "tis_fraction", "behaviour_kl"}
 EVAL_KEYS = {"eval_accuracy", "eval_format", "eval_last_number"}
 ROLLOUT_FIELDS = {"step", "prompt_index", "group", "prompt", "completion", "reward", "reward_components",
-                  "policy_version", "staleness", "finish_reason"}
+                  "policy_version", "staleness", "finish_reason", "logprob"}
 
 
 def test_smoke_run_writes_metrics_plot_and_a_final_policy_vllm_loads(tmp_path, tiny_checkpoint):
@@ -64,6 +65,7 @@ def test_smoke_run_writes_metrics_plot_and_a_final_policy_vllm_loads(tmp_path, t
     records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [step for step in (1, 2, 3) for _ in range(8)]
     assert all(ROLLOUT_FIELDS <= r.keys() and r["staleness"] == 0 and r["finish_reason"] in ("stop", "length")
+               and r["logprob"] < 0  # the sampled tokens' summed logprob
                and "Answer:" in r["prompt"] and set(r["reward_components"]) == {"correct", "format", "last_number"}
                for r in records)
     assert len({(r["step"], r["prompt_index"]) for r in records}) == 6  # each step trains its own prompts
@@ -81,9 +83,10 @@ def test_smoke_run_writes_metrics_plot_and_a_final_policy_vllm_loads(tmp_path, t
       "--model.source", "tiny_qwen3_moe"],
      lambda rows: all(r["kl"] >= 0 and r["entropy"] > 0 and r["tokens_trained"] > 0 for r in rows)),
     # the tiny random model never earns a reward: DAPO's dynamic sampling drops every group, and
-    # the trainer still steps (on nothing) so the loop goes on; the batch trained has no rewards
+    # the trainer still steps (on nothing) so the loop goes on; the batch trained has no rewards. Its
+    # weights go by the plain path (saved, loaded from the file: checked in the test)
     (["--trainer.loss.name", "dapo", "--controller.drop_equal_reward_groups", "true",
-      "--controller.max_sample_rounds", "2"],
+      "--controller.max_sample_rounds", "2", "--weight_sync.transport", "disk"],
      lambda rows: all(r["groups_dropped"] == r["equal_reward_groups"] == 4 and r["tokens_trained"] == 0
                       and math.isnan(r["reward_mean"]) and math.isnan(r["accuracy"]) for r in rows)),
 ])
@@ -97,6 +100,11 @@ def test_smoke_runs_with_other_losses_and_estimators(tmp_path, overrides, check)
     assert check(rows)
     if "--model.source" in overrides:
         trained_and_served(run_dir, overrides[overrides.index("--model.source") + 1])
+    if "disk" in overrides:  # each version a file; the generator loaded both from there before generating
+        assert versions(run_dir / "weights") == [1, 2]
+        assert json.loads((run_dir / "placement.json").read_text())["generator"]["weight_transport"] == "disk"
+        spans = [json.loads(line) for line in (run_dir / "trace.jsonl").read_text().splitlines()]
+        assert sorted(s["policy_version"] for s in spans if s["what"] == "pull") == [1, 2]
 
 
 def test_wandb_without_network_or_key_logs_offline_into_the_run_dir(tmp_path):

@@ -92,15 +92,20 @@ def test_one_step_on_two_ranks_matches_one_rank(source, tmp_path, request):
 
 
 def test_smoke_with_two_trainer_ranks_runs_and_vllm_loads_its_policy(tmp_path, llama_checkpoint):
-    """A Llama checkpoint directory that transformers saved (`--model.source PATH`), trained on 2 ranks."""
+    """A Llama checkpoint directory that transformers saved (`--model.source PATH`), trained on 2 ranks;
+    what vLLM holds after each load from the ranks' shared ring is checked bit for bit against the same
+    version saved whole and loaded from its file (weight_sync.verify)."""
     result = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path),
                              "--model.source", str(llama_checkpoint), "--trainer.ranks", "2", "--trainer.num_threads", "1", "--generator.num_threads", "1",
-                             "--trainer.loss.kl_coef", "0.01", "--reference.ranks", "2", "--reference.num_threads", "1"],
+                             "--trainer.loss.kl_coef", "0.01", "--reference.ranks", "2", "--reference.num_threads", "1",
+                             "--weight_sync.verify", "true"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in rows] == [1, 2] and all(r["tokens_trained"] > 0 for r in rows)
     assert all(r["staleness_max"] == 0 for r in rows)  # the generator served each version the ranks published
+    checks = [json.loads(line) for line in (tmp_path / "weights" / "verified.jsonl").read_text().splitlines()]
+    assert [c["version"] for c in checks] == [1, 2] and all(c["identical"] and c["tensors"] > 10 for c in checks)
     assert all(math.isfinite(r["kl"]) for r in rows)  # the sharded reference answered every micro-batch
     pids = json.loads((tmp_path / "processes.json").read_text())
     assert len(pids["trainer"]) == len(pids["reference"]) == 2  # a process per rank

@@ -1,0 +1,81 @@
+"""`meshrl study difficulty`: how does difficulty change learning, and does a curriculum give the
+harder level a learning signal that training on it alone does not have?
+
+Zorplex level 1 (one word's value, looked up with the tool) and level 2 (the sum of two words'),
+and level 2 under a curriculum (`zorplex.curriculum`: level-1 prompts first, level 2 mixed in over
+the middle of the run, all level 2 at the end); sum_digits with two and with three terms. The same
+budget for each. The curriculum run is evaluated on level 2, as the level-2 run is.
+"""
+
+import json
+import statistics
+from pathlib import Path
+
+from meshrl.study import Study, StudyRun, register
+from meshrl.studies import cell, curve_plot, read_json_lines, read_rows, read_summary, table
+from meshrl.tasks.zorplex import Zorplex, ZorplexConfig
+
+STEPS = 10
+CURRICULUM = "16-47"  # steps 1-2 level 1; level 2's share rising over steps 3-6; steps 7-10 level 2 only
+COMMON = ["--controller.steps", str(STEPS), "--controller.eval_every", "5", "--checkpoint.every", "0"]
+RUNS = [StudyRun("zorplex_level1", "zorplex_smollm2", COMMON),
+        StudyRun("zorplex_level2", "zorplex_smollm2", COMMON + ["--zorplex.level", "2"]),
+        StudyRun("zorplex_curriculum", "zorplex_smollm2", COMMON + ["--zorplex.level", "2", "--zorplex.curriculum",
+                                                                    CURRICULUM]),
+        StudyRun("sum_digits_2terms", "sum_digits_smollm2", COMMON),
+        StudyRun("sum_digits_3terms", "sum_digits_smollm2", COMMON + ["--sum_digits.num_terms", "3"])]
+
+
+def level2_accuracy(run_dir: Path, curriculum: str) -> list[tuple[int, float]]:
+    """Per step, the train accuracy over the level-2 prompts only (of a zorplex run at level 2)."""
+    task = Zorplex(ZorplexConfig(level=2, curriculum=curriculum))
+    per_step: dict[int, list[float]] = {}
+    for r in read_json_lines(run_dir / "rollouts.jsonl"):
+        if task.train_level(r["prompt_index"]) == 2:
+            per_step.setdefault(r["step"], []).append(r["reward_components"]["correct"])
+    return [(step, statistics.fmean(v)) for step, v in sorted(per_step.items())]
+
+
+def report(directory: Path, runs: list[StudyRun]) -> str:
+    rows, evals, train = [], {}, {}
+    for run in runs:
+        run_dir = directory / run.name
+        if not (run_dir / "metrics.jsonl").is_file():
+            continue
+        steps, summary = read_rows(run_dir), read_summary(run_dir)
+        prompts = json.loads((run_dir / "config.json").read_text())["controller"]["prompts_per_step"]
+        signal = [1 - r["equal_reward_groups"] / prompts for r in steps]
+        rows.append([run.name, cell(summary.get("eval_accuracy_initial")), cell(summary.get("eval_accuracy_final")),
+                     cell(statistics.fmean(r["accuracy"] for r in steps[:3])),
+                     cell(statistics.fmean(r["accuracy"] for r in steps[-3:])),
+                     cell(statistics.fmean(signal[:3]), ".2f"), cell(statistics.fmean(signal[-3:]), ".2f")])
+        evals[run.name] = [(0, summary.get("eval_accuracy_initial"))] + [(r["step"], r["eval_accuracy"]) for r in steps
+                                                                          if "eval_accuracy" in r]
+        if run.name.startswith("zorplex"):
+            train[f"{run.name}: all prompts"] = [(r["step"], r["accuracy"]) for r in steps]
+    parts = [f"## Learning at each difficulty, {STEPS} steps each\n",
+             table(["run", "held-out accuracy untrained", f"after {STEPS} steps", "train accuracy, steps 1-3",
+                    f"steps {STEPS - 2}-{STEPS}", "groups with a signal, steps 1-3", f"steps {STEPS - 2}-{STEPS}"], rows),
+             "\nHeld-out accuracy: zorplex the mean of 4 sampled answers (temperature 1) per prompt over 64 "
+             "prompts at the run's level (level 2 for the curriculum); sum_digits greedy over 128 prompts. A group "
+             "has a signal when its completions' rewards are not all equal (GRPO learns nothing from the others)."]
+    level2 = {}
+    for name, curriculum in (("zorplex_level2", ""), ("zorplex_curriculum", CURRICULUM)):
+        if (directory / name / "rollouts.jsonl").is_file():
+            level2[name] = level2_accuracy(directory / name, curriculum)
+            train[f"{name}: level-2 prompts"] = level2[name]
+    if len(level2) == 2:
+        rows = [[step, cell(dict(level2["zorplex_level2"]).get(step)), cell(dict(level2["zorplex_curriculum"]).get(step))]
+                for step in range(1, STEPS + 1)]
+        parts += ["\n## Level 2 alone against the curriculum: train accuracy on level-2 prompts\n",
+                  table(["step", "level 2 alone", f"curriculum {CURRICULUM} (n/a: no level-2 prompt that step)"], rows)]
+    curve_plot(evals, directory / "eval_curves.png", "step", "held-out accuracy", "held-out accuracy per difficulty")
+    curve_plot(train, directory / "zorplex_train_accuracy.png", "step", "train accuracy",
+               "zorplex: train accuracy, and on level-2 prompts alone")
+    parts += ["\n![held-out accuracy per difficulty](eval_curves.png)\n",
+              "![zorplex train accuracy](zorplex_train_accuracy.png)"]
+    return "\n".join(parts)
+
+
+register(Study("difficulty", "How does difficulty (zorplex level 1 vs 2, sums of 2 vs 3 terms) change learning, "
+               "and does a level-1-first curriculum give level 2 a learning signal it lacks alone?", RUNS, report))

@@ -1,0 +1,180 @@
+"""`meshrl study`: the runner's resume logic with a fake `meshrl train` (pure logic, milliseconds), the
+reports' arithmetic by hand, and the plain weight path and the bit-for-bit check in isolation."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from meshrl.cli import main
+from meshrl.study import Study, StudyFailed, StudyRun, finished, run_study
+from meshrl.studies import mean_spread, time_to_reach
+from meshrl.studies.weight_sync_equivalence import publish_to_served, same_samples
+from meshrl.tasks.zorplex import Zorplex, ZorplexConfig
+from meshrl.weight_sync.disk import DiskHandle, DiskReader, read_version, versions, write_version
+from meshrl.weight_sync.verify import bitwise_differences
+
+
+class FakeTrain:
+    """Stands in for `meshrl train`: writes what a finished run writes (its reward = the run's number);
+    `interrupt_at`: the run whose training is cut short by a Ctrl-C (it leaves a partial run directory)."""
+
+    def __init__(self, interrupt_at: str | None = None):
+        self.calls, self.interrupt_at = [], interrupt_at
+
+    def __call__(self, command: list[str], log) -> int:
+        run_dir = log.parent
+        name = run_dir.name
+        self.calls.append(name)
+        (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.5}) + "\n")
+        if name == self.interrupt_at:
+            (run_dir / "summary.json").write_text(json.dumps({"steps": 1, "stopped_by": "SIGINT"}))
+            raise KeyboardInterrupt
+        steps = int(command[command.index("--controller.steps") + 1])
+        (run_dir / "summary.json").write_text(json.dumps({"steps": steps, "eval_accuracy_final": float(name[-1])}))
+        return 0
+
+
+def tiny_study(reported: list) -> Study:
+    runs = [StudyRun(f"run{i}", "smoke", ["--controller.steps", "3"]) for i in range(3)]
+
+    def report(directory, runs_):
+        finals = [json.loads((directory / r.name / "summary.json").read_text())["eval_accuracy_final"] for r in runs_]
+        reported.append(finals)
+        return f"finals: {finals}"
+    return Study("tiny", "a question", runs, report)
+
+
+def test_a_study_stopped_midway_goes_on_without_redoing_finished_runs(tmp_path):
+    reported = []
+    study, say = tiny_study(reported), []
+    interrupted = FakeTrain(interrupt_at="run1")
+    with pytest.raises(KeyboardInterrupt):
+        run_study(study, tmp_path, interrupted, say.append)
+    assert interrupted.calls == ["run0", "run1"] and not (tmp_path / "report.md").exists()
+    assert finished(tmp_path / "run0", 3) and not finished(tmp_path / "run1", 3)
+    before = (tmp_path / "run0" / "summary.json").stat().st_mtime_ns
+
+    again = FakeTrain()
+    path = run_study(study, tmp_path, again, say.append)
+    assert again.calls == ["run1", "run2"]  # run0 kept, run1 started over, run2 new
+    assert (tmp_path / "run0" / "summary.json").stat().st_mtime_ns == before
+    assert reported == [[0.0, 1.0, 2.0]]
+    text = path.read_text()
+    assert "finals: [0.0, 1.0, 2.0]" in text and "Machine: " in text
+    assert "meshrl train --config smoke --run-dir " + str(tmp_path / "run2") + " --controller.steps 3" in text
+    assert any("finished before, kept" in line for line in say)
+
+    third = FakeTrain()  # everything finished: nothing runs, the report is written again
+    run_study(study, tmp_path, third, say.append)
+    assert third.calls == [] and reported[-1] == [0.0, 1.0, 2.0]
+
+
+def test_a_run_that_fails_stops_the_study_with_one_line_naming_its_log(tmp_path):
+    study = tiny_study([])
+    with pytest.raises(StudyFailed, match=r"run run0 ended with exit code 1 .*train.log.*goes on from it"):
+        run_study(study, tmp_path, lambda command, log: 1, lambda line: None)
+
+
+def test_finished_needs_every_step_and_an_ending_of_its_own(tmp_path):
+    for name, summary in {"ok": {"steps": 4}, "short": {"steps": 3}, "stopped": {"steps": 4, "stopped_by": "SIGTERM"},
+                          "failed": {"steps": 4, "failed": "the trainer died"}}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    assert [n for n in ("ok", "short", "stopped", "failed", "absent") if finished(tmp_path / n, 4)] == ["ok"]
+
+
+def test_the_study_command_lists_dry_runs_and_refuses_unknown_names(tmp_path, capsys):
+    assert main(["study", "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert [line.split()[0] for line in listed.splitlines()] == ["weight-sync-equivalence", "sync-vs-async",
+                                                                  "difficulty"]
+    assert main(["study", "sync-vs-async", "--dry-run", "--dir", str(tmp_path)]) == 0
+    commands = capsys.readouterr().out.splitlines()
+    assert len(commands) == 9 and all(c.startswith("meshrl train --config sum_digits_smollm2") for c in commands)
+    assert sum("--controller.max_policy_age 2" in c for c in commands) == 3
+    assert {c.split("--generator.seed ")[1].split()[0] for c in commands} == {"0", "1", "2"}
+    assert not any(tmp_path.iterdir())  # a dry run starts nothing
+    assert main(["study", "difficult"]) == 2
+    assert "unknown study 'difficult'; known: weight-sync-equivalence, sync-vs-async, difficulty" in capsys.readouterr().err
+
+
+def test_mean_spread_and_time_to_reach_by_hand():
+    assert mean_spread([0.5, 0.7, 0.6]) == "0.600 ± 0.100 (0.500-0.700, n=3)"
+    assert mean_spread([0.25, math.nan]) == "0.250 (one run)" and mean_spread([]) == "n/a"
+    times, values = [10, 20, 30, 40, 50], [0.25, 0.75, 0.5, 0.75, 1.0]
+    assert time_to_reach(times, values, 0.5) == 30  # (0.25 + 0.75 + 0.5) / 3 = 0.5 at the third step
+    assert time_to_reach(times, values, 0.75) == 50  # (0.5 + 0.75 + 1.0) / 3 = 0.75
+    assert time_to_reach(times, values, 0.8) is None
+
+
+def test_publish_to_served_and_same_samples_from_hand_written_runs(tmp_path):
+    spans = [{"what": "publish", "start": 10.0, "end": 10.5, "policy_version": 1},
+             {"what": "pull", "start": 10.6, "end": 11.0, "policy_version": 1},
+             {"what": "pull", "start": 10.6, "end": 11.5, "policy_version": 1},  # a second replica, slower
+             {"what": "publish", "start": 20.0, "end": 20.2, "policy_version": 2}]  # never loaded: not counted
+    (tmp_path / "trace.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
+    assert publish_to_served(tmp_path) == [pytest.approx({"version": 1, "publish_s": 0.5, "load_s": 0.9,
+                                                          "total_s": 1.5})]
+    for name, texts in {"a": ["x", "y", "z", "w"], "b": ["x", "y", "q", "w"]}.items():
+        (tmp_path / name).mkdir()
+        records = [{"step": 1 + i // 2, "prompt_index": 0, "completion": t, "logprob": -1.0 - 0.25 * (name == "b") * i}
+                   for i, t in enumerate(texts)]
+        (tmp_path / name / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    total, same, first, gap = same_samples(tmp_path / "a", tmp_path / "b")
+    assert (total, same, first, gap) == (2, 2, 2, 0.25)  # step 1: both alike, logprobs 0 and 0.25 apart
+
+
+def test_the_plain_path_writes_whole_files_keeps_the_newest_and_loads_the_newest(tmp_path):
+    for version in (1, 2, 3):
+        write_version(tmp_path, version, {"w": torch.full((2, 3), float(version)), "b": torch.zeros(3)}, keep=2)
+    assert versions(tmp_path) == [2, 3] and not list(tmp_path.glob(".*partial"))
+    (tmp_path / ".v4.safetensors.partial").write_bytes(b"half")  # a write in progress is no version
+    assert versions(tmp_path) == [2, 3]
+    reader, loaded = DiskReader(DiskHandle(str(tmp_path))), []
+    import asyncio
+
+    assert asyncio.run(reader.load_latest(lambda v, w: loaded.append((v, dict(w))), newer_than=1)) == 3
+    assert loaded[0][0] == 3 and torch.equal(loaded[0][1]["w"], torch.full((2, 3), 3.0))
+    assert asyncio.run(reader.load_latest(lambda v, w: loaded.append(v), newer_than=3)) is None
+    assert dict(read_version(tmp_path, 2))["w"][0, 0] == 2.0
+
+
+def test_bitwise_differences_sees_bits_not_values():
+    a = {"x": torch.tensor([0.0, 1.0]), "s": torch.tensor(2.0), "n": torch.tensor([math.nan])}
+    same = {k: v.clone() for k, v in a.items()}
+    assert bitwise_differences(a, same) == {}  # a NaN equals itself bit for bit; 0-dim tensors compare too
+    other = {**same, "x": torch.tensor([-0.0, 1.0 + 2 ** -20]), "s": torch.tensor(2.0, dtype=torch.float64)}
+    diff = bitwise_differences(a, other)
+    assert diff.keys() == {"x", "s"} and diff["x"] == pytest.approx(2 ** -20) and diff["s"] == math.inf
+    assert bitwise_differences(a, {"x": a["x"]}) == {"n": math.inf, "s": math.inf}
+
+
+def test_the_zorplex_curriculum_moves_from_level_1_to_the_configured_level_by_prompt_index():
+    task = Zorplex(ZorplexConfig(level=2, curriculum="10-29"))
+    levels = [task.train_level(i) for i in range(40)]
+    assert set(levels[:10]) == {1} and set(levels[29:]) == {2}
+    assert 0 < levels[10:20].count(2) < levels[20:29].count(2) + 2  # the share of level 2 grows
+    assert levels == [Zorplex(ZorplexConfig(level=2, curriculum="10-29")).train_level(i) for i in range(40)]
+    sample = task.train_sample(0)
+    assert len(sample.info["values"]) == 1 and "value of blick?" in task.opening(sample)[1]["content"]
+    assert len(task.train_sample(35).info["values"]) == 2
+    assert all(len(s.info["values"]) == 2 for s in task.eval_samples())  # eval stays at the level
+    assert {task.train_level(i) for i in range(40)} == {1, 2}
+    assert {Zorplex(ZorplexConfig(level=2)).train_level(i) for i in range(40)} == {2}
+    for bad in ("10", "5-x", "20-10"):
+        with pytest.raises(ValueError, match="zorplex.curriculum"):
+            Zorplex(ZorplexConfig(level=2, curriculum=bad))
+
+
+def test_disk_and_verify_are_checked_before_anything_starts(tmp_path):
+    for overrides, message in ((["--weight_sync.transport", "nfs"], "unknown weight_sync.transport 'nfs'"),
+                               (["--weight_sync.transport", "disk", "--weight_sync.verify", "true"],
+                                "weight_sync.verify checks the ring's loads")):
+        result = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir",
+                                 str(tmp_path / "run"), "--dry-run", *overrides], capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 2 and message in result.stderr
