@@ -157,7 +157,8 @@ class Controller:
         while (batch := self.work.batch(index)) is None:
             self.collector.batch_ready.clear()
             ready = asyncio.ensure_future(self.collector.batch_ready.wait())
-            publishing = {self.publishing} if self.publishing else set()
+            # a publish still running may fail: wake up for it too (not for one already done, which would spin)
+            publishing = {self.publishing} if self.publishing and not self.publishing.done() else set()
             try:
                 await asyncio.wait({ready, rollouts, *publishing}, return_when=asyncio.FIRST_COMPLETED)
             finally:

@@ -11,7 +11,7 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from meshrl.fakes import Costs, FakeTrainer, Script, fake_config, read_jsonl, run_fake
 
 from meshrl import checkpoint
-from meshrl.work_buffer import TooManyFailures
+from meshrl.work_buffer import TooManyFailures, WorkBuffer
 
 
 def run(config, run_dir, script=None, **kw):
@@ -57,6 +57,23 @@ def test_a_trainer_that_dies_while_publishing_ends_the_run_with_its_error(tmp_pa
     with pytest.raises(SupervisionError, match="the process exited"):  # its publish, or the next call to it
         asyncio.run(asyncio.wait_for(run_fake(fake_config(steps=4, prompts=2, max_policy_age=age), tmp_path, script),
                                      30))
+
+
+@pytest.mark.parametrize("age", [0, 1])
+def test_the_training_loop_sleeps_while_it_waits_for_a_batch(tmp_path, age, monkeypatch):
+    # it once woke up again and again for a publish already done: a core spinning while generation ran
+    looks = Counter()
+    batch = WorkBuffer.batch
+
+    def counted(self, index):
+        looks[index] += 1
+        return batch(self, index)
+    monkeypatch.setattr(WorkBuffer, "batch", counted)
+    costs = Costs(generate_per_token=0.004, train_per_token=0.0001, publish=0.001)  # ~0.1 s of generation a step
+    done = run(fake_config(steps=4, prompts=2, max_policy_age=age), tmp_path, costs=costs)
+    assert len(done.rows) == 4
+    # a look when the wait starts, one per group that finishes or publish that ends, one when complete
+    assert max(looks.values()) <= 8, looks
 
 
 def test_sync_training_alternates_generation_and_training(tmp_path):

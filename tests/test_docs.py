@@ -1,6 +1,7 @@
 """The README and docs/ as a newcomer walks them: every link to a file or a heading lands, and every
 `meshrl` command shown in them is one the command line takes (`train` commands: their config and
-every override load; other commands: their options parse, through `--help`)."""
+every override load; `study` commands: a dry run, which loads every run's; other commands: their
+options parse, through `--help`)."""
 
 import re
 import shlex
@@ -12,7 +13,7 @@ from meshrl.cli import main
 from meshrl.configs import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # the study reports in docs/studies/ too
 LINK = re.compile(r"\]\((?!https?:)([^)\s]+)\)")
 
 
@@ -48,7 +49,7 @@ def commands(page: Path) -> list[list[str]]:
     return found
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_link_lands_on_a_file_and_heading(page):
     for line in prose(page):
         for target in LINK.findall(line):
@@ -60,7 +61,7 @@ def test_every_link_lands_on_a_file_and_heading(page):
                 assert anchor in headings, f"{page.name}: {target} (no such heading)"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_command_shown_is_one_the_command_line_takes(page, capsys):
     for words in commands(page):
         if words[0] == "train" and "--config" in words:
@@ -69,6 +70,9 @@ def test_every_command_shown_is_one_the_command_line_takes(page, capsys):
                          if j not in (i, i + 1) and w not in ("--dry-run",) and not (j > 0 and words[j - 1] == "--run-dir")
                          and w != "--run-dir"]
             load_config(words[i + 1], overrides)  # raises on an unknown config or override
+            continue
+        if words[0] == "study" and "--list" not in words:  # its runs' configs and overrides load; nothing starts
+            assert main([*words, "--dry-run"]) == 0, f"{page.name}: meshrl {' '.join(words)}"
             continue
         subcommand = [w for w in words if not w.startswith("-")][:2 if words[0] == "bench" else 1]
         try:
