@@ -61,6 +61,9 @@ def check_config(config: Config) -> None:
     if config.weight_sync.transport == "disk" and config.weight_sync.verify:
         raise ValueError("weight_sync.verify checks the ring's loads against the disk path: it needs a ring "
                          "(weight_sync.transport auto, shm or rdma)")
+    if config.weight_sync.verify and config.generator.tensor_parallel_size > 1:
+        raise ValueError("weight_sync.verify compares the tensors of a generator's own vLLM worker: it needs "
+                         "generator.tensor_parallel_size 1")
     if config.weight_sync.dtype not in ("auto", "bfloat16", "float32", "float16"):
         raise ValueError(f"unknown weight_sync.dtype {config.weight_sync.dtype!r}; known: auto, bfloat16, float32, float16")
     if min(config.generator.replicas, config.grader.replicas, config.trainer.ranks, config.reference.ranks) < 1:

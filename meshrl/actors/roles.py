@@ -38,7 +38,8 @@ class Generator(Protocol):
 
     async def attach_weights(self, rings: list) -> str:
         """Pull weights from the trainer's rings (a `RingHandle` per trainer rank, in rank order) from now on:
-        each version assembled from every rank's shard; returns the transport."""
+        each version assembled from every rank's shard; or, with weight_sync.transport disk, from the
+        directory a `DiskHandle` names (meshrl/weight_sync/disk.py); returns the transport."""
 
     async def pull_weights(self) -> int:
         """Load the newest published version now if newer than the one served; returns the version served
@@ -83,7 +84,8 @@ class Trainer(Protocol):
 
     async def weight_ring(self):
         """The `RingHandle` of the ring this rank's rows are published in, which generators pull from (None
-        from a rank whose rows are in another rank's ring)."""
+        from a rank whose rows are in another rank's ring); with weight_sync.transport disk, rank 0's
+        `DiskHandle` (the others None)."""
 
     async def publish_weights(self) -> int:
         """Publish the current weights as the next policy version; returns it once generators can read it.
