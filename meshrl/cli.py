@@ -191,8 +191,8 @@ def _worker(args) -> int:
 
 
 def _study(args) -> int:
-    import meshrl.studies  # noqa: F401 (registers them)
-    from meshrl.study import STUDIES, StudyFailed, run_study, write_report
+    from meshrl.studies import STUDIES  # the registry, once every study has registered itself
+    from meshrl.study import StudyFailed, run_study, write_report
 
     if args.list or not args.name:
         for study in STUDIES.values():

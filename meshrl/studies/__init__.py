@@ -8,8 +8,9 @@ import statistics
 from pathlib import Path
 
 from meshrl.report import read_rows, read_summary
+from meshrl.study import STUDIES
 
-__all__ = ["cell", "curve_plot", "mean_spread", "read_rows", "read_summary", "table", "time_to_reach"]
+__all__ = ["STUDIES", "cell", "curve_plot", "mean_spread", "read_rows", "read_summary", "table", "time_to_reach"]
 
 
 def mean_spread(values: list[float]) -> str:
