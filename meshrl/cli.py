@@ -206,10 +206,15 @@ def _study(args) -> int:
     if args.dry_run:
         print("\n".join(" ".join(run.command(directory / run.name)) for run in study.runs))
         return 0
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped like a Ctrl-C: its run stops cleanly
     try:
         path = write_report(study, directory) if args.report_only else run_study(study, directory)
     except StudyFailed as e:
         return _error(str(e))
+    except KeyboardInterrupt:
+        print(f"meshrl: study {args.name} stopped; the finished runs are kept in {directory}; "
+              f"`meshrl study {args.name} --dir {directory}` goes on from the first unfinished one", file=sys.stderr)
+        return 130
     print(f"report: {path}")
     return 0
 
