@@ -126,10 +126,10 @@ class VLLMGenerator(Actor):
         loop = asyncio.get_running_loop()
         requests = []
         for prompt in prompts:  # vLLM refusing one (too long, say) raises here: this call's group fails
-            # each request seeded from the engine's seed, its prompt and the version: the same samples whatever
+            # request_seeds: seeded from the engine's seed, its prompt and the version, the same samples whatever
             # else the engine batches with it
             seed = zlib.crc32(f"{self.config.seed}/{prompt.index}/{len(prompt.token_ids)}/{self.policy_version}/{s}"
-                              .encode())
+                              .encode()) if self.config.request_seeds else None
             params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
                                     logprobs=0, output_kind=RequestOutputKind.DELTA, stop=s.stop or None,
                                     include_stop_str_in_output=True, seed=seed)

@@ -20,7 +20,7 @@ ARMS = {"sync": ("sum_digits_smollm2", []),
         "async_age1": ("sum_digits_smollm2_async", ["--controller.max_policy_age", "1"]),
         "async_age2": ("sum_digits_smollm2_async", ["--controller.max_policy_age", "2"])}
 COLOURS = {"sync": "tab:blue", "async_age1": "tab:orange", "async_age2": "tab:green"}
-THRESHOLDS = (0.25, 0.5, 0.7)
+THRESHOLDS = (0.05, 0.1, 0.25, 0.5, 0.7)
 RUNS = [StudyRun(f"{arm}_seed{seed}", config, COMMON + extra + ["--generator.seed", str(seed), "--trainer.seed",
                                                                   str(seed)])
         for seed in SEEDS for arm, (config, extra) in ARMS.items()]

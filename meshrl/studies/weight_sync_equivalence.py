@@ -16,7 +16,7 @@ from meshrl.studies import cell, curve_plot, read_json_lines, read_rows, table
 
 STEPS = 5
 COMMON = ["--controller.steps", str(STEPS), "--controller.eval_every", "0", "--sum_digits.eval_size", "32",
-          "--checkpoint.every", "0"]
+          "--checkpoint.every", "0", "--generator.request_seeds", "true"]
 RANKS = {"1rank": [], "2ranks": ["--trainer.ranks", "2", "--trainer.num_threads", "1"]}
 PATHS = {"ring": [], "disk": ["--weight_sync.transport", "disk"], "verify": ["--weight_sync.verify", "true"]}
 RUNS = [StudyRun(f"{path}_{ranks}", "sum_digits_smollm2", COMMON + r + p)
