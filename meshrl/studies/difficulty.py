@@ -26,14 +26,20 @@ RUNS = [StudyRun("zorplex_level1", "zorplex_smollm2", COMMON),
         StudyRun("sum_digits_3terms", "sum_digits_smollm2", COMMON + ["--sum_digits.num_terms", "3"])]
 
 
-def level2_accuracy(run_dir: Path, curriculum: str) -> list[tuple[int, float]]:
-    """Per step, the train accuracy over the level-2 prompts only (of a zorplex run at level 2)."""
+def level2_steps(run_dir: Path, curriculum: str) -> dict[int, tuple[float, float]]:
+    """Per step, over the level-2 prompts only (of a zorplex run at level 2): the train accuracy, and the
+    share of their groups whose rewards were not all equal (a learning signal)."""
     task = Zorplex(ZorplexConfig(level=2, curriculum=curriculum))
-    per_step: dict[int, list[float]] = {}
+    groups: dict[tuple[int, int], list[dict]] = {}
     for r in read_json_lines(run_dir / "rollouts.jsonl"):
         if task.train_level(r["prompt_index"]) == 2:
-            per_step.setdefault(r["step"], []).append(r["reward_components"]["correct"])
-    return [(step, statistics.fmean(v)) for step, v in sorted(per_step.items())]
+            groups.setdefault((r["step"], r["prompt_index"]), []).append(r)
+    out = {}
+    for step in sorted({step for step, _ in groups}):
+        mine = [g for (s, _), g in groups.items() if s == step]
+        accuracy = statistics.fmean(r["reward_components"]["correct"] for g in mine for r in g)
+        out[step] = (accuracy, statistics.fmean(len({r["reward"] for r in g}) > 1 for g in mine))
+    return out
 
 
 def report(directory: Path, runs: list[StudyRun]) -> str:
@@ -62,13 +68,16 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
     level2 = {}
     for name, curriculum in (("zorplex_level2", ""), ("zorplex_curriculum", CURRICULUM)):
         if (directory / name / "rollouts.jsonl").is_file():
-            level2[name] = level2_accuracy(directory / name, curriculum)
-            train[f"{name}: level-2 prompts"] = level2[name]
+            level2[name] = level2_steps(directory / name, curriculum)
+            train[f"{name}: level-2 prompts"] = [(step, acc) for step, (acc, _) in level2[name].items()]
     if len(level2) == 2:
-        rows = [[step, cell(dict(level2["zorplex_level2"]).get(step)), cell(dict(level2["zorplex_curriculum"]).get(step))]
-                for step in range(1, STEPS + 1)]
-        parts += ["\n## Level 2 alone against the curriculum: train accuracy on level-2 prompts\n",
-                  table(["step", "level 2 alone", f"curriculum {CURRICULUM} (n/a: no level-2 prompt that step)"], rows)]
+        alone, mixed = level2["zorplex_level2"], level2["zorplex_curriculum"]
+        rows = [[step, *(cell(run[step][k], ".3f" if k == 0 else ".2f") if step in run else "n/a"
+                         for run in (alone, mixed) for k in (0, 1))] for step in range(1, STEPS + 1)]
+        parts += ["\n## Level 2 alone against the curriculum, on level-2 prompts only\n",
+                  table(["step", "level 2 alone: train accuracy", "groups with a signal",
+                         f"curriculum {CURRICULUM}: train accuracy", "groups with a signal"], rows),
+                  "\nn/a: the curriculum had no level-2 prompt that step."]
     curve_plot(evals, directory / "eval_curves.png", "step", "held-out accuracy", "held-out accuracy per difficulty")
     curve_plot(train, directory / "zorplex_train_accuracy.png", "step", "train accuracy",
                "zorplex: train accuracy, and on level-2 prompts alone")
