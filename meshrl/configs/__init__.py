@@ -137,7 +137,7 @@ class WeightSyncConfig:
     timeout_s: float = 300.0  # one generator's pull of a version (read and load): past it the replica is replaced
     dtype: str = "auto"  # what versions are published in: auto (the dtype the generators serve) | bfloat16 | float32
     poll_s: float = 0.05  # in_flight and recompute: how often a generating replica looks for a newer version
-    verify: bool = False  # also write each version to disk_dir and have every generator load it a second time from there and compare every tensor vLLM holds (meshrl/weight_sync/disk.py)
+    verify: bool = False  # also write each version to disk_dir and have every generator load it a second time from there and compare every tensor vLLM holds (meshrl/weight_sync/verify.py)
     disk_dir: str = ""  # disk and verify: where the versions' files go, on a filesystem the trainer and the generators share; "": RUN_DIR/weights
 
 
@@ -332,7 +332,7 @@ def to_dict(config: Config) -> dict:
 # What a resumed run may change: how long it runs, where and how it is placed, watched and bounded; not
 # what it computes (the model, the task, the losses, the batch shapes, the staleness bound, ...).
 RESUMABLE = ("controller.steps", "controller.eval_every", "checkpoint.", "logging.", "job.", "weight_sync.transport",
-             "weight_sync.checksums", "weight_sync.chunk_mb", "weight_sync.poll_s", ".hosts", ".cpus", ".num_threads", ".timeout_s",
+             "weight_sync.checksums", "weight_sync.chunk_mb", "weight_sync.poll_s", "weight_sync.verify", ".hosts", ".cpus", ".num_threads", ".timeout_s",
              ".max_restarts", "trainer.max_bad_steps", "generator.replicas", "grader.replicas", "controller.stop_timeout_s",
              "controller.max_failed_fraction")
 
