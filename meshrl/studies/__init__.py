@@ -44,7 +44,8 @@ def time_to_reach(times: list[float], values: list[float], threshold: float, win
 
 def curve_plot(curves: dict[str, list[tuple[float, float]]], path: Path, xlabel: str, ylabel: str, title: str,
                colours: dict[str, str] | None = None) -> None:
-    """One line per label (labels sharing a colour are seeds of one arm, drawn alike)."""
+    """One line per label (labels sharing a colour are seeds of one arm, drawn alike, in the legend once
+    under the label's part before " #")."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -54,7 +55,7 @@ def curve_plot(curves: dict[str, list[tuple[float, float]]], path: Path, xlabel:
     drawn = set()
     for label, points in curves.items():
         colour = (colours or {}).get(label)
-        shown = label if colour is None or colour not in drawn else None
+        shown = label.split(" #")[0] if colour is None or colour not in drawn else None
         drawn.add(colour)
         if points:
             ax.plot(*zip(*points), "o-", ms=3, color=colour, label=shown, alpha=0.85)

@@ -77,14 +77,13 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
               "\nTrained tokens per second against sync: " + ", ".join(
                   f"{arm} {statistics.fmean(f['trained_tps'] for f in runs_) / sync_tps:.2f} x"
                   for arm, runs_ in figures.items() if arm != "sync" and runs_)]
-    curve_plot({f"{arm} seed {i}": f["curve"] for arm, runs_ in figures.items() for i, f in enumerate(runs_)},
+    colours = {f"{arm} #{i}": COLOURS[arm] for arm in ARMS for i in range(len(SEEDS))}
+    curve_plot({f"{arm} #{i}": f["curve"] for arm, runs_ in figures.items() for i, f in enumerate(runs_)},
                directory / "accuracy_vs_time.png", "training wall time (s)", "train-sample accuracy",
-               "accuracy against time, each seed a line", {f"{arm} seed {i}": COLOURS[arm] for arm in ARMS
-                                                           for i in range(len(SEEDS))})
-    curve_plot({f"{arm} seed {i}": f["evals"] for arm, runs_ in figures.items() for i, f in enumerate(runs_)},
+               "accuracy against time, each seed a line", colours)
+    curve_plot({f"{arm} #{i}": f["evals"] for arm, runs_ in figures.items() for i, f in enumerate(runs_)},
                directory / "eval_vs_time.png", "training wall time (s)", "held-out accuracy (greedy)",
-               "held-out accuracy at steps 0, 5 and 10", {f"{arm} seed {i}": COLOURS[arm] for arm in ARMS
-                                                          for i in range(len(SEEDS))})
+               "held-out accuracy at steps 0, 5 and 10, each seed a line", colours)
     parts += ["\n![train accuracy against time](accuracy_vs_time.png)\n", "![held-out accuracy against time]"
               "(eval_vs_time.png)", _prediction()]
     return "\n".join(parts)
