@@ -26,9 +26,10 @@ RUNS = [StudyRun("zorplex_level1", "zorplex_smollm2", COMMON),
         StudyRun("sum_digits_3terms", "sum_digits_smollm2", COMMON + ["--sum_digits.num_terms", "3"])]
 
 
-def level2_steps(run_dir: Path, curriculum: str) -> dict[int, tuple[float, float]]:
-    """Per step, over the level-2 prompts only (of a zorplex run at level 2): the train accuracy, and the
-    share of their groups whose rewards were not all equal (a learning signal)."""
+def level2_steps(run_dir: Path, curriculum: str) -> dict[int, tuple[float, float, float]]:
+    """Per step, over the level-2 prompts only (of a zorplex run at level 2): the train accuracy, the
+    share of their groups whose rewards were not all equal (a learning signal), and the share of
+    conversations that looked up both words."""
     task = Zorplex(ZorplexConfig(level=2, curriculum=curriculum))
     groups: dict[tuple[int, int], list[dict]] = {}
     for r in read_json_lines(run_dir / "rollouts.jsonl"):
@@ -38,7 +39,8 @@ def level2_steps(run_dir: Path, curriculum: str) -> dict[int, tuple[float, float
     for step in sorted({step for step, _ in groups}):
         mine = [g for (s, _), g in groups.items() if s == step]
         accuracy = statistics.fmean(r["reward_components"]["correct"] for g in mine for r in g)
-        out[step] = (accuracy, statistics.fmean(len({r["reward"] for r in g}) > 1 for g in mine))
+        looked_up = statistics.fmean(r["reward_components"]["tool_call"] for g in mine for r in g)
+        out[step] = (accuracy, statistics.fmean(len({r["reward"] for r in g}) > 1 for g in mine), looked_up)
     return out
 
 
@@ -69,14 +71,15 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
     for name, curriculum in (("zorplex_level2", ""), ("zorplex_curriculum", CURRICULUM)):
         if (directory / name / "rollouts.jsonl").is_file():
             level2[name] = level2_steps(directory / name, curriculum)
-            train[f"{name}: level-2 prompts"] = [(step, acc) for step, (acc, _) in level2[name].items()]
+            train[f"{name}: level-2 prompts"] = [(step, acc) for step, (acc, _, _) in level2[name].items()]
     if len(level2) == 2:
         alone, mixed = level2["zorplex_level2"], level2["zorplex_curriculum"]
         rows = [[step, *(cell(run[step][k], ".3f" if k == 0 else ".2f") if step in run else "n/a"
-                         for run in (alone, mixed) for k in (0, 1))] for step in range(1, STEPS + 1)]
+                         for run in (alone, mixed) for k in (0, 1, 2))] for step in range(1, STEPS + 1)]
         parts += ["\n## Level 2 alone against the curriculum, on level-2 prompts only\n",
-                  table(["step", "level 2 alone: train accuracy", "groups with a signal",
-                         f"curriculum {CURRICULUM}: train accuracy", "groups with a signal"], rows),
+                  table(["step", "level 2 alone: train accuracy", "groups with a signal", "looked up both words",
+                         f"curriculum {CURRICULUM}: train accuracy", "groups with a signal", "looked up both words"],
+                        rows),
                   "\nn/a: the curriculum had no level-2 prompt that step."]
     curve_plot(evals, directory / "eval_curves.png", "step", "held-out accuracy", "held-out accuracy per difficulty")
     curve_plot(train, directory / "zorplex_train_accuracy.png", "step", "train accuracy",
