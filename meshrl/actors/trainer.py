@@ -133,7 +133,7 @@ class TitanTrainer(Actor):
             full = {name: (state[name].full_tensor() if isinstance(state[name], DTensor) else state[name])
                     for name in self.published}
             if self.rank == 0:
-                hf = self.adapter.to_hf({name: t.detach().to("cpu", self.dtype) for name, t in full.items()})
+                hf = self.adapter.to_hf({name: t.detach().to(self.dtype).cpu() for name, t in full.items()})
                 write_version(self.disk, version, hf, self.keep)
 
     async def _published(self) -> None:
