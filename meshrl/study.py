@@ -109,7 +109,15 @@ def run_study(study: Study, directory: Path, train: Callable[[list[str], Path], 
 
 
 def write_report(study: Study, directory: Path) -> Path:
-    body = study.report(directory, study.runs)
+    """report.md from the study's finished runs (all of them, after `run_study`; with `--report-only`,
+    those finished so far, the others named as left out). StudyFailed if none has finished."""
+    done = [run for run in study.runs if finished(directory / run.name, run.steps())]
+    if not done:
+        raise StudyFailed(f"no run of study {study.name} has finished in {directory} yet: "
+                          f"`meshrl study {study.name} --dir {directory}` runs them")
+    body = study.report(directory, done)
+    if left_out := [run.name for run in study.runs if run not in done]:
+        body += f"\n\nNot finished yet, left out of this report: {', '.join(left_out)}."
     commands = "\n".join(" ".join(run.command(directory / run.name)) for run in study.runs)
     text = (f"# Study: {study.name}\n\n{study.question}\n\n{body}\n\n## How it was run\n\n"
             f"`meshrl study {study.name} --dir {directory}` ran, one after the other:\n\n```bash\n{commands}\n```\n\n"

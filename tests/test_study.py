@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from meshrl.cli import main
-from meshrl.study import Study, StudyFailed, StudyRun, finished, run_study
+from meshrl.study import Study, StudyFailed, StudyRun, finished, run_study, write_report
 from meshrl.studies import mean_spread, time_to_reach
 from meshrl.studies.weight_sync_equivalence import publish_to_served, same_samples
 from meshrl.tasks.zorplex import Zorplex, ZorplexConfig
@@ -71,6 +71,22 @@ def test_a_study_stopped_midway_goes_on_without_redoing_finished_runs(tmp_path):
     third = FakeTrain()  # everything finished: nothing runs, the report is written again
     run_study(study, tmp_path, third, say.append)
     assert third.calls == [] and reported[-1] == [0.0, 1.0, 2.0]
+
+
+def test_a_report_only_from_the_runs_finished_so_far_names_the_others_and_needs_one(tmp_path, capsys):
+    reported = []
+    study = tiny_study(reported)
+    with pytest.raises(StudyFailed, match=r"no run of study tiny has finished in .* yet: `meshrl study tiny --dir"):
+        write_report(study, tmp_path)
+    with pytest.raises(KeyboardInterrupt):  # run0 finishes, run1 is cut short, run2 never starts
+        run_study(study, tmp_path, FakeTrain(interrupt_at="run1"), lambda line: None)
+    text = write_report(study, tmp_path).read_text()
+    assert reported == [[0.0]]  # the partial run1 is not read
+    assert "finals: [0.0]" in text and "Not finished yet, left out of this report: run1, run2." in text
+    empty = tmp_path / "nothing-here"
+    assert main(["study", "difficulty", "--report-only", "--dir", str(empty)]) == 2
+    assert capsys.readouterr().err.strip() == (f"meshrl: error: no run of study difficulty has finished in {empty} "
+                                               f"yet: `meshrl study difficulty --dir {empty}` runs them")
 
 
 def test_a_run_that_fails_stops_the_study_with_one_line_naming_its_log(tmp_path):

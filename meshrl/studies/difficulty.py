@@ -48,8 +48,6 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
     rows, evals, train = [], {}, {}
     for run in runs:
         run_dir = directory / run.name
-        if not (run_dir / "metrics.jsonl").is_file():
-            continue
         steps, summary = read_rows(run_dir), read_summary(run_dir)
         prompts = json.loads((run_dir / "config.json").read_text())["controller"]["prompts_per_step"]
         signal = [1 - r["equal_reward_groups"] / prompts for r in steps]
@@ -69,7 +67,7 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
              "has a signal when its completions' rewards are not all equal (GRPO learns nothing from the others)."]
     level2 = {}
     for name, curriculum in (("zorplex_level2", ""), ("zorplex_curriculum", CURRICULUM)):
-        if (directory / name / "rollouts.jsonl").is_file():
+        if name in {run.name for run in runs}:
             level2[name] = level2_steps(directory / name, curriculum)
             train[f"{name}: level-2 prompts"] = [(step, acc) for step, (acc, _, _) in level2[name].items()]
     if len(level2) == 2:

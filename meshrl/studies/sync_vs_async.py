@@ -48,8 +48,9 @@ def arm_figures(run_dir: Path) -> dict:
 
 
 def report(directory: Path, runs: list[StudyRun]) -> str:
-    figures = {arm: [arm_figures(directory / f"{arm}_seed{seed}") for seed in SEEDS
-                     if (directory / f"{arm}_seed{seed}" / "metrics.jsonl").is_file()] for arm in ARMS}
+    done = {run.name for run in runs}
+    figures = {arm: [arm_figures(directory / f"{arm}_seed{seed}") for seed in SEEDS if f"{arm}_seed{seed}" in done]
+               for arm in ARMS}
     rows = []
     for arm, runs_ in figures.items():
         reach = []

@@ -58,9 +58,11 @@ def same_samples(a: Path, b: Path) -> tuple[int, int, int, float]:
 
 
 def report(directory: Path, runs: list[StudyRun]) -> str:
+    done = {run.name for run in runs}  # the finished runs: the others' files, if any, are partial
+    compared = [r for r in RANKS if {f"ring_{r}", f"disk_{r}"} <= done]  # rank counts with both paths finished
     parts = ["## Bit identity: what vLLM holds after a ring load against a load of the same version's file\n"]
     rows = []
-    for ranks in RANKS:
+    for ranks in (r for r in RANKS if f"verify_{r}" in done):
         checks = read_json_lines(directory / f"verify_{ranks}" / "weights" / "verified.jsonl")
         differing = sorted({name for c in checks for name in c["differing"]})
         worst = max((d for c in checks for d in c["differing"].values()), default=0.0)
@@ -71,7 +73,7 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
 
     parts.append("\n## Publish to served: ring against the plain path (seconds per version, median)\n")
     rows, curves = [], {}
-    for ranks in RANKS:
+    for ranks in compared:
         timings = {path: publish_to_served(directory / f"{path}_{ranks}") for path in ("ring", "disk")}
         med = {path: {k: statistics.median(t[k] for t in ts) if ts else float("nan")
                       for k in ("publish_s", "load_s", "total_s")} for path, ts in timings.items()}
@@ -79,9 +81,8 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
             rows.append([ranks, path, len(timings[path]), cell(med[path]["publish_s"]), cell(med[path]["load_s"]),
                          cell(med[path]["total_s"]),
                          cell(med["disk"]["total_s"] / med[path]["total_s"], ".2f") + " x" if path == "ring" else ""])
-        for path in PATHS:
-            steps = read_rows(directory / f"{path}_{ranks}")
-            curves[f"{path}, {ranks}"] = [(r["step"], r["reward_mean"]) for r in steps]
+    for name in (run.name for run in runs):
+        curves[name.replace("_", ", ")] = [(r["step"], r["reward_mean"]) for r in read_rows(directory / name)]
     parts.append(table(["trainer ranks", "path", "versions", "publish", "generator load", "publish to served",
                         "speed-up"], rows))
     parts.append("\n`publish`: the trainer's call (ring: its copy into shared memory; disk: gathering, saving the file). "
@@ -90,7 +91,7 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
 
     parts.append("\n## The same samples? Ring against plain path, fixed seeds\n")
     rows = []
-    for ranks in RANKS:
+    for ranks in compared:
         total, same, first, gap = same_samples(directory / f"ring_{ranks}", directory / f"disk_{ranks}")
         rows.append([ranks, total, same, cell(gap, ".3g"), first or "none"])
     parts.append(table(["trainer ranks", "completions at step 1", "same text", "largest summed-logprob difference "
