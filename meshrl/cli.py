@@ -206,7 +206,8 @@ def _study(args) -> int:
     if args.dry_run:
         print("\n".join(" ".join(run.command(directory / run.name)) for run in study.runs))
         return 0
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped like a Ctrl-C: its run stops cleanly
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # stopped like a Ctrl-C (a closed terminal too): its run stops cleanly
+        signal.signal(sig, signal.default_int_handler)
     try:
         path = write_report(study, directory) if args.report_only else run_study(study, directory)
     except StudyFailed as e:

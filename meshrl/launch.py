@@ -103,6 +103,10 @@ def actor_classes(config: Config) -> dict[str, type]:
         roles["reference"] = config.reference
     classes = {role: load_actor_class(role_config.impl) for role, role_config in roles.items()}
     multi_turn = is_environment(task_class(config.task))
+    if multi_turn and config.generator.request_seeds:
+        raise ValueError("generator.request_seeds is for single-turn tasks: a multi-turn group's conversations are "
+                         "requests of one sample each with the same opening, and seeded alike they would all "
+                         "sample the same turns")
     for role, cls in classes.items():
         if missing := missing_endpoints(role, cls, multi_turn):
             raise ValueError(f"{roles[role].impl} cannot be the {role}: it has no {', '.join(missing)} endpoint "

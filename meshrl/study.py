@@ -79,6 +79,10 @@ def train_process(command: list[str], log: Path) -> int:
                 child.send_signal(signal.SIGINT)
                 child.wait()
             raise
+        finally:  # whatever else ended the wait (a third Ctrl-C): the run is not left behind
+            if child.poll() is None:
+                child.terminate()
+                child.wait()
 
 
 class StudyFailed(RuntimeError):

@@ -89,6 +89,38 @@ def test_a_report_only_from_the_runs_finished_so_far_names_the_others_and_needs_
                                                f"yet: `meshrl study difficulty --dir {empty}` runs them")
 
 
+def test_the_sync_vs_async_report_from_one_finished_run_shows_its_arm_alone(tmp_path):
+    from meshrl.studies import STUDIES
+
+    run_dir = tmp_path / "async_age1_seed0"
+    run_dir.mkdir()
+    rows = [{"step": s, "step_time_s": 20.0, "accuracy": 0.1 * s, "tokens_trained": 400, "tokens_generated": 100,
+             "wait_time_s": 0.0, "train_time_s": 20.0, "weight_sync_s": 0.2, "generator_idle": 0.5,
+             "staleness_mean": 1.0, **({"eval_accuracy": 0.25} if s == 10 else {})} for s in range(1, 11)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "summary.json").write_text(json.dumps({"steps": 10, "eval_accuracy_initial": 0.0,
+                                                      "eval_accuracy_final": 0.25, "eval_format_final": 1.0}))
+    (tmp_path / "sync_seed0").mkdir()  # cut short: not read
+    (tmp_path / "sync_seed0" / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    text = write_report(STUDIES["sync-vs-async"], tmp_path).read_text()
+    arm_rows = [line for line in text.splitlines() if line.startswith("| async_age1 |")]
+    assert len(arm_rows) == 2 and "0.250 (one run)" in arm_rows[0]
+    assert "| 200 | 20.0 | 0.0 | 20.0 | 0.20 | 20 | 5 | 0.50 | 1.00 |" in arm_rows[1]  # 4000 tokens in 200 s
+    # the train accuracy's 3-step mean first reaches 0.5 at step 6 (0.4 + 0.5 + 0.6) / 3, after 120 s
+    assert "| 120 s (1/1) |" in arm_rows[0]
+    assert "| sync |" not in text and "against sync" not in text
+    assert "left out of this report: sync_seed0, async_age2_seed0, sync_seed1," in text
+
+
+def test_seeded_requests_are_refused_for_multi_turn_tasks():
+    from meshrl.configs import load_config
+    from meshrl.launch import actor_classes
+
+    with pytest.raises(ValueError, match="generator.request_seeds is for single-turn tasks"):
+        actor_classes(load_config("zorplex_smollm2", ["--generator.request_seeds", "true"]))
+    assert actor_classes(load_config("smoke", ["--generator.request_seeds", "true"]))  # single-turn: fine
+
+
 def test_a_run_that_fails_stops_the_study_with_one_line_naming_its_log(tmp_path):
     study = tiny_study([])
     with pytest.raises(StudyFailed, match=r"run run0 ended with exit code 1 .*train.log.*goes on from it"):
@@ -157,6 +189,11 @@ def test_the_plain_path_writes_whole_files_keeps_the_newest_and_loads_the_newest
     assert loaded[0][0] == 3 and torch.equal(loaded[0][1]["w"], torch.full((2, 3), 3.0))
     assert asyncio.run(reader.load_latest(lambda v, w: loaded.append(v), newer_than=3)) is None
     assert dict(read_version(tmp_path, 2))["w"][0, 0] == 2.0
+    # a resume goes on from version 1: the run's discarded versions 2 and 3 go, and 1 is the newest served
+    write_version(tmp_path, 1, {"w": torch.full((2, 3), -1.0), "b": torch.zeros(3)}, keep=2)
+    assert versions(tmp_path) == [1]
+    assert asyncio.run(reader.load_latest(lambda v, w: loaded.append((v, dict(w))))) == 1
+    assert torch.equal(loaded[-1][1]["w"], torch.full((2, 3), -1.0))
 
 
 def test_bitwise_differences_sees_bits_not_values():

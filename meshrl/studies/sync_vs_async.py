@@ -51,6 +51,7 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
     done = {run.name for run in runs}
     figures = {arm: [arm_figures(directory / f"{arm}_seed{seed}") for seed in SEEDS if f"{arm}_seed{seed}" in done]
                for arm in ARMS}
+    figures = {arm: runs_ for arm, runs_ in figures.items() if runs_}  # an arm with no finished run yet: left out
     rows = []
     for arm, runs_ in figures.items():
         reach = []
@@ -70,14 +71,11 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
         rows.append([arm] + [cell(statistics.fmean(f[k] for f in runs_), fmt) for k, fmt in (
             ("wall_s", ".0f"), ("step_s", ".1f"), ("wait_s", ".1f"), ("train_s", ".1f"), ("sync_s", ".2f"),
             ("trained_tps", ".0f"), ("generated_tps", ".0f"), ("generator_idle", ".2f"), ("staleness", ".2f"))])
-    sync_tps = statistics.fmean(f["trained_tps"] for f in figures["sync"]) if figures["sync"] else float("nan")
     parts += ["## Throughput and the step's time (means over seeds; per step: medians)\n",
               table(["arm", "training wall time (s)", "step (s)", "waiting for the batch (s)", "training (s)",
                      "weight sync (s)", "trained tokens/s", "generated tokens/s", "generator idle", "staleness mean"],
                     rows),
-              "\nTrained tokens per second against sync: " + ", ".join(
-                  f"{arm} {statistics.fmean(f['trained_tps'] for f in runs_) / sync_tps:.2f} x"
-                  for arm, runs_ in figures.items() if arm != "sync" and runs_)]
+              _against_sync(figures)]
     colours = {f"{arm} #{i}": COLOURS[arm] for arm in ARMS for i in range(len(SEEDS))}
     curve_plot({f"{arm} #{i}": f["curve"] for arm, runs_ in figures.items() for i, f in enumerate(runs_)},
                directory / "accuracy_vs_time.png", "training wall time (s)", "train-sample accuracy",
@@ -88,6 +86,15 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
     parts += ["\n![train accuracy against time](accuracy_vs_time.png)\n", "![held-out accuracy against time]"
               "(eval_vs_time.png)", _prediction()]
     return "\n".join(parts)
+
+
+def _against_sync(figures: dict[str, list[dict]]) -> str:
+    if "sync" not in figures:
+        return ""
+    sync_tps = statistics.fmean(f["trained_tps"] for f in figures["sync"])
+    return "\nTrained tokens per second against sync: " + ", ".join(
+        f"{arm} {statistics.fmean(f['trained_tps'] for f in runs_) / sync_tps:.2f} x"
+        for arm, runs_ in figures.items() if arm != "sync")
 
 
 def _prediction() -> str:

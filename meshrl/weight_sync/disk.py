@@ -30,12 +30,14 @@ class DiskHandle:
 
 def write_version(directory: Path, version: int, weights: dict[str, torch.Tensor], keep: int) -> Path:
     """`weights` as v{version}.safetensors, complete before it has its name (written under another, then
-    renamed); only the newest `keep` versions are left."""
+    renamed); only the newest `keep` versions up to this one are left. Versions above it are a run's
+    discarded future (left by the run that a resume goes on from): removed, so that no generator loads them."""
     directory.mkdir(parents=True, exist_ok=True)
     path, partial = directory / f"v{version}.safetensors", directory / f".v{version}.safetensors.partial"
     save_file({name: t.contiguous() for name, t in weights.items()}, str(partial))
     os.replace(partial, path)
-    for old in versions(directory)[:-keep]:
+    found = versions(directory)
+    for old in [v for v in found if v > version] + [v for v in found if v <= version][:-keep]:
         (directory / f"v{old}.safetensors").unlink(missing_ok=True)
     return path
 
