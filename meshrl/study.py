@@ -2,7 +2,8 @@
 
 A study (meshrl/studies/) is a list of runs, each a `meshrl train` command with its own run
 directory under the study's, and a function that turns their files into `report.md` with tables
-and plots. A run whose summary.json says it trained every step is finished and never redone: a study
+and plots. A run whose summary.json says it trained every step, in a directory that records the run's
+config and overrides as the study has them now (study_run.json), is finished and never redone: a study
 stopped midway (Ctrl-C, a crash, a machine taken away) goes on from the first unfinished run when
 started again; that run starts over. Each run is a process of its own, so one that fails leaves its
 log and stops the study with one line. The report names the machine and repeats the commands.
@@ -35,6 +36,10 @@ class StudyRun:
     def steps(self) -> int:
         return load_config(self.config, self.overrides).controller.steps
 
+    def recipe(self) -> dict:
+        """What the run trains (its config and overrides; not where): kept in its directory as study_run.json."""
+        return {"config": self.config, "overrides": self.overrides}
+
 
 @dataclass
 class Study:
@@ -52,13 +57,14 @@ def register(study: Study) -> Study:
     return study
 
 
-def finished(run_dir: Path, steps: int) -> bool:
-    """Whether the run trained all `steps` and ended on its own (not stopped, not failed)."""
-    path = run_dir / "summary.json"
-    if not path.is_file():
+def finished(run_dir: Path, run: StudyRun) -> bool:
+    """Whether `run` trained all its steps in `run_dir` and ended on its own (not stopped, not failed),
+    with the config and overrides the study has now (a study whose runs were changed since runs them again)."""
+    path, recipe = run_dir / "summary.json", run_dir / "study_run.json"
+    if not (path.is_file() and recipe.is_file()) or json.loads(recipe.read_text()) != run.recipe():
         return False
     summary = json.loads(path.read_text())
-    return summary.get("steps") == steps and "stopped_by" not in summary and "failed" not in summary
+    return summary.get("steps") == run.steps() and "stopped_by" not in summary and "failed" not in summary
 
 
 def train_process(command: list[str], log: Path) -> int:
@@ -95,17 +101,18 @@ def run_study(study: Study, directory: Path, train: Callable[[list[str], Path], 
     directory.mkdir(parents=True, exist_ok=True)
     for i, run in enumerate(study.runs, 1):
         run_dir = directory / run.name
-        if finished(run_dir, run.steps()):
+        if finished(run_dir, run):
             say(f"[{i}/{len(study.runs)}] {run.name}: finished before, kept")
             continue
         if run_dir.exists():  # stopped midway: it starts over
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True)
+        (run_dir / "study_run.json").write_text(json.dumps(run.recipe()))
         command = run.command(run_dir)
         say(f"[{i}/{len(study.runs)}] {run.name}: {' '.join(command)}")
         start = time.monotonic()
         code = train(command, run_dir / "train.log")
-        if code != 0 or not finished(run_dir, run.steps()):
+        if code != 0 or not finished(run_dir, run):
             raise StudyFailed(f"run {run.name} ended with exit code {code} before its last step; its output is in "
                               f"{run_dir / 'train.log'}; `meshrl study {study.name} --dir {directory}` goes on from it")
         say(f"[{i}/{len(study.runs)}] {run.name}: done in {time.monotonic() - start:.0f} s")
@@ -115,7 +122,7 @@ def run_study(study: Study, directory: Path, train: Callable[[list[str], Path], 
 def write_report(study: Study, directory: Path) -> Path:
     """report.md from the study's finished runs (all of them, after `run_study`; with `--report-only`,
     those finished so far, the others named as left out). StudyFailed if none has finished."""
-    done = [run for run in study.runs if finished(directory / run.name, run.steps())]
+    done = [run for run in study.runs if finished(directory / run.name, run)]
     if not done:
         raise StudyFailed(f"no run of study {study.name} has finished in {directory} yet: "
                           f"`meshrl study {study.name} --dir {directory}` runs them")

@@ -55,7 +55,7 @@ def test_a_study_stopped_midway_goes_on_without_redoing_finished_runs(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         run_study(study, tmp_path, interrupted, say.append)
     assert interrupted.calls == ["run0", "run1"] and not (tmp_path / "report.md").exists()
-    assert finished(tmp_path / "run0", 3) and not finished(tmp_path / "run1", 3)
+    assert finished(tmp_path / "run0", study.runs[0]) and not finished(tmp_path / "run1", study.runs[1])
     before = (tmp_path / "run0" / "summary.json").stat().st_mtime_ns
 
     again = FakeTrain()
@@ -98,11 +98,13 @@ def test_the_sync_vs_async_report_from_one_finished_run_shows_its_arm_alone(tmp_
              "wait_time_s": 0.0, "train_time_s": 20.0, "weight_sync_s": 0.2, "generator_idle": 0.5,
              "staleness_mean": 1.0, **({"eval_accuracy": 0.25} if s == 10 else {})} for s in range(1, 11)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    study = STUDIES["sync-vs-async"]
+    (run_dir / "study_run.json").write_text(json.dumps(next(r for r in study.runs if r.name == run_dir.name).recipe()))
     (run_dir / "summary.json").write_text(json.dumps({"steps": 10, "eval_accuracy_initial": 0.0,
                                                       "eval_accuracy_final": 0.25, "eval_format_final": 1.0}))
     (tmp_path / "sync_seed0").mkdir()  # cut short: not read
     (tmp_path / "sync_seed0" / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
-    text = write_report(STUDIES["sync-vs-async"], tmp_path).read_text()
+    text = write_report(study, tmp_path).read_text()
     arm_rows = [line for line in text.splitlines() if line.startswith("| async_age1 |")]
     assert len(arm_rows) == 2 and "0.250 (one run)" in arm_rows[0]
     assert "| 200 | 20.0 | 0.0 | 20.0 | 0.20 | 20 | 5 | 0.50 | 1.00 |" in arm_rows[1]  # 4000 tokens in 200 s
@@ -128,11 +130,19 @@ def test_a_run_that_fails_stops_the_study_with_one_line_naming_its_log(tmp_path)
 
 
 def test_finished_needs_every_step_and_an_ending_of_its_own(tmp_path):
+    run = StudyRun("r", "smoke", ["--controller.steps", "4"])
     for name, summary in {"ok": {"steps": 4}, "short": {"steps": 3}, "stopped": {"steps": 4, "stopped_by": "SIGTERM"},
-                          "failed": {"steps": 4, "failed": "the trainer died"}}.items():
+                          "failed": {"steps": 4, "failed": "the trainer died"}, "unrecorded": {"steps": 4},
+                          "changed": {"steps": 4}}.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "summary.json").write_text(json.dumps(summary))
-    assert [n for n in ("ok", "short", "stopped", "failed", "absent") if finished(tmp_path / n, 4)] == ["ok"]
+        if name != "unrecorded":
+            (tmp_path / name / "study_run.json").write_text(json.dumps(run.recipe()))
+    # the study's run has a new override since "changed" ran: it is not that run any more
+    changed = StudyRun("r", "smoke", ["--controller.steps", "4", "--trainer.lr", "1"])
+    (tmp_path / "changed" / "study_run.json").write_text(json.dumps(changed.recipe()))
+    assert [n for n in ("ok", "short", "stopped", "failed", "unrecorded", "changed", "absent")
+            if finished(tmp_path / n, run)] == ["ok"]
 
 
 def test_the_study_command_lists_dry_runs_and_refuses_unknown_names(tmp_path, capsys):
