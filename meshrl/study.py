@@ -140,14 +140,14 @@ def write_report(study: Study, directory: Path) -> Path:
 
 def machine() -> str:
     """The CPU model, its cores, memory, GPUs and the stack's versions."""
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor() or "unknown CPU")
-    flags = open("/proc/cpuinfo").read()
-    bf16 = "with AVX512-BF16" if "avx512_bf16" in flags else "without AVX512-BF16 (fp32 training)"
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     import torch
     import vllm
 
+    from meshrl.actors import cpu_name, has_bf16_math
+
+    bf16 = ("with bf16 math (AVX512-BF16 or AMX)" if has_bf16_math(torch.device("cpu"))
+            else "without bf16 math (fp32 training)")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     gpus = f"{torch.cuda.device_count()} GPU(s)" if torch.cuda.is_available() else "no GPU"
-    return (f"{os.cpu_count()} cores of {cpu} {bf16}, {memory:.0f} GiB, {gpus}; Python {platform.python_version()}, "
-            f"torch {torch.__version__}, vLLM {vllm.__version__}")
+    return (f"{os.cpu_count()} cores of {cpu_name()} {bf16}, {memory:.0f} GiB, {gpus}; "
+            f"Python {platform.python_version()}, torch {torch.__version__}, vLLM {vllm.__version__}")

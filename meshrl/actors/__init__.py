@@ -78,6 +78,15 @@ def has_bf16_math(device: torch.device) -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
+def cpu_name() -> str:
+    """The CPU's model name, for reports of where figures were measured."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
 def pin_cpus(cpus: str, num_threads: int) -> None:
     """Keep this actor's process and torch's threads on `cpus`, so roles do not fight over cores."""
     os.sched_setaffinity(0, parse_cpus(cpus))

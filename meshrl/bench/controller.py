@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from meshrl.actors import cpu_name
 from meshrl.fakes import Costs, fake_config, run_fake
 
 
@@ -85,13 +86,6 @@ def run(replicas: list[int], group_size: int, max_tokens: int, groups: int, plac
                                **predict(**placement, group_size=group_size, max_tokens=max_tokens, costs=costs,
                                          steps=6, time_scale=time_scale)}
     return result
-
-
-def cpu_name() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 def report(result: dict) -> str:

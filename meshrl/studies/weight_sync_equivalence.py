@@ -13,6 +13,7 @@ from pathlib import Path
 
 from meshrl.study import Study, StudyRun, register
 from meshrl.studies import cell, curve_plot, read_json_lines, read_rows, table
+from meshrl.trace import read_spans
 
 STEPS = 5
 COMMON = ["--controller.steps", str(STEPS), "--controller.eval_every", "0", "--sum_digits.eval_size", "32",
@@ -26,7 +27,7 @@ RUNS = [StudyRun(f"{path}_{ranks}", "sum_digits_smollm2", COMMON + r + p)
 def publish_to_served(run_dir: Path) -> list[dict]:
     """Per version: the trainer's publish span, the generators' loads of it, and publish start to the
     last load's end (seconds)."""
-    spans = read_json_lines(run_dir / "trace.jsonl")
+    spans = read_spans(run_dir)
     publishes = {s["policy_version"]: s for s in spans if s["what"] == "publish" and "policy_version" in s}
     out = []
     for version, publish in sorted(publishes.items()):
