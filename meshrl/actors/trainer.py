@@ -117,24 +117,32 @@ class TitanTrainer(Actor):
     async def _publish(self) -> int:
         await self._published()
         self.policy_version = version = self.policy_version + 1
-        state = self.model.state_dict()
         if self.disk is not None:
-            self._write_version(state, version)
+            self._write_version(version)
         if self.ring is not None:
+            state = self.model.state_dict()
             weights = {name: local(state[name]).detach() for name in self.published}
             self.publishing = asyncio.ensure_future(asyncio.to_thread(self.ring.publish, weights, version))
             await self._published()
         return version
 
-    def _write_version(self, state: dict, version: int) -> None:
-        """The plain path: every rank takes part in gathering the whole policy, rank 0 saves it (HF names,
-        the served dtype) as the version's file; it is complete when this returns."""
-        with torch.no_grad():
-            full = {name: (state[name].full_tensor() if isinstance(state[name], DTensor) else state[name])
-                    for name in self.published}
-            if self.rank == 0:
-                hf = self.adapter.to_hf({name: t.detach().to(self.dtype).cpu() for name, t in full.items()})
-                write_version(self.disk, version, hf, self.keep)
+    def _write_version(self, version: int) -> None:
+        """The plain path: the whole policy gathered, rank 0 saves it (HF names, the served dtype) as the
+        version's file; it is complete when this returns."""
+        state = self._gathered()
+        if self.rank == 0:
+            with torch.no_grad():
+                hf = self.adapter.to_hf({name: state[name].detach().to(self.dtype).cpu() for name in self.published})
+            write_version(self.disk, version, hf, self.keep)
+
+    def _gathered(self) -> dict:
+        """The whole policy's state dict on rank 0 (every rank takes part in the gather; with several ranks
+        it is gathered into host memory, and the other ranks get none)."""
+        if self.world == 1:
+            return self.model.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     async def _published(self) -> None:
         """Wait for the publish in progress, if any (shielded: a cancelled caller leaves it to finish)."""
@@ -180,12 +188,7 @@ class TitanTrainer(Actor):
     async def save(self, path: str) -> None:
         """Write the current policy as an HF checkpoint (loadable by vLLM and transformers); with
         several ranks every rank takes part in the gather and rank 0 writes."""
-        if self.world == 1:
-            state = self.model.state_dict()
-        else:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = self._gathered()
         if self.rank == 0:
             with torch.no_grad():
                 save_checkpoint(self.adapter.to_hf(state), self.checkpoint, Path(path))
