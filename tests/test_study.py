@@ -95,7 +95,7 @@ def test_the_sync_vs_async_report_from_one_finished_run_shows_its_arm_alone(tmp_
     run_dir.mkdir()
     rows = [{"step": s, "step_time_s": 20.0, "accuracy": 0.1 * s, "tokens_trained": 400, "tokens_generated": 100,
              "wait_time_s": 0.0, "train_time_s": 20.0, "weight_sync_s": 0.2, "generator_idle": 0.5,
-             "staleness_mean": 1.0, **({"eval_accuracy": 0.25} if s == 10 else {})} for s in range(1, 11)]
+             "staleness_mean": 1.0, "staleness_max": 1, "reward_mean": 0.1 * s, **({"eval_accuracy": 0.25} if s == 10 else {})} for s in range(1, 11)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     study = STUDIES["sync-vs-async"]
     (run_dir / "study_run.json").write_text(json.dumps(next(r for r in study.runs if r.name == run_dir.name).recipe()))
@@ -244,3 +244,19 @@ def test_disk_and_verify_are_checked_before_anything_starts():
         with pytest.raises(ValueError, match=message):
             check_config(load_config("smoke", overrides))
     check_config(load_config("smoke", ["--weight_sync.transport", "disk"]))
+
+
+def test_level2_steps_reads_only_the_runs_level_2_prompts_by_its_own_config(tmp_path):
+    from meshrl.configs import load_config, to_dict
+    from meshrl.studies.difficulty import level2_steps
+
+    config = load_config("zorplex_smollm2", ["--zorplex.level", "2", "--zorplex.curriculum", "2-3"])
+    (tmp_path / "config.json").write_text(json.dumps(to_dict(config)))
+    # prompts 0 and 1 are level 1 (all right: left out), 4 and 5 level 2; (reward, correct, looked up both)
+    samples = {0: [(1.0, 1, 1), (1.0, 1, 1)], 1: [(1.0, 1, 1), (1.0, 1, 1)],
+               4: [(1.0, 1, 1), (0.0, 0, 1)], 5: [(0.5, 0, 1), (0.5, 0, 0)]}
+    records = [{"step": 1, "prompt_index": i, "reward": r, "reward_components": {"correct": c, "tool_call": t}}
+               for i, group in samples.items() for r, c, t in group]
+    (tmp_path / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    # accuracy 1 of 4, one group of two with differing rewards, 3 of 4 looked up both words
+    assert level2_steps(tmp_path) == {1: (0.25, 0.5, 0.75)}

@@ -11,6 +11,7 @@ import json
 import statistics
 from pathlib import Path
 
+from meshrl.configs import from_dict
 from meshrl.study import Study, StudyRun, register
 from meshrl.studies import cell, curve_plot, read_json_lines, read_rows, read_summary, table
 from meshrl.tasks.zorplex import Zorplex, ZorplexConfig
@@ -26,11 +27,11 @@ RUNS = [StudyRun("zorplex_level1", "zorplex_smollm2", COMMON),
         StudyRun("sum_digits_3terms", "sum_digits_smollm2", COMMON + ["--sum_digits.num_terms", "3"])]
 
 
-def level2_steps(run_dir: Path, curriculum: str) -> dict[int, tuple[float, float, float]]:
+def level2_steps(run_dir: Path) -> dict[int, tuple[float, float, float]]:
     """Per step, over the level-2 prompts only (of a zorplex run at level 2): the train accuracy, the
     share of their groups whose rewards were not all equal (a learning signal), and the share of
-    conversations that looked up both words."""
-    task = Zorplex(ZorplexConfig(level=2, curriculum=curriculum))
+    conversations that looked up both words. Which prompts were level 2: the run's own task config."""
+    task = Zorplex(from_dict(ZorplexConfig, json.loads((run_dir / "config.json").read_text())["zorplex"]))
     groups: dict[tuple[int, int], list[dict]] = {}
     for r in read_json_lines(run_dir / "rollouts.jsonl"):
         if task.train_level(r["prompt_index"]) == 2:
@@ -66,9 +67,9 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
              "prompts at the run's level (level 2 for the curriculum); sum_digits greedy over 128 prompts. A group "
              "has a signal when its completions' rewards are not all equal (GRPO learns nothing from the others)."]
     level2 = {}
-    for name, curriculum in (("zorplex_level2", ""), ("zorplex_curriculum", CURRICULUM)):
+    for name in ("zorplex_level2", "zorplex_curriculum"):
         if name in {run.name for run in runs}:
-            level2[name] = level2_steps(directory / name, curriculum)
+            level2[name] = level2_steps(directory / name)
             train[f"{name}: level-2 prompts"] = [(step, acc) for step, (acc, _, _) in level2[name].items()]
     if len(level2) == 2:
         alone, mixed = level2["zorplex_level2"], level2["zorplex_curriculum"]

@@ -7,10 +7,12 @@ the demo config as it is (each phase uses both cores in turn), and async at `max
 loaded in flight). Each arm in the placement a user would pick for it on this machine.
 """
 
+import itertools
 import json
 import statistics
 from pathlib import Path
 
+from meshrl.report import summarize
 from meshrl.study import Study, StudyRun, register
 from meshrl.studies import cell, curve_plot, mean_spread, read_rows, read_summary, table, time_to_reach
 
@@ -27,22 +29,24 @@ RUNS = [StudyRun(f"{arm}_seed{seed}", config, COMMON + extra + ["--generator.see
 
 
 def arm_figures(run_dir: Path) -> dict:
+    """A run's figures for the report: `meshrl report`'s (summarize), the step's split (medians), the
+    train accuracy against training time, and the held-out accuracy at the steps that evaluated."""
     rows, summary = read_rows(run_dir), read_summary(run_dir)
-    wall = sum(r["step_time_s"] for r in rows)
-    times = [sum(r["step_time_s"] for r in rows[:i + 1]) for i in range(len(rows))]
+    figures = summarize(rows, summary)
+    wall = figures["wall_time_s"]
+    times = list(itertools.accumulate(r["step_time_s"] for r in rows))
     accuracy = [r["accuracy"] for r in rows]
     evals = [(0.0, summary.get("eval_accuracy_initial"))] + [(t, r["eval_accuracy"]) for t, r in zip(times, rows)
                                                              if "eval_accuracy" in r]
     return {"eval_final": summary.get("eval_accuracy_final"), "format_final": summary.get("eval_format_final"),
             "train_acc_last3": statistics.fmean(accuracy[-3:]), "wall_s": wall,
-            "trained_tps": sum(r["tokens_trained"] for r in rows) / wall,
-            "generated_tps": sum(r["tokens_generated"] for r in rows) / wall,
+            "trained_tps": figures["trained_tokens_per_s"], "generated_tps": figures["generated_tokens_per_s"],
             "step_s": statistics.median(r["step_time_s"] for r in rows),
             "wait_s": statistics.median(r["wait_time_s"] for r in rows),
             "train_s": statistics.median(r["train_time_s"] for r in rows),
             "sync_s": statistics.median(r["weight_sync_s"] for r in rows),
             "generator_idle": sum(r["generator_idle"] * r["step_time_s"] for r in rows) / wall,
-            "staleness": statistics.fmean(r["staleness_mean"] for r in rows),
+            "staleness": figures["staleness_mean"],
             "reach": {th: time_to_reach(times, accuracy, th) for th in THRESHOLDS},
             "curve": list(zip(times, accuracy)), "evals": evals}
 
