@@ -47,7 +47,7 @@ class GeneratorConfig:
     tensor_parallel_size: int = 1  # GPUs of each replica (vLLM's tensor parallelism)
     devices: str = ""  # each replica's CUDA_VISIBLE_DEVICES ("0,1;2,3": per replica); "": planned from tensor_parallel_size and job.gpus_per_host (meshrl/gpu_plan.py)
     seed: int = 0  # vLLM's engine seed (replica i uses seed + i)
-    request_seeds: bool = False  # seed each request from `seed`, its prompt and the policy version: the same samples whatever else is batched with it (reproducible runs); off by default because vLLM on the CPU fails on a seeded request whose prompt it prefills in parts (more prompt tokens waiting than one engine step takes)
+    request_seeds: bool = False  # seed each request from `seed`, its prompt and the policy version: the same samples whatever else is batched with it (reproducible runs; single-turn tasks only: a multi-turn group's conversations would all sample alike); off by default because vLLM on the CPU fails on a seeded request whose prompt it prefills in parts (more prompt tokens waiting than one engine step takes)
     replicas: int = 1  # generator actors, each on its own proc mesh; groups go to the least loaded
     max_restarts: int = 3  # failed replicas replaced before the run stops
     hosts: str = ""  # the job.hosts group the replicas go on, round-robin over its hosts; "": the controller's host
