@@ -155,6 +155,8 @@ class Controller:
         """Batch `index` once complete; re-raises if the rollout loop or the last publish (whose version
         the batch may be waiting for) failed, instead of waiting forever."""
         while (batch := self.work.batch(index)) is None:
+            if self.publishing and self.publishing.done():
+                self.publishing.result()  # raises the publish's error (it may have failed before this wait)
             self.collector.batch_ready.clear()
             ready = asyncio.ensure_future(self.collector.batch_ready.wait())
             # a publish still running may fail: wake up for it too (not for one already done, which would spin)
@@ -164,7 +166,7 @@ class Controller:
             finally:
                 ready.cancel()
             if self.publishing and self.publishing.done():
-                self.publishing.result()  # raises the publish's error
+                self.publishing.result()
             if rollouts.done():
                 rollouts.result()  # raises the rollout loop's error
                 if self.work.batch(index) is None:

@@ -1,6 +1,7 @@
 """Fake actors for the controller's tests and its benchmark, in one process: a fake generator, grader
-and trainer that follow their role contracts (meshrl/actors/roles.py), a fake of Monarch's actor
-handles over them, a fake task and tokenizer, and `run_fake`, which drives the real Controller,
+and trainer that follow their role contracts (meshrl/actors/roles.py) behind Monarch's actor handles
+as meshrl/fake_monarch.py fakes them (each actor's plain endpoints one call at a time, its concurrent
+ones together, as Monarch runs them), a fake task and tokenizer, and `run_fake`, which drives the real Controller,
 RolloutCollector, WorkBuffer, ReplicaPools, Checkpointer and metric rows with them.
 
 A `Script` sees every fake actor call before it runs (each one an await point of the loops) and can
@@ -18,12 +19,12 @@ from pathlib import Path
 
 import torch
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
-from monarch.actor import ActorError
 
 from meshrl import checkpoint
 from meshrl.actors.weight_updates import WeightUpdates
 from meshrl.configs import Config, ControllerConfig
 from meshrl.controller import Controller
+from meshrl.fake_monarch import FakeMesh, FakeProcs, concurrent
 from meshrl.launch import StopSignals, weight_update
 from meshrl.loggers import MetricLoggers, RolloutRecorder
 from meshrl.metric_rows import MetricRows
@@ -90,59 +91,6 @@ class Script:
             await asyncio.sleep(3600)
 
 
-class FakeValueMesh:
-    """What awaiting `mesh.endpoint.call()` gives: every rank's answer."""
-
-    def __init__(self, values: list):
-        self.values = values
-
-    def items(self):
-        return [({"procs": r}, v) for r, v in enumerate(self.values)]
-
-
-class FakeEndpoint:
-    def __init__(self, mesh: "FakeMesh", name: str):
-        self.mesh, self.name = mesh, name
-
-    async def call_one(self, *args, **kwargs):
-        [actor] = self.mesh.actors
-        return await self._on(actor, *args, **kwargs)
-
-    def call(self, *args, **kwargs):
-        async def every_rank():
-            return FakeValueMesh(list(await asyncio.gather(*(self._on(a, *args, **kwargs) for a in self.mesh.actors))))
-        return every_rank()
-
-    async def _on(self, actor, *args, **kwargs):
-        await self.mesh.script.point(self.name, actor)
-        try:
-            return await getattr(actor, self.name)(*args, **kwargs)
-        except Exception as e:  # an endpoint's own error reaches the caller as Monarch's ActorError
-            raise ActorError(e) from None
-
-
-class FakeMesh:
-    """Monarch's actor-mesh handle over plain objects, one per rank: `mesh.endpoint.call_one()`,
-    `mesh.endpoint.call()`, `mesh.slice(procs=r)`."""
-
-    def __init__(self, actors: list, script: Script):
-        self.actors, self.script = actors, script
-
-    def __getattr__(self, name: str) -> FakeEndpoint:
-        return FakeEndpoint(self, name)
-
-    def slice(self, procs: int) -> "FakeMesh":
-        return FakeMesh([self.actors[procs]], self.script)
-
-
-class FakeProcs:
-    def __init__(self):
-        self.stopped = False
-
-    async def stop(self) -> None:
-        self.stopped = True
-
-
 @dataclass
 class FakeWeights:
     """What the fake trainer published: the fake generators' weight ring."""
@@ -164,6 +112,7 @@ class FakeGenerator:
         self.swaps: list[tuple[float, int]] = []  # (time, version) of every load
         self.poller: asyncio.Task | None = None
 
+    @concurrent
     async def generate(self, prompts, *, sampling=None, min_version: int = 0) -> list[Completion]:
         if self.version < min_version:
             await self._load()

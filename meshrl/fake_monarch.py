@@ -1,0 +1,102 @@
+"""Monarch's actor handles, faked for the fake actors of meshrl/fakes.py, with Monarch's order of work.
+
+Monarch 0.7 delivers one actor's messages in arrival order, one at a time: a plain `@endpoint` runs
+to its end before the actor takes the next message, so calls to it queue. A `concurrent_endpoint`
+is only started (as a task of the actor's loop) and the actor goes on to its next message, so such
+calls overlap each other and the plain calls that arrive after them; a concurrent call that arrives
+while a plain one runs waits for it, like any message. Calls to different actors overlap.
+tests/test_monarch_rules.py pins these rules on real actors, and that each fake marks the same
+endpoints `concurrent` as the real actor of its role.
+
+A caller that stops waiting (a timeout, a cancelled group) does not stop the actor's work, as in
+Monarch: the call goes on and holds the actor's turn until it ends.
+"""
+
+import asyncio
+
+from monarch.actor import ActorError
+
+
+def concurrent(method):
+    """Marks a fake actor's endpoint as Monarch's `concurrent_endpoint` would."""
+    method.concurrent = True
+    return method
+
+
+class Mailbox:
+    """One fake actor's queue of messages: plain calls one at a time, in arrival order."""
+
+    def __init__(self):
+        self.turn = asyncio.Lock()  # FIFO: waiters are woken in the order they came
+
+    async def deliver(self, call, is_concurrent: bool):
+        async def handle():
+            async with self.turn:
+                if not is_concurrent:
+                    return await call()
+                work = asyncio.ensure_future(call())  # started; the next message may be taken
+            return await work
+
+        return await asyncio.shield(asyncio.ensure_future(handle()))
+
+
+def mailbox(actor) -> Mailbox:
+    box = actor.__dict__.get("_mailbox")
+    if box is None:
+        box = actor.__dict__["_mailbox"] = Mailbox()
+    return box
+
+
+class FakeValueMesh:
+    """What awaiting `mesh.endpoint.call()` gives: every rank's answer."""
+
+    def __init__(self, values: list):
+        self.values = values
+
+    def items(self):
+        return [({"procs": r}, v) for r, v in enumerate(self.values)]
+
+
+class FakeEndpoint:
+    def __init__(self, mesh: "FakeMesh", name: str):
+        self.mesh, self.name = mesh, name
+
+    async def call_one(self, *args, **kwargs):
+        [actor] = self.mesh.actors
+        return await self._on(actor, *args, **kwargs)
+
+    def call(self, *args, **kwargs):
+        async def every_rank():
+            return FakeValueMesh(list(await asyncio.gather(*(self._on(a, *args, **kwargs) for a in self.mesh.actors))))
+        return every_rank()
+
+    async def _on(self, actor, *args, **kwargs):
+        await self.mesh.script.point(self.name, actor)
+        method = getattr(actor, self.name)
+        try:
+            return await mailbox(actor).deliver(lambda: method(*args, **kwargs), getattr(method, "concurrent", False))
+        except Exception as e:  # an endpoint's own error reaches the caller as Monarch's ActorError
+            raise ActorError(e) from None
+
+
+class FakeMesh:
+    """Monarch's actor-mesh handle over plain objects, one per rank: `mesh.endpoint.call_one()`,
+    `mesh.endpoint.call()`, `mesh.slice(procs=r)`; `script.point(endpoint, actor)` sees each call
+    as it is made (meshrl/fakes.py's Script)."""
+
+    def __init__(self, actors: list, script):
+        self.actors, self.script = actors, script
+
+    def __getattr__(self, name: str) -> FakeEndpoint:
+        return FakeEndpoint(self, name)
+
+    def slice(self, procs: int) -> "FakeMesh":
+        return FakeMesh([self.actors[procs]], self.script)
+
+
+class FakeProcs:
+    def __init__(self):
+        self.stopped = False
+
+    async def stop(self) -> None:
+        self.stopped = True

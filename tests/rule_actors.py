@@ -1,0 +1,21 @@
+"""A real actor whose endpoints only sleep and say when they ran (their own wall clock), for
+tests/test_monarch_rules.py; imported by the actor processes (conftest puts tests/ on their PYTHONPATH)."""
+
+import asyncio
+import time
+
+from monarch.actor import Actor, concurrent_endpoint, endpoint
+
+
+class Sleeper(Actor):
+    @endpoint
+    async def plain(self, seconds: float) -> tuple[float, float]:
+        start = time.time()
+        await asyncio.sleep(seconds)
+        return start, time.time()
+
+    @concurrent_endpoint
+    async def together(self, seconds: float) -> tuple[float, float]:
+        start = time.time()
+        await asyncio.sleep(seconds)
+        return start, time.time()

@@ -1,0 +1,100 @@
+"""Monarch's order of work, pinned on real actors, and the fakes held to it.
+
+Monarch 0.7 runs one actor's plain `@endpoint` calls one at a time, in arrival order; its
+`concurrent_endpoint` calls as tasks that overlap; calls to different actors overlap. The overlap
+the system claims (a publish beside the next step's training, groups batched by a generator) rests on
+these rules, and the controller's tests rest on fakes that follow them (meshrl/fake_monarch.py): each
+scenario runs on both, and every fake marks `concurrent` exactly the endpoints its real actor does.
+A change in Monarch's behaviour fails here first. Times are the actors' own."""
+
+import asyncio
+import inspect
+import time
+
+import pytest
+from monarch.actor import this_host
+
+from meshrl.actors import roles
+from meshrl.actors.grader import Grader
+from meshrl.actors.generator import VLLMGenerator
+from meshrl.actors.trainer import TitanTrainer
+from meshrl.fake_monarch import FakeMesh, concurrent
+from meshrl.fakes import FakeGenerator, FakeGrader, FakeTrainer
+from rule_actors import Sleeper
+
+LONG = 0.6  # seconds a first call takes; the second is sent 0.1 s after it
+
+
+class FakeSleeper:
+    """Sleeper's fake: the same two endpoints."""
+
+    async def plain(self, seconds: float) -> tuple[float, float]:
+        start = time.time()
+        await asyncio.sleep(seconds)
+        return start, time.time()
+
+    @concurrent
+    async def together(self, seconds: float) -> tuple[float, float]:
+        return await FakeSleeper.plain(self, seconds)
+
+
+class NoScript:
+    async def point(self, endpoint: str, actor) -> None:
+        pass
+
+
+async def two_calls(first, second) -> tuple[tuple[float, float], tuple[float, float]]:
+    """`first` (LONG seconds) and, 0.1 s after it was sent, `second` (none): each one's (start, end)."""
+    a = asyncio.ensure_future(first.call_one(LONG))
+    await asyncio.sleep(0.1)
+    b = asyncio.ensure_future(second.call_one(0.0))
+    return await a, await b
+
+
+SCENARIOS = {  # (first endpoint, second endpoint, the second on another actor, does the second wait?)
+    "plain after plain, one actor: queued": ("plain", "plain", False, True),
+    "concurrent beside concurrent: overlap": ("together", "together", False, False),
+    "plain while a concurrent call runs: overlap": ("together", "plain", False, False),
+    "concurrent while a plain call runs: queued": ("plain", "together", False, True),
+    "plain on two actors: overlap": ("plain", "plain", True, False),
+}
+
+
+@pytest.fixture(scope="module")
+def real_actors():
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    yield procs.spawn("first", Sleeper), procs.spawn("second", Sleeper)
+    procs.stop().get()
+
+
+def check(scenario: str, actors) -> None:
+    first, second, other, waits = SCENARIOS[scenario]
+    a, b = actors
+    (start1, end1), (start2, _) = asyncio.run(two_calls(getattr(a, first), getattr(b if other else a, second)))
+    assert start2 > start1
+    assert (start2 >= end1 - 0.01) == waits, (start1, end1, start2)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_monarch_runs_calls_so(real_actors, scenario):
+    check(scenario, real_actors)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_the_fakes_run_calls_as_monarch_does(scenario):
+    check(scenario, (FakeMesh([FakeSleeper()], NoScript()), FakeMesh([FakeSleeper()], NoScript())))
+
+
+def concurrent_endpoints(real) -> set[str]:
+    return {name for name, value in inspect.getmembers(real) if getattr(getattr(value, "_method", None),
+                                                                        "_monarch_concurrent_endpoint_wrapper", False)}
+
+
+@pytest.mark.parametrize("fake, real, role", [(FakeGenerator, VLLMGenerator, roles.Generator),
+                                              (FakeTrainer, TitanTrainer, roles.Trainer),
+                                              (FakeGrader, Grader, roles.Grader)])
+def test_each_fake_runs_concurrently_what_its_real_actor_does(fake, real, role):
+    endpoints = {name for name, _ in inspect.getmembers(role, inspect.isfunction) if not name.startswith("_")}
+    fakes = {name for name in endpoints if getattr(getattr(fake, name, None), "concurrent", False)}
+    assert fakes == concurrent_endpoints(real) & endpoints
+    assert concurrent_endpoints(Sleeper) == {"together"}  # the check itself sees Monarch's mark
