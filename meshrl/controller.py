@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 
-from meshrl.actors import first
+from meshrl.actors import first, in_rank_order
 from meshrl.checkpoint import Checkpointer, RunState, latest
 from meshrl.configs import Config
 from meshrl.episodes import batch_builder
@@ -96,6 +96,8 @@ class Controller:
                 await asyncio.gather(rollouts, return_exceptions=True)
             await bounded(self.collector.stop(), self.timeouts.stop, "stopping the groups in flight")
             await bounded(self._weight_updates(), self.timeouts.stop, "the generators' last loads (for the trace)")
+            await bounded(asyncio.gather(self._trainer_spans(), return_exceptions=True), self.timeouts.stop,
+                          "the trainer's last spans (for the trace)")
         if self.rows.done and not self.signals.held:
             stop = self.timeouts.stop if self.signals.stopped_by else None
             await bounded(self.checkpoint(), stop, "the stop's checkpoint")
@@ -186,6 +188,7 @@ class Controller:
         t3 = time.perf_counter()
         self.trainer_busy += t3 - t1
         pull, engines_busy = await self._weight_updates()
+        await self._trainer_spans()
         counters = {"generator_restarts": self.generators.restarts, "generator_calls_retried": self.generators.retried,
                     "grader_restarts": self.graders.restarts, "grader_calls_retried": self.graders.retried,
                     **self.updates, "batches_ready": len(self.work.ready) - 1}
@@ -228,6 +231,15 @@ class Controller:
             for key in self.updates:
                 self.updates[key] += updates[key]
         return longest, busy
+
+    async def _trainer_spans(self) -> None:
+        """The trainer's spans since the last step, timed by its ranks, into the trace (bookkeeping:
+        bounded, not traced)."""
+        async with deadline(self.timeouts.trainer, "trainer", "spans"):
+            ranks = await in_rank_order(self.trainer.spans.call())
+        for rank, spans in enumerate(ranks):
+            for s in spans:
+                self.tracer.add("trainer", s["what"], s["start"], s["end"], rank, s["policy_version"])
 
     def _busy(self) -> tuple[float, float]:
         """Seconds worked so far: by the average generator replica, by the trainer."""

@@ -31,7 +31,7 @@ from meshrl.metric_rows import MetricRows
 from meshrl.replicas import Replica, ReplicaPool
 from meshrl.tasks import Sample
 from meshrl.timeouts import Timeout, Timeouts
-from meshrl.trace import Tracer
+from meshrl.trace import ActorClock, Tracer
 from meshrl.types import Completion, ScoredCompletion
 
 PROMPT_ID = 100  # FakeTokenizer: a prompt's first token is PROMPT_ID + its index, so the trainer can tell
@@ -207,12 +207,14 @@ class FakeTrainer:
         self.weights, self.costs = weights, costs
         self.version, self.updates, self.trained, self.pending = 0, 0, [], []
         self.copying: asyncio.Future | None = None  # a publish's copy into the ring, as the real trainer's
+        self.clock = ActorClock()
 
     async def forward_backward(self, batch) -> dict:
         rows = batch.loss_mask.any(-1)
         self.pending += [int(i) - PROMPT_ID for i in batch.input_ids[rows, 0]]
         tokens = int(batch.loss_mask.sum())
-        await take(tokens * self.costs.train_per_token)
+        with self.clock.span("train", self.version):
+            await take(tokens * self.costs.train_per_token)
         return {"loss": 0.0, "tokens": tokens, "logprob_mismatch": 0.0, "ratio": float(tokens), "ratio_max": 1.0,
                 "clip_low": 0, "clip_high": 0, "behaviour_weight": float(tokens), "tis_truncated": 0,
                 "behaviour_kl": 0.0, "entropy": 0.0}
@@ -221,8 +223,9 @@ class FakeTrainer:
         return batch.behaviour_logprobs
 
     async def optim_step(self, skip: bool = False) -> dict:
-        if self.copying:  # the update changes the weights a publish is copying
-            await self.copying
+        with self.clock.span("optim_step", self.version):
+            if self.copying:  # the update changes the weights a publish is copying
+                await asyncio.shield(self.copying)
         self.updates += 1
         self.trained.append(sorted(self.pending))
         self.pending = []
@@ -231,17 +234,29 @@ class FakeTrainer:
     async def weight_ring(self):
         return "ring"
 
+    @concurrent
     async def publish_weights(self) -> int:
-        self.copying = asyncio.ensure_future(take(self.costs.publish))
-        await self.copying
-        self.version += 1
-        self.weights.version = self.version
-        return self.version
+        self.version = version = self.version + 1
+        self.copying = asyncio.ensure_future(self._copy(self.copying, version))
+        await asyncio.shield(self.copying)
+        return version
+
+    async def _copy(self, previous: asyncio.Future | None, version: int) -> None:
+        if previous:
+            await previous
+        with self.clock.span("publish", version):
+            await take(self.costs.publish)
+        self.weights.version = version
+
+    async def spans(self) -> list[dict]:
+        return self.clock.take()
 
     async def save(self, path: str) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
 
     async def save_state(self, path: str) -> None:
+        if self.copying:
+            await asyncio.shield(self.copying)
         Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / "rank0.json").write_text(json.dumps({"version": self.version, "updates": self.updates}))
 

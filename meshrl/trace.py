@@ -6,6 +6,14 @@ start and end (seconds since the run started) and the policy version it concerns
 `trace.jsonl`; at the end they are also written as a Chrome/Perfetto trace (`trace.json`, open it
 at ui.perfetto.dev) and drawn as `timeline.png`, one lane per actor.
 
+A span's `clock` says whose times it holds. The controller's ("controller") are when it asked and
+when the answer came, which is when the actor worked only if nothing queued in between. The trainer
+times its own work (`ActorClock`: each endpoint's start and end on the actor, a publish's copy from
+its start to the moment it is readable) and the controller adds those spans ("actor") after each
+step, so the timeline shows what really overlapped on the trainer; the controller's trainer spans
+are drawn in a lane of their own beside them ("trainer 0 asked"). A generator's loads are
+actor-timed too.
+
 An actor that serves one call at a time (a grader) is sent one call at a time too, under a lock its
 replica owns (a replacement has a fresh one): a span then covers the actor's own work, not time spent
 queued behind another call. A generator batches its calls (continuous batching): its `generate` spans
@@ -16,12 +24,13 @@ not answer in time raises CallTimeout instead of hanging the run.
 import asyncio
 import json
 import time
-from contextlib import asynccontextmanager, nullcontext
+from contextlib import asynccontextmanager, contextmanager, nullcontext
 from pathlib import Path
 
 from meshrl.timeouts import Timeout, deadline
 
 _NO_LOCK = nullcontext()  # an async context manager too
+ACTOR_TIMED = {"trainer"}  # roles whose actors report their own spans: the controller's go to an "asked" lane
 
 
 class Tracer:
@@ -47,7 +56,7 @@ class Tracer:
     @asynccontextmanager
     async def _span(self, role: str, what: str, policy_version: int | None, replica: int):
         span = {"role": role, "replica": replica, "what": what, "start": self.now(), "end": None,
-                "policy_version": policy_version}
+                "policy_version": policy_version, "clock": "controller"}
         try:
             yield span
         finally:
@@ -60,7 +69,7 @@ class Tracer:
         """A span an actor timed itself, in wall-clock seconds (`time.time()` where it ran)."""
         shift = self.now() - time.time()
         span = {"role": role, "replica": replica, "what": what, "start": start + shift, "end": end + shift,
-                "policy_version": policy_version}
+                "policy_version": policy_version, "clock": "actor"}
         self.spans.append(span)
         self.file.write(json.dumps(span) + "\n")
 
@@ -84,8 +93,32 @@ async def no_span(role: str, what: str, policy_version: int | None = None, repli
         yield {}
 
 
+class ActorClock:
+    """The spans an actor times itself (wall clock), kept until the controller takes them."""
+
+    def __init__(self):
+        self.spans: list[dict] = []
+
+    @contextmanager
+    def span(self, what: str, policy_version: int | None = None):
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.add(what, start, time.time(), policy_version)
+
+    def add(self, what: str, start: float, end: float, policy_version: int | None = None) -> None:
+        self.spans.append({"what": what, "start": start, "end": end, "policy_version": policy_version})
+
+    def take(self) -> list[dict]:
+        """The spans since the last take."""
+        spans, self.spans = self.spans, []
+        return spans
+
+
 def lane(span: dict) -> str:
-    return f"{span['role']} {span['replica']}"
+    asked = span["role"] in ACTOR_TIMED and span.get("clock", "controller") == "controller"
+    return f"{span['role']} {span['replica']}" + (" asked" if asked else "")
 
 
 def chrome_trace(spans: list[dict]) -> dict:

@@ -40,3 +40,11 @@ class ThroughFileGenerator(VLLMGenerator):
 
     def reload(self, weights):
         self.reload_through_file(weights)
+
+
+class SlowPublishTrainer(TitanTrainer):
+    """Each publish's copy into the ring takes a second longer (as a large model's device-to-host copy would)."""
+
+    def _write_ring(self, weights: dict, version: int) -> None:
+        time.sleep(1.0)
+        super()._write_ring(weights, version)

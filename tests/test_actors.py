@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 from actor_helpers import episode, mismatch
-from probe_actors import ThroughFileGenerator
+from probe_actors import SlowPublishTrainer, ThroughFileGenerator
 
 from meshrl.actors import spawn
 from meshrl.actors.generator import VLLMGenerator
@@ -125,3 +125,35 @@ def test_the_trainer_scores_sampled_tokens_as_vllm_sampled_them_at_any_temperatu
     tolerance = 0.08  # nats per token: bf16 (or fp32) numerics of two engines
     assert max(gap[1.0]) < tolerance and max(gap[0.7]) < tolerance, gap
     assert min(gap["ignored"]) > 2 * tolerance, gap
+
+
+def test_the_trainer_trains_while_a_publish_copies(tiny_checkpoint):
+    """publish_weights is a concurrent endpoint: with its copy slowed to over a second, the next
+    forward_backward and logprobs calls run and end on the actor before the publish does, and the
+    optimizer update waits for the copy of the weights it changes (the actor's own times)."""
+    completion = Completion(0, [1, 2, 3], [4, 5, 6, 7], [-1.0] * 4, "", 0, "stop")
+    e = episode(completion, 1.0)
+    batch = TrainBatch.collate([e], e.num_response_tokens, 1)
+
+    async def run():
+        procs, trainer = spawn("trainer", SlowPublishTrainer, TrainerConfig(num_threads=1), WeightSyncConfig(),
+                               str(tiny_checkpoint))
+        try:
+            await trainer.forward_backward.call_one(batch)  # warm
+            await trainer.optim_step.call_one()
+            await trainer.spans.call_one()
+            publish = asyncio.ensure_future(trainer.publish_weights.call_one())
+            await trainer.forward_backward.call_one(batch)
+            await trainer.logprobs.call_one(batch)
+            await trainer.optim_step.call_one()
+            assert await publish == 1
+            return {s["what"]: s for s in await trainer.spans.call_one()}
+        finally:
+            await procs.stop()
+
+    spans = asyncio.run(run())
+    copy = spans["publish"]
+    assert copy["end"] - copy["start"] >= 1.0 and copy["policy_version"] == 1
+    assert copy["start"] < spans["train"]["start"] and spans["train"]["end"] < copy["end"]
+    assert spans["logprobs"]["end"] < copy["end"]
+    assert spans["optim_step"]["start"] < copy["end"] <= spans["optim_step"]["end"]

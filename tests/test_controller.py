@@ -39,11 +39,13 @@ def test_a_publish_overlaps_the_next_steps_training_when_the_bound_allows(tmp_pa
     costs = Costs(generate_per_token=0.001, train_per_token=0.002, publish=0.05)
     done = run(fake_config(steps=4, prompts=2, max_policy_age=age), tmp_path, costs=costs)
     spans = read_jsonl(tmp_path / "trace.jsonl")
-    publishes = [s for s in spans if s["what"] == "publish"]
-    trains = [s for s in spans if s["what"] == "train"]
+    on_actor = [s for s in spans if s["role"] == "trainer" and s["clock"] == "actor"]  # the fake trainer's own times
+    publishes = [s for s in on_actor if s["what"] == "publish"]
+    trains = [s for s in on_actor if s["what"] == "train"]
     overlapping = [p for p in publishes if any(p["start"] < t["start"] < p["end"] for t in trains)]
     assert len(publishes) == 4 and [p["policy_version"] for p in publishes] == [1, 2, 3, 4]
-    # async: the next step trains while the publish copies; sync: its batch needs the new version first
+    assert [s["policy_version"] for s in spans if s["what"] == "publish" and s["clock"] == "controller"] == [1, 2, 3, 4]
+    # async: the next step trains on the actor while the publish copies; sync: its batch needs the new version first
     assert bool(overlapping) == (age > 0)
     assert [r["policy_version"] for r in done.rows] == [1, 2, 3, 4] and done.controller.trainer_version == 4
     assert max(r["staleness_max"] for r in done.rows) <= age

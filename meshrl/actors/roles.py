@@ -89,8 +89,12 @@ class Trainer(Protocol):
 
     async def publish_weights(self) -> int:
         """Publish the current weights as the next policy version; returns it once generators can read it.
-        forward_backward and logprobs calls may come while it copies; an optim_step or save_state that
+        A `concurrent_endpoint`: forward_backward and logprobs calls may come and run while it copies; an optim_step or save_state that
         comes meanwhile waits for the copy to end before it changes or saves the weights."""
+
+    async def spans(self) -> list[dict]:
+        """What this rank did since the last call, timed on the actor (meshrl/trace.py's ActorClock):
+        [{"what", "start", "end" (wall clock, `time.time()`), "policy_version"}]."""
 
     async def save(self, path: str) -> None:
         """Write the current policy as an HF checkpoint (every rank is called; one writes)."""

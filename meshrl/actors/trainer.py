@@ -9,9 +9,12 @@ rank reading only its own shards of the checkpoint. Each rank computes its micro
 the normalisers of the whole update, so the ranks' gradients are summed, not averaged; one optimizer
 step follows. Each rank publishes its own rows into its host's weight ring (meshrl/weight_sync/shards.py).
 
-A publish copies the weights into the ring in a thread of its own: the next step's forward and
-backward passes, which leave the weights as they are, run meanwhile, and the next optimizer update
-(or checkpoint) waits for it to finish.
+A publish copies the weights into the ring in a thread of its own, and `publish_weights` is a
+concurrent endpoint: Monarch runs an actor's plain endpoints one at a time, so the next step's
+`logprobs` and `forward_backward` calls (plain, they leave the weights as they are) run on the actor
+while the copy goes on. What changes or reads the weights as a whole waits for the copy: an
+optimizer update, a checkpoint, a restore. Each endpoint times itself (`spans`, meshrl/trace.py), so
+the trace shows what overlapped on the actor.
 """
 
 import asyncio
@@ -19,7 +22,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from monarch.actor import Actor, endpoint
+from monarch.actor import Actor, concurrent_endpoint, endpoint
 from torch.distributed.tensor import DTensor
 
 from meshrl.actors.distributed import all_gather, join, load_on_ranks, local
@@ -28,6 +31,7 @@ from meshrl.configs import TrainerConfig, WeightSyncConfig
 from meshrl.losses import (autocast, check, on_positions, policy_logprobs, policy_loss, response_logits,
                            token_entropy, token_logprobs)
 from meshrl.model import published_weights, save_checkpoint
+from meshrl.trace import ActorClock
 from meshrl.types import TrainBatch
 from meshrl.weight_sync.disk import DiskHandle, write_version
 from meshrl.weight_sync.ring import RingHandle
@@ -59,32 +63,39 @@ class TitanTrainer(Actor):
         self.policy_version = 0  # versions published
         self.updates = 0  # optimizer updates taken
         self.publishing: asyncio.Future | None = None  # the copy into the ring of the newest version
+        self.clock = ActorClock()  # when each endpoint ran, here
 
     @endpoint
     async def forward_backward(self, batch: TrainBatch) -> dict:
         """Accumulate the loss's gradient over one micro-batch; returns the loss's metric sums. Logprobs
         are taken from logits / the batch's sampling temperature: the distribution its tokens came from."""
-        batch = batch.to(self.device)
-        mask = batch.loss_mask
-        with autocast(self.device, self.config.bf16_autocast):
-            logits = response_logits(self.model, batch)
-        with torch.set_grad_enabled(self.config.loss.entropy_coef > 0):  # else the entropy is a metric only
-            entropy = on_positions(token_entropy(logits), mask)
-        logprobs = on_positions(token_logprobs(logits, batch.target_ids[mask]), mask)
-        loss, metrics = policy_loss(logprobs, batch, self.config.loss, entropy)
-        loss.backward()
+        with self.clock.span("train", self.policy_version):
+            batch = batch.to(self.device)
+            mask = batch.loss_mask
+            with autocast(self.device, self.config.bf16_autocast):
+                logits = response_logits(self.model, batch)
+            with torch.set_grad_enabled(self.config.loss.entropy_coef > 0):  # else the entropy is a metric only
+                entropy = on_positions(token_entropy(logits), mask)
+            logprobs = on_positions(token_logprobs(logits, batch.target_ids[mask]), mask)
+            loss, metrics = policy_loss(logprobs, batch, self.config.loss, entropy)
+            loss.backward()
         return metrics
 
     @endpoint
     async def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """The current policy's logprob of every target token [B, T], without training (on the host)."""
-        return policy_logprobs(self.model, batch.to(self.device), self.config.bf16_autocast).cpu()
+        with self.clock.span("logprobs", self.policy_version):
+            return policy_logprobs(self.model, batch.to(self.device), self.config.bf16_autocast).cpu()
 
     @endpoint
     async def optim_step(self, skip: bool = False) -> dict:
         """One optimizer update from the accumulated gradients (it publishes nothing). Not applied when
         the gradient norm is NaN or infinite, or when the caller says the loss was (`skip`): the
         gradients are dropped and `skipped` is true (every rank decides alike: the norm is global)."""
+        with self.clock.span("optim_step", self.policy_version):
+            return await self._optim_step(skip)
+
+    async def _optim_step(self, skip: bool) -> dict:
         await self._published()  # the ring's copy of the weights this update changes
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
@@ -107,7 +118,7 @@ class TitanTrainer(Actor):
             return DiskHandle(str(self.disk)) if self.rank == 0 else None
         return self.ring.handle()
 
-    @endpoint
+    @concurrent_endpoint
     async def publish_weights(self) -> int:
         """Put this rank's shard of the current policy into its weight ring as the next version (no
         waiting for readers, nothing gathered); return that version once it is readable. Calls that
@@ -115,16 +126,25 @@ class TitanTrainer(Actor):
         return await self._publish()
 
     async def _publish(self) -> int:
-        await self._published()
         self.policy_version = version = self.policy_version + 1
-        if self.disk is not None:
+        if self.disk is not None:  # gathers: before any await, so every rank does it between the same calls
             self._write_version(version)
         if self.ring is not None:
             state = self.model.state_dict()
             weights = {name: local(state[name]).detach() for name in self.published}
-            self.publishing = asyncio.ensure_future(asyncio.to_thread(self.ring.publish, weights, version))
+            self.publishing = asyncio.ensure_future(self._copy(self.publishing, weights, version))
             await self._published()
         return version
+
+    async def _copy(self, previous: asyncio.Future | None, weights: dict, version: int) -> None:
+        """Into the ring after the version before (the ring takes them in order), in a thread."""
+        if previous is not None:
+            await previous
+        with self.clock.span("publish", version):
+            await asyncio.to_thread(self._write_ring, weights, version)
+
+    def _write_ring(self, weights: dict, version: int) -> None:
+        self.ring.publish(weights, version)
 
     def _write_version(self, version: int) -> None:
         """The plain path: the whole policy gathered, rank 0 saves it (HF names, the served dtype) as the
@@ -153,6 +173,10 @@ class TitanTrainer(Actor):
     async def save_state(self, path: str) -> None:
         """The policy and optimizer state into `path` with torch.distributed.checkpoint (every rank
         writes its shards), and this rank's counters and RNG state beside them."""
+        with self.clock.span("save_state", self.policy_version):
+            await self._save_state(path)
+
+    async def _save_state(self, path: str) -> None:
         await self._published()
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -171,6 +195,7 @@ class TitanTrainer(Actor):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        await self._published()  # not under a copy of the weights it replaces
         model, optim = get_state_dict(self.model, self.optimizer)
         state = {"model": model, "optim": optim}
         with warnings.catch_warnings():
@@ -183,6 +208,12 @@ class TitanTrainer(Actor):
         torch.set_rng_state(extra["rng"])
         self.policy_version = extra["policy_version"] - 1
         return await self._publish()
+
+    @endpoint
+    async def spans(self) -> list[dict]:
+        """What this rank did since the last call, timed here: [{"what", "start", "end" (wall clock),
+        "policy_version"}]; a publish's span ends when its version is readable."""
+        return self.clock.take()
 
     @endpoint
     async def save(self, path: str) -> None:
