@@ -1,4 +1,6 @@
-"""The versioned weight ring, in one process: both transports, torn-read detection, checksums.
+"""The versioned weight ring, in one process: both transports, torn-read detection, checksums, and the
+seqlock's memory ordering (fences where they belong; checksums where no fence can be issued; a write
+seen out of order detected and never handed on).
 
 Real Monarch RDMABuffers (TCP fallback here) and real shared memory; the writer and the reader
 only share a process so a test can interleave them deterministically.
@@ -9,8 +11,9 @@ import asyncio
 import pytest
 import torch
 
-from meshrl.weight_sync import LayoutError, WeightLayout
-from meshrl.weight_sync.ring import CorruptWeightsError, RingReader, TornReadsError, WeightRing
+from meshrl.weight_sync import LayoutError, WeightLayout, ordering, ring as ring_module
+from meshrl.weight_sync.ring import (BEGIN, CHECKSUM, END, VERSION, CorruptWeightsError, RingReader, TornReadsError,
+                                     WeightRing, checksum)
 
 
 def weights(value: float) -> dict[str, torch.Tensor]:
@@ -67,11 +70,12 @@ def test_a_slot_overwritten_during_the_read_is_detected_and_retried(transport):
     ring.publish(weights(1.0), version=1)
     read_payload = reader.read_payload
 
-    async def read_while_the_trainer_overwrites(slot):
-        await read_payload(slot)
+    async def read_while_the_trainer_overwrites(slot, begins, cancel):
+        whole = await read_payload(slot, begins, cancel)
         if ring.publishes == 1:  # the trainer laps the ring while the first read is in flight
             ring.publish(weights(2.0), version=2)
             ring.publish(weights(3.0), version=3)  # into the slot being read
+        return whole
 
     reader.read_payload = read_while_the_trainer_overwrites
     got = pull(reader)
@@ -85,10 +89,11 @@ def test_reader_gives_up_when_every_read_is_torn():
     ring.publish(weights(1.0), version=1)
     read_payload = reader.read_payload
 
-    async def always_overwritten(slot):
-        await read_payload(slot)
+    async def always_overwritten(slot, begins, cancel):
+        whole = await read_payload(slot, begins, cancel)
         ring.publish(weights(0.0), version=ring.publishes + 1)
         ring.publish(weights(0.0), version=ring.publishes + 1)
+        return whole
 
     reader.read_payload = always_overwritten
     with pytest.raises(TornReadsError, match="use more weight_sync.slots"):
@@ -114,3 +119,117 @@ def test_bad_ring_settings_and_layouts_are_clear_errors():
     other = WeightLayout.of_tensors({**weights(0.0), "b": torch.zeros(5, 7)})
     with pytest.raises(LayoutError, match=r"b is torch.float32\[7, 5\], expected torch.float32\[5, 7\]"):
         RingReader(WeightRing(LAYOUT).handle(), other)
+
+
+def test_fences_separate_begin_payload_and_end_in_the_writer_and_header_payload_header_in_the_reader(monkeypatch):
+    """What each fence separates, seen at the fence: the writer's begin before the payload, the payload,
+    version and checksum before the end; the reader's header loads before its copy, the copy before the
+    header is read again."""
+    ring = WeightRing(LAYOUT, slots=2, checksums=True)
+    ring.publish(weights(1.0), version=1)
+    seen = []
+
+    def at_fence():
+        row = ring.header[0, 0].tolist()
+        a = LAYOUT.unpack(ring.payloads[0])[0][1]
+        seen.append((row[BEGIN], row[END], row[VERSION], row[CHECKSUM] != 0, a.float().unique().tolist()))
+
+    monkeypatch.setattr(ring_module, "fence", at_fence)
+    ring.publish(weights(2.0), version=2)  # the writer's k is 2, into slot 0
+    assert seen == [(2, 0, 0, False, [0.0]),  # begin is out, nothing of the payload yet
+                    (2, 0, 2, True, [2.0])]  # the payload, version and checksum are out, end not yet
+
+    reader = RingReader(ring.handle(), LAYOUT, "shm")
+    order = []
+    monkeypatch.setattr(ring_module, "fence", lambda: order.append("fence"))
+    read_header, copy = reader.read_header, reader._copy
+
+    async def header():
+        order.append("header")
+        return await read_header()
+
+    def copied(*args):
+        order.append("copy")
+        return copy(*args)
+
+    reader.read_header, reader._copy = header, copied
+    assert pull(reader)[0] == 2
+    # one chunk: the header (fenced), the copy (fenced on entry and after its chunk), the header again (fenced)
+    assert order == ["header", "fence", "copy", "fence", "fence", "header", "fence"]
+
+
+def test_the_fence_is_a_real_one_where_libatomic_is_found():
+    if not ordering.has_fence():
+        pytest.skip("no libatomic here: the ring relies on x86 ordering or on checksums")
+    assert ordering.ordering() == "fences"
+    ordering.fence()  # atomic_thread_fence(memory_order_seq_cst): lock or (x86-64) / dmb ish (aarch64)
+
+
+def test_checksums_are_on_wherever_the_seqlock_cannot_be_ordered(monkeypatch):
+    monkeypatch.setattr(ordering, "_FENCE", None)
+    monkeypatch.setattr(ordering.platform, "machine", lambda: "aarch64")
+    assert ordering.ordering() == "checksums"
+    forced = WeightRing(LAYOUT, checksums=False)
+    assert forced.checksums and forced.handle().checksums
+    unchecked = WeightRing(LAYOUT, checksums=False)
+    unchecked.handle().checksums = False  # as if written where the order is enforced, read where it is not
+    with pytest.raises(RuntimeError, match="weight_sync.checksums=true"):
+        RingReader(unchecked.handle(), LAYOUT, "shm")
+    monkeypatch.setattr(ordering.platform, "machine", lambda: "x86_64")
+    assert ordering.ordering() == "tso" and not WeightRing(LAYOUT).checksums
+
+
+def publish_out_of_order(ring: WeightRing, values: dict, version: int, landed: float) -> callable:
+    """What a reader on a CPU that does not order stores can see in the middle of a publish: the slot's end
+    marker, version and checksum already visible, only the first `landed` share of its payload. Returns
+    what lands the rest."""
+    slot, new = version % ring.slots, torch.empty(LAYOUT.nbytes, dtype=torch.uint8)
+    LAYOUT.pack(values, new)
+    ring.publishes += 1
+    row = ring.header[slot, 0]
+    row[BEGIN], row[VERSION], row[CHECKSUM], row[END] = ring.publishes, version, checksum(new), ring.publishes
+    cut = int(new.numel() * landed)
+    ring.payloads[slot][:cut].copy_(new[:cut])
+    return lambda: ring.payloads[slot][cut:].copy_(new[cut:])
+
+
+@pytest.mark.parametrize("transport", ["shm", "rdma"])
+def test_a_torn_write_is_detected_and_never_handed_on_when_checked(transport):
+    ring = WeightRing(LAYOUT, slots=2, checksums=True)
+    ring.publish(weights(1.0), version=1)
+    ring.publish(weights(2.0), version=2)
+    land = publish_out_of_order(ring, weights(3.0), version=3, landed=0.5)  # into slot 1, over version 1
+    reader = RingReader(ring.handle(), LAYOUT, transport, max_attempts=3)
+    handed = []
+
+    def load(got):
+        handed.append(values(got))
+        return got
+
+    # its stores never land: refused every time, reported, nothing handed on
+    with pytest.raises(CorruptWeightsError, match="version 3"):
+        load(pull(reader))
+    assert handed == [] and reader.corrupt_reads == 3 and reader.torn_reads == 0
+
+    # they land while the reader looks again: version 3, whole
+    read_payload = reader.read_payload
+
+    async def landing_meanwhile(slot, begins, cancel):
+        if reader.corrupt_reads == 4:  # refused once more, then the rest of the payload lands
+            land()
+        return await read_payload(slot, begins, cancel)
+
+    reader.read_payload = landing_meanwhile
+    load(pull(reader))
+    assert handed == [{"a": 3.0, "b": -3.0}] and reader.corrupt_reads == 4
+
+
+def test_without_checks_the_same_torn_write_would_be_handed_on():
+    """Why checksums are on where the order is not enforced: the seqlock alone passes this slot."""
+    ring = WeightRing(LAYOUT, slots=2, checksums=False)
+    ring.publish(weights(1.0), version=1)
+    ring.publish(weights(2.0), version=2)
+    publish_out_of_order(ring, weights(3.0), version=3, landed=0.5)
+    version, tensors = pull(RingReader(ring.handle(), LAYOUT, "shm"))
+    a = dict(tensors)["a"].float()
+    assert version == 3 and set(a.unique().tolist()) == {1.0, 3.0}  # half of version 3, half of version 1

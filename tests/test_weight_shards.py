@@ -88,25 +88,31 @@ def pull(reader, newer_than=-1):
 
 
 @pytest.mark.parametrize("ranks, shared", [(1, False), (2, False), (2, True), (3, True)])
-def test_shared_memory_is_loaded_in_place_and_loaded_again_if_overwritten_meanwhile(ranks, shared):
+def test_shared_memory_is_copied_and_copied_again_if_overwritten_meanwhile(ranks, shared):
     rings = rank_rings(ranks, shared, slots=2, checksums=True)
     reader = ShardedReader([r.handle() for r in rings], LAYOUT, lambda d: d, "shm")
     publish(rings, 1)
+    laps = []
+    for ring_reader in reader.readers:
+        async def lapped(slot, begins, cancel, read_payload=ring_reader.read_payload):
+            whole = await read_payload(slot, begins, cancel)
+            if not laps:  # the trainer laps the rings while the first copy is in flight
+                laps.append(True)
+                publish(rings, 2)
+                publish(rings, 3)  # into the slots being copied
+            return whole
+        ring_reader.read_payload = lapped
     seen = []
-
-    def load(version, weights):  # the trainer laps the ring while the first load reads it
-        seen.append({n: t.clone() for n, t in weights})
-        if len(seen) == 1:
-            publish(rings, 2)
-            publish(rings, 3)  # into the slot being read
-
+    load = lambda version, weights: seen.append((version, {n: t.clone() for n, t in weights}))  # noqa: E731
     assert asyncio.run(reader.load_latest(load)) == 3
-    assert len(seen) == 2 and reader.torn_reads == len(reader.readers) and reader.corrupt_reads == 0
-    assert all(torch.equal(t, full_weights(3)[n]) for n, t in seen[-1].items())
-    if len(reader.readers) == 1:  # nothing copied before the load: it read the ring's own memory (as mapped here)
-        asyncio.run(reader.load_latest(lambda _, weights: seen.append(weights)))
-        ring = reader.readers[0].memory.tensor
-        assert all(ring.data_ptr() <= t.data_ptr() < ring.data_ptr() + ring.numel() for _, t in seen[-1])
+    assert len(seen) == 1 and reader.torn_reads == len(reader.readers) and reader.corrupt_reads == 0
+    assert all(torch.equal(t, full_weights(3)[n]) for n, t in seen[0][1].items())
+    # what is handed on is the reader's own copy, never a view of the trainer's memory
+    handed = []
+    assert asyncio.run(reader.load_latest(lambda _, weights: handed.extend(weights))) == 3
+    for ring_reader in reader.readers:
+        ring = ring_reader.memory.tensor
+        assert not any(ring.data_ptr() <= t.data_ptr() < ring.data_ptr() + ring.numel() for _, t in handed)
 
 
 def test_a_shared_ring_is_complete_only_when_every_rank_wrote_the_version_and_checks_each_ranks_sum():

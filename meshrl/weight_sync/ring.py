@@ -4,10 +4,17 @@ The trainer owns `slots` byte buffers, each holding one policy version packed in
 generator loads, and a header row per slot and writer: (begin, end, version, checksum). Publishing
 writes begin = k (k counts the writer's publishes), then the payload, then end = k, into slot
 `version % slots`, and never waits for a reader. A reader takes the newest slot whose rows all have
-begin == end and the same version, reads its payload, and reads the header again: if a begin moved,
-a writer started on that slot during the read, so the copy is thrown away (a torn read) and the
-reader tries again. With checksums on, each writer also stores a CRC32 of what it wrote, and the
-reader refuses (and counts) a payload that does not match.
+begin == end and the same version, copies its payload into memory of its own, and reads the header
+again: if a begin moved, a writer started on that slot during the copy, so the copy is thrown away (a
+torn read, counted) and the reader copies the newest complete version instead, which by then is in
+another slot. With checksums on, each writer also stores a CRC32 of what it wrote, and the reader
+refuses (and counts) a copy that does not match it. Nothing a reader hands on is ever a view of the
+trainer's memory: what it checked is what gets loaded, and no writer can change it afterwards.
+
+The seqlock's memory ordering is explicit (meshrl/weight_sync/ordering.py): the writer issues a full
+fence after `begin` and before `end`, a reader after each header read and around each payload copy,
+each in the thread that does the stores or loads. Where no fence can be issued and the CPU does not
+order stores by itself (not x86), every ring checksums its versions whatever it is asked.
 
 Several writers share one ring when trainer ranks on one host each write their own rows of every
 tensor (`pieces`: byte ranges of the payload, one list per writer); a reader on that host then sees
@@ -16,7 +23,8 @@ the others map it (`attach_to`).
 
 The memory is one anonymous shared-memory file (memfd). Readers on another host read it with
 Monarch RDMA (ibverbs, or its TCP fallback), in concurrent chunks; readers on the same host map the
-same file through /proc/<pid>/fd/<fd> and copy from it directly. "The same host" is decided by
+same file through /proc/<pid>/fd/<fd> and copy from it in a thread (off the event loop, a chunk at a
+time, stopping early when the copy is abandoned or overtaken). "The same host" is decided by
 `host_id`, not by the host name, which containers and test hosts may share.
 """
 
@@ -25,16 +33,19 @@ import mmap
 import os
 import secrets
 import socket
+import threading
 import zlib
 from dataclasses import dataclass
 
 import torch
 
 from meshrl.weight_sync import WeightLayout
+from meshrl.weight_sync.ordering import fence, needs_checksums
 
 BEGIN, END, VERSION, CHECKSUM = range(4)
 TRANSPORTS = ("auto", "rdma", "shm")
 _PAGE = 4096
+_COPY_CHUNK = 16 << 20  # a shared-memory copy checks for abandonment and overtaking between chunks
 
 
 class CorruptWeightsError(RuntimeError):
@@ -148,7 +159,8 @@ class WeightRing:
         and has no handle of its own (readers read the ring through the first's)."""
         if slots < 2:
             raise ValueError("a weight ring needs at least 2 slots, so readers never race the only copy")
-        self.layout, self.slots, self.checksums = layout, slots, checksums
+        # where the seqlock's order cannot be enforced (no fence, not x86), only a checksum catches a torn copy
+        self.layout, self.slots, self.checksums = layout, slots, checksums or needs_checksums()
         self.pieces, self.writer = pieces, writer
         writers = 1 if pieces is None else len(pieces)
         size = _slot_offsets(slots, writers, layout.nbytes)[-1]
@@ -184,10 +196,13 @@ class WeightRing:
         return self._handle
 
     def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Write `version` into its slot, seqlock style; call it from one thread at a time (the fences order
+        that thread's stores, and those of the worker threads its torch ops joined)."""
         slot = version % self.slots
         self.publishes += 1
         row, payload = self.header[slot, self.writer], self.payloads[slot]
         row[BEGIN] = self.publishes
+        fence()  # begin is visible before any byte of the new payload
         mine = None if self.pieces is None else self.pieces[self.writer]
         if mine is None:
             self.layout.pack(weights, payload)
@@ -196,6 +211,7 @@ class WeightRing:
                 payload[lo:hi].view(self.dtypes[name]).copy_(weights[name].reshape(-1))
         row[VERSION] = version
         row[CHECKSUM] = _crc(payload, mine) if self.checksums else 0
+        fence()  # the payload, version and checksum are visible before end says the slot is complete
         row[END] = self.publishes
 
 
@@ -215,14 +231,19 @@ class RingReader:
         handle.layout.check_matches(expected)
         self.handle, self.layout, self.max_attempts = handle, expected, max_attempts
         self.transport = choose_transport(handle, transport)
-        self.bytes = torch.empty(expected.nbytes, dtype=torch.uint8)
+        self.bytes = torch.empty(expected.nbytes, dtype=torch.uint8)  # this reader's copy of a version
         self.header_bytes = torch.empty(_header_bytes(handle.slots, handle.writers), dtype=torch.uint8)
-        self.torn_reads = 0  # reads retried because the slot was rewritten meanwhile
-        self.corrupt_reads = 0  # reads the seqlock passed but the checksum refused (should stay 0)
+        self.torn_reads = 0  # copies thrown away because the slot was rewritten meanwhile
+        self.corrupt_reads = 0  # copies the seqlock passed but the checksum refused (should stay 0)
+        self.copying = threading.Lock()  # one thread at a time writes `bytes` (an abandoned copy stops first)
         if self.transport == "shm":
+            if needs_checksums() and not handle.checksums:
+                raise RuntimeError("this CPU does not order the ring's stores and loads and no fence can be issued "
+                                   "here (libatomic is missing): set weight_sync.checksums=true")
             size = _slot_offsets(handle.slots, handle.writers, expected.nbytes)[-1]
             self.memory = _SharedMemory.attach(handle.pid, handle.fd, size)
-            token, _, self.payloads = _regions(self.memory.tensor, handle.slots, handle.writers, expected.nbytes)
+            token, self.rows, self.payloads = _regions(self.memory.tensor, handle.slots, handle.writers,
+                                                       expected.nbytes)
             if int(token) != handle.token:
                 raise RuntimeError(f"the shared-memory weight ring of {handle.hostname} (pid {handle.pid}) is not "
                                    "this host's: use weight_sync.transport=rdma")
@@ -240,16 +261,14 @@ class RingReader:
         return {rows[0][VERSION]: slot for slot, rows in enumerate(header)
                 if all(row[BEGIN] == row[END] > 0 and row[VERSION] == rows[0][VERSION] for row in rows)}
 
-    def check_sum(self, rows: list[list[int]], version: int, payload: torch.Tensor | None = None) -> bool:
-        """Whether the payload just read (or `payload`) matches each writer's checksum in its slot's `rows`
-        (always, without checksums)."""
-        payload = self.bytes if payload is None else payload
+    def check_sum(self, rows: list[list[int]]) -> bool:
+        """Whether this reader's copy matches each writer's checksum in its slot's `rows` (always, without
+        checksums); a mismatch is counted."""
         pieces = self.handle.pieces or [None]
-        if not self.handle.checksums or all(_crc(payload, p) == row[CHECKSUM] for p, row in zip(pieces, rows)):
-            return True
+        with self.copying:  # not while an abandoned copy still writes
+            if not self.handle.checksums or all(_crc(self.bytes, p) == row[CHECKSUM] for p, row in zip(pieces, rows)):
+                return True
         self.corrupt_reads += 1  # torn in a way the seqlock missed: never loaded
-        if self.corrupt_reads >= self.max_attempts:
-            raise CorruptWeightsError(f"weights of version {version} keep failing their checksum")
         return False
 
     async def read_header(self) -> list[list[list[int]]]:
@@ -257,23 +276,45 @@ class RingReader:
         if self.transport == "shm":
             return self.header_now()
         await self.handle.header.read_into(self.header_bytes)
-        return self._rows()
-
-    def header_now(self) -> list[list[list[int]]]:
-        """Over shared memory: the header as it is now, read without yielding to the event loop."""
-        self.header_bytes.copy_(self.memory.tensor[:self.header_bytes.numel()])
-        return self._rows()
-
-    def _rows(self) -> list[list[list[int]]]:
         return self.header_bytes[8:].view(torch.int64).view(self.handle.slots, self.handle.writers, 4).tolist()
 
-    async def read_payload(self, slot: int) -> None:
-        """Copy `slot`'s payload into this reader's buffer; over RDMA as concurrent reads of its chunks
-        (each its own stream: faster than one batched RDMAAction over Monarch's TCP fallback)."""
+    def header_now(self) -> list[list[list[int]]]:
+        """Over shared memory: the header as it is now (each field one 8-byte load), fenced from what follows."""
+        rows = self.rows.tolist()
+        fence()
+        return rows
+
+    async def read_payload(self, slot: int, begins: list[int], cancel: threading.Event) -> bool:
+        """Copy `slot`'s payload into this reader's own memory; False if the copy stopped early because a writer
+        started on the slot (its `begins` moved). Over shared memory in a thread, a chunk at a time, stopping
+        once `cancel` is set; over RDMA as concurrent reads of its chunks (each its own stream: faster than
+        one batched RDMAAction over Monarch's TCP fallback)."""
         if self.transport == "shm":
-            self.bytes.copy_(self.payloads[slot])
-            return
+            return await asyncio.to_thread(self._copy, slot, begins, cancel)
         await asyncio.gather(*(src.read_into(dst) for src, dst in zip(self.handle.chunks[slot], self.chunk_views)))
+        return True
+
+    def _copy(self, slot: int, begins: list[int], cancel: threading.Event) -> bool:
+        with self.copying:
+            fence()  # the header's loads are done before the payload's
+            source = self.payloads[slot]
+            for lo in range(0, source.numel(), _COPY_CHUNK):
+                if cancel.is_set():
+                    return False
+                self.bytes[lo:lo + _COPY_CHUNK].copy_(source[lo:lo + _COPY_CHUNK])
+                fence()  # the chunk's loads are done before begin is looked at again
+                if self.rows[slot, :, BEGIN].tolist() != begins:
+                    return False  # overtaken: the rest would be thrown away
+            return True
+
+
+def choose_transport(handle: RingHandle, transport: str) -> str:
+    """Shared memory when the reader is on the trainer's host and can map its ring, else RDMA."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"weight_sync.transport must be one of {TRANSPORTS}, not {transport!r}")
+    if transport != "auto":
+        return transport
+    return "shm" if same_host(handle.host, handle.pid, handle.fd) else "rdma"
 
 
 async def newest_together(readers: list[RingReader]) -> int:
@@ -303,47 +344,45 @@ def _torn(readers: list[RingReader], before: list, after: list, slots: list[int]
     return bool(torn)
 
 
-def _always_torn(attempts: int) -> TornReadsError:
-    return TornReadsError(f"no untorn read in {attempts} attempts: the trainer overwrites slots faster "
-                          "than this reader copies them; use more weight_sync.slots")
-
-
-def use_in_place(readers: list[RingReader], newer_than: int, max_attempts: int, use) -> int | None:
-    """Over shared memory: hand the newest version completely written in every reader's ring (newer
-    than `newer_than`) to `use(version, shards)`, as each reader's (name, tensor) views of the ring's
-    own memory, with nothing copied first; returns the version, or None if there is none. The seqlock is checked after
-    `use` returns: if a writer started on a slot meanwhile, what `use` saw may be torn, and the newest
-    version is handed to it again. Synchronous, so no other coroutine runs between a read and its check."""
-    for _ in range(max_attempts):
-        before = [r.header_now() for r in readers]
-        newest = _newest_common(readers, before, newer_than)
-        if newest is None:
-            return None
-        version, slots = newest
-        payloads = [r.payloads[slot] for r, slot in zip(readers, slots)]
-        if not all([r.check_sum(b[slot], version, p) for r, b, slot, p in zip(readers, before, slots, payloads)]):
-            continue
-        use(version, [r.layout.unpack(p) for r, p in zip(readers, payloads)])
-        if not _torn(readers, before, [r.header_now() for r in readers], slots):
-            return version
-    raise _always_torn(max_attempts)
-
-
 async def pull_together(readers: list[RingReader], newer_than: int,
                         max_attempts: int) -> tuple[int, list[list[tuple[str, torch.Tensor]]]] | None:
-    """The newest version completely written in every reader's ring (one ring per trainer rank, each
-    holding that rank's shard), read from all of them concurrently: (version, each reader's weights),
-    or None if there is none newer than `newer_than`. A read that any ring's seqlock or checksum
-    refuses is retried whole, so the result is never torn nor a mix of versions."""
-    for _ in range(max_attempts):
-        before = await asyncio.gather(*(r.read_header() for r in readers))
-        newest = _newest_common(readers, before, newer_than)
-        if newest is None:
-            return None
-        version, slots = newest
-        await asyncio.gather(*(r.read_payload(slot) for r, slot in zip(readers, slots)))
-        if _torn(readers, before, await asyncio.gather(*(r.read_header() for r in readers)), slots):
-            continue
-        if all([r.check_sum(b[slot], version) for r, b, slot in zip(readers, before, slots)]):
-            return version, [r.layout.unpack(r.bytes) for r in readers]
-    raise _always_torn(max_attempts)
+    """The newest version completely written in every reader's ring (one ring per trainer rank or host,
+    each holding its rows), copied from all of them concurrently: (version, each reader's weights, as
+    views of its own copy, valid until its next pull), or None if there is none newer than `newer_than`.
+
+    A copy that any ring's seqlock refuses (overtaken: the trainer started on its slot meanwhile) is
+    thrown away and the newest complete version, by then in another slot, is copied instead; more than
+    `max_attempts` of those in a row is TornReadsError (the ring is too small for how fast the trainer
+    publishes). A copy a checksum refuses (stores seen out of order, or a corrupt ring) is copied again
+    after a short wait, and one still refused `max_attempts` times is CorruptWeightsError. So the result
+    is never torn nor a mix of versions. Cancelling the pull (a timeout) stops its copies at their next
+    chunk; they only ever write the readers' own memory."""
+    cancel = threading.Event()
+    torn = corrupt = 0
+    try:
+        while True:
+            before = await asyncio.gather(*(r.read_header() for r in readers))
+            newest = _newest_common(readers, before, newer_than)
+            if newest is None:
+                return None
+            version, slots = newest
+            begins = [[row[BEGIN] for row in b[slot]] for b, slot in zip(before, slots)]
+            whole = await asyncio.gather(*(r.read_payload(slot, b, cancel)
+                                           for r, slot, b in zip(readers, slots, begins)))
+            after = await asyncio.gather(*(r.read_header() for r in readers))
+            if _torn(readers, before, after, slots) or not all(whole):
+                torn += 1
+                if torn >= max_attempts:
+                    raise TornReadsError(f"no untorn read in {max_attempts} attempts: the trainer overwrites "
+                                         "slots faster than this reader copies them; use more weight_sync.slots")
+                continue
+            sums = await asyncio.gather(*(asyncio.to_thread(r.check_sum, b[slot])
+                                          for r, b, slot in zip(readers, before, slots)))
+            if all(sums):
+                return version, [r.layout.unpack(r.bytes) for r in readers]
+            corrupt += 1
+            if corrupt >= max_attempts:
+                raise CorruptWeightsError(f"weights of version {version} keep failing their checksum")
+            await asyncio.sleep(min(0.001 * corrupt, 0.05))  # stores still landing: look again shortly
+    finally:
+        cancel.set()  # an abandoned copy stops at its next chunk

@@ -8,19 +8,21 @@ The rings hold torchtitan's names and row order; `to_hf` (the model's state-dict
 assembled tensors into HF names and order after the read, because torchtitan's q/k rows map to HF's
 within each head, across shard boundaries. One rank is the single-ring case.
 
-What a reader hands on is copied as few times as the transport allows: over shared memory from a
-trainer on one host, not at all before the generator's own load copies it out of the trainer's ring;
-from rings on several hosts, once, each ring's rows straight into the full tensors; over RDMA, once
-more, from the network's landing buffer.
+What a reader hands on is its own copy, never a view of the trainer's memory: each ring's slot is
+copied once into the reader's memory (over shared memory in a thread, off the event loop; over RDMA
+into the network's landing buffer) and checked there, so what was checked is what gets loaded; from
+rings on several hosts, the rows are then put together in full tensors (one copy more).
 """
 
+import asyncio
+import threading
 from typing import Callable
 
 import torch
 
 from meshrl.weight_sync import WeightLayout
 from meshrl.weight_sync.ring import (Pieces, RingHandle, RingReader, WeightRing, host_id, newest_together,
-                                     pull_together, use_in_place)
+                                     pull_together)
 
 Weights = list[tuple[str, torch.Tensor]]
 
@@ -81,8 +83,9 @@ def host_ring(full: WeightLayout, rank: int, world: int, gather: Callable[[objec
 
 
 class ShardedReader:
-    """Generator side: `load_latest` hands the newest version every host's ring holds complete to a
-    loader, as full tensors under HF names; never a torn shard, never shards of different versions."""
+    """Generator side: `read_latest` reads the newest version every host's ring holds complete, as full
+    tensors under HF names in the reader's own memory; never a torn shard, never shards of different
+    versions."""
 
     def __init__(self, handles: list[RingHandle | None], full: WeightLayout, to_hf: Callable[[dict], dict],
                  transport: str = "auto", max_attempts: int = 50):
@@ -95,7 +98,8 @@ class ShardedReader:
                         for h in handles]
         self.full, self.to_hf, self.max_attempts = full, to_hf, max_attempts
         self.transport = self.readers[0].transport
-        self.assembled: torch.Tensor | None = None  # the full tensors, with several ranks
+        self.assembled: torch.Tensor | None = None  # the full tensors, with several rings
+        self.assembling = threading.Lock()
 
     @property
     def torn_reads(self) -> int:
@@ -109,32 +113,37 @@ class ShardedReader:
         """The newest version every rank's ring holds complete (headers only: cheap to ask often); -1: none."""
         return await newest_together(self.readers)
 
-    async def load_latest(self, load: Callable[[int, Weights], None], newer_than: int = -1) -> int | None:
-        """Call `load(version, weights)` with the newest version newer than `newer_than` (HF-named tensors,
-        valid only during the call: they may be views of the trainer's memory) and return that version;
-        None if there is none. Over shared memory `load` may be called again, when a version was
-        overwritten while it read: only the last call's tensors are whole, and no other coroutine runs
-        between the calls."""
-        if self.transport == "shm":
-            return use_in_place(self.readers, newer_than, self.max_attempts,
-                                lambda version, shards: load(version, self._hf(shards)))
+    async def read_latest(self, newer_than: int = -1) -> tuple[int, Weights] | None:
+        """(version, HF-named full tensors) of the newest version newer than `newer_than`, read whole into this
+        reader's own memory and checked, or None if there is none. The tensors are valid until the next read.
+        Nothing here runs long on the event loop, and cancelling it (a timeout) leaves nothing running
+        that could write anywhere but this reader's own buffers."""
         latest = await pull_together(self.readers, newer_than, self.max_attempts)
         if latest is None:
             return None
         version, shards = latest
-        load(version, self._hf(shards))
-        return version
+        return version, await asyncio.to_thread(self._hf, shards)
+
+    async def load_latest(self, load: Callable[[int, Weights], None], newer_than: int = -1) -> int | None:
+        """Call `load(version, weights)` once with the newest version newer than `newer_than` (`read_latest`)
+        and return that version; None if there is none."""
+        latest = await self.read_latest(newer_than)
+        if latest is None:
+            return None
+        load(*latest)
+        return latest[0]
 
     def _hf(self, shards: list[Weights]) -> Weights:
         """Every ring's rows of each tensor as one full tensor under its HF name."""
         if len(shards) == 1:
             return list(self.to_hf(dict(shards[0])).items())
-        if self.assembled is None:
-            self.assembled = torch.empty(self.full.nbytes, dtype=torch.uint8)
-        full = dict(self.full.unpack(self.assembled))
-        for reader, shard in zip(self.readers, shards):
-            (first, end), world = reader.handle.ranks, reader.handle.world
-            for name, tensor in shard:
-                start, stop = shard_rows(full[name].shape[0], first, world, end)
-                full[name][start:stop].copy_(tensor)
-        return list(self.to_hf(full).items())
+        with self.assembling:  # one thread at a time writes the full tensors
+            if self.assembled is None:
+                self.assembled = torch.empty(self.full.nbytes, dtype=torch.uint8)
+            full = dict(self.full.unpack(self.assembled))
+            for reader, shard in zip(self.readers, shards):
+                (first, end), world = reader.handle.ranks, reader.handle.world
+                for name, tensor in shard:
+                    start, stop = shard_rows(full[name].shape[0], first, world, end)
+                    full[name][start:stop].copy_(tensor)
+            return list(self.to_hf(full).items())
