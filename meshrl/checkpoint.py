@@ -3,7 +3,8 @@
 
 - `trainer/`: the policy and the optimizer state, written by every trainer rank with
   `torch.distributed.checkpoint` (sharded, so it loads unchanged on any number of ranks), and each
-  rank's counters and torch RNG state.
+  rank's counters and torch RNG states (the CPU generator's, and its CUDA device's where the model is
+  on one: `rng_states`).
 - `state.pt`: the controller's side: the step and policy version, the work buffer's position (the
   next prompt, prompts to start again, the batch being filled, complete batches not yet trained), the
   metrics so far and the eval before training.
@@ -76,6 +77,23 @@ class Checkpointer:
             return await first(self.trainer.load_state.call(str(checkpoint / "trainer")))
 
 
+def rng_states(device: torch.device) -> dict:
+    """This process's torch RNG states, for `set_rng_states`: the CPU generator's (`rng`) and, where the
+    model is on a CUDA device, that device's generator's (`cuda_rng`)."""
+    states = {"rng": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(states: dict, device: torch.device) -> None:
+    """Restore what `rng_states` returned (on a CUDA device: its generator too, if the checkpoint has
+    one; a checkpoint written on the CPU leaves the CUDA generator as it is)."""
+    torch.set_rng_state(states["rng"])
+    if device.type == "cuda" and "cuda_rng" in states:
+        torch.cuda.set_rng_state(states["cuda_rng"], device)
+
+
 def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """The complete checkpoints of a run, oldest first."""
     root = Path(run_dir) / DIR
@@ -101,10 +119,11 @@ def commit(partial: Path, state: RunState, keep: int) -> Path:
     `keep` checkpoints (0: all). Returns the checkpoint's directory."""
     torch.save(state, partial / "state.pt")
     w = state.work
-    untrained = {*w["filling"].kept, *(r["prompt_index"] for b in w["ready"].values() for r in b.records)}
+    untrained = {*(i for f in w["filling"].values() for i in f.kept),
+                 *(r["prompt_index"] for b in w["ready"].values() for r in b.records)}
     (partial / "checkpoint.json").write_text(json.dumps({
         "step": state.step, "policy_version": state.trainer_version, "next_prompt": w["next_prompt"],
-        "batches_complete": w["filling"].index, "prompts_to_redo": w["redo"],
+        "batches_complete": w["complete_below"], "prompts_to_redo": w["redo"],
         "prompts_generated_not_trained": sorted(untrained), **w["totals"]}, indent=2))
     final = partial.parent / f"step-{state.step}"
     os.rename(partial, final)

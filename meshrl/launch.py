@@ -129,10 +129,12 @@ async def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Pat
 
 
 def generator_args(config: Config, index: int, checkpoint: Path) -> tuple:
-    """Replica `index`'s constructor arguments: its own cores ("0;1": one set per replica), GPUs and seed."""
-    replica = dataclasses.replace(config.generator, cpus=placement(config.generator.cpus, index),
-                                  devices=placement(config.generator.devices, index),
-                                  seed=config.generator.seed + index, weight_update=weight_update(config))
+    """Replica `index`'s constructor arguments: its own cores ("0;1": one set per replica), GPUs and seed.
+    With request seeds every replica has the run's seed, which each request's seed is made from: a group
+    samples the same completions whichever replica serves it (and however many there are, after a resume)."""
+    g = config.generator
+    replica = dataclasses.replace(g, cpus=placement(g.cpus, index), devices=placement(g.devices, index),
+                                  seed=g.seed + (0 if g.request_seeds else index), weight_update=weight_update(config))
     return replica, config.weight_sync, str(checkpoint)
 
 

@@ -1,7 +1,8 @@
 """Checkpoints and exact resume with real actors, vLLM and torchtitan (tiny model): the trainer's
 restored state and its next step equal the uninterrupted ones bit for bit; a run killed with SIGKILL
-after a checkpoint goes on from it (sync and async) without losing, repeating or skipping a step or a
-prompt; and steps whose loss turns NaN are not applied, counted, and stop the run."""
+after a checkpoint goes on from it without losing, repeating or skipping a step or a prompt, and with
+request seeds samples the same completions as a run never interrupted; and steps whose loss turns NaN
+are not applied, counted, and stop the run."""
 
 import asyncio
 import json
@@ -13,11 +14,13 @@ import time
 from collections import defaultdict
 
 import psutil
+import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from meshrl.actors import spawn
 from meshrl.actors.trainer import TitanTrainer
+from meshrl.checkpoint import load_safely, rng_states, set_rng_states
 from meshrl.configs import TrainerConfig, WeightSyncConfig
 from meshrl.train_step import train_step
 from meshrl.types import Episode
@@ -97,6 +100,39 @@ def test_restored_trainer_and_its_next_step_equal_the_uninterrupted_trainer_bit_
     assert torch.load(tmp_path / "b3" / "rank0.pt")["policy_version"] == 3
 
 
+def test_rng_states_round_trip_through_a_rank_file_and_take_the_cuda_generator_only_where_the_model_is_on_cuda(
+        tmp_path, monkeypatch):
+    """What the trainer writes into rank{r}.pt: on the CPU the CPU generator only (as before, so older
+    checkpoints load); on a CUDA device that device's generator too (stood in for here, unless there is
+    a GPU), restored on load; a checkpoint written on the CPU leaves a CUDA generator as it is."""
+    cpu = torch.device("cpu")
+    states = rng_states(cpu)
+    assert states.keys() == {"rng"}
+    torch.save({"policy_version": 1, **states}, tmp_path / "rank0.pt")
+    expected = torch.rand(4)
+    set_rng_states(load_safely(tmp_path / "rank0.pt"), cpu)
+    assert torch.equal(torch.rand(4), expected)
+
+    cuda_states, calls = {1: torch.arange(8, dtype=torch.uint8)}, []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: cuda_states[device.index].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: calls.append((state, device)))
+    gpu = torch.device("cuda", 1)
+    torch.save({"policy_version": 1, **rng_states(gpu)}, tmp_path / "rank1.pt")
+    loaded = load_safely(tmp_path / "rank1.pt")
+    assert loaded.keys() == {"policy_version", "rng", "cuda_rng"} and torch.equal(loaded["cuda_rng"], cuda_states[1])
+    set_rng_states(loaded, gpu)
+    assert len(calls) == 1 and torch.equal(calls[0][0], cuda_states[1]) and calls[0][1] == gpu
+    set_rng_states(load_safely(tmp_path / "rank0.pt"), gpu)  # written on the CPU: no CUDA state to restore
+    assert len(calls) == 1
+    monkeypatch.undo()
+    if torch.cuda.is_available():  # the real generator, where there is one
+        gpu = torch.device("cuda", 0)
+        saved = rng_states(gpu)
+        expected = torch.rand(4, device=gpu)
+        set_rng_states(saved, gpu)
+        assert torch.equal(torch.rand(4, device=gpu), expected)
+
+
 def read_jsonl(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -133,10 +169,23 @@ def kill_after_checkpoint(run_dir, args, step: int) -> None:
     psutil.wait_procs(family, timeout=10)
 
 
-def test_a_run_killed_after_a_checkpoint_resumes_where_it_stopped(tmp_path):
-    """SIGKILL, real processes, synchronous training. What a checkpoint holds when groups are in flight,
-    at every await point and for max_policy_age 0 to 2, is tested with fake actors (test_controller.py)."""
-    args = ["--controller.steps", "4", "--checkpoint.every", "2", "--checkpoint.keep", "0"]
+def samples_by_step(run_dir) -> dict[int, list[tuple]]:
+    """Each step's trained completions as (prompt index, reply, finish reason), in a fixed order, and
+    their summed sampling logprobs in the same order."""
+    steps = defaultdict(list)
+    for r in read_jsonl(run_dir / "rollouts.jsonl"):
+        steps[r["step"]].append((r["prompt_index"], r["completion"], r["finish_reason"], r["logprob"]))
+    return {step: sorted(samples) for step, samples in sorted(steps.items())}
+
+
+def test_a_run_killed_after_a_checkpoint_resumes_where_it_stopped_and_samples_what_the_whole_run_did(tmp_path):
+    """SIGKILL, real processes, synchronous training, request seeds: the resumed run trains the same prompts
+    in the same steps as a run never interrupted, and samples the same completions for them, though it
+    generates on two replicas where the whole run had one (a request's seed does not depend on the replica
+    serving it). What a checkpoint holds when groups are in flight, at every await point and for
+    max_policy_age 0 to 2, is tested with fake actors (test_controller.py)."""
+    args = ["--controller.steps", "4", "--checkpoint.every", "2", "--checkpoint.keep", "0",
+            "--generator.request_seeds", "true"]
     killed = tmp_path / "killed"
     kill_after_checkpoint(killed, args, step=2)
     at_checkpoint = json.loads((killed / "checkpoints" / "step-2" / "checkpoint.json").read_text())
@@ -145,7 +194,8 @@ def test_a_run_killed_after_a_checkpoint_resumes_where_it_stopped(tmp_path):
     assert at_checkpoint["prompts_generated_not_trained"] == []
     assert at_checkpoint["next_prompt"] - len(at_checkpoint["prompts_to_redo"]) == 4
 
-    resumed = subprocess.run(train(killed, "--resume", str(killed)), capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(train(killed, "--resume", str(killed), "--generator.replicas", "2"),
+                             capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {killed / 'checkpoints' / 'step-2'} (step 2, policy version 2)" in resumed.stdout
     rows = read_jsonl(killed / "metrics.jsonl")
@@ -161,6 +211,15 @@ def test_a_run_killed_after_a_checkpoint_resumes_where_it_stopped(tmp_path):
     result = subprocess.run(train(whole, *args), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert prompts_by_step(whole) == trained == {1: [0, 1], 2: [2, 3], 3: [4, 5], 4: [6, 7]}
+    # and the same completions: sampled from the same versions with the same seeds after the resume too
+    # (the resumed part generated on both replicas)
+    assert {s["replica"] for s in read_jsonl(killed / "trace.jsonl") if s["role"] == "generator"
+            and s["what"] == "generate" and s["policy_version"] == 2} == {0, 1}
+    again, once = samples_by_step(killed), samples_by_step(whole)
+    assert len(again[3]) == len(again[4]) == 8
+    for step in (3, 4):  # measured: the same tokens, and logprobs equal bit for bit
+        assert [s[:3] for s in again[step]] == [s[:3] for s in once[step]], step
+        assert [s[3] for s in again[step]] == pytest.approx([s[3] for s in once[step]], rel=1e-5), step
 
 
 def test_nan_losses_are_not_applied_counted_and_stop_the_run_with_the_last_good_checkpoint_kept(tmp_path):

@@ -185,7 +185,9 @@ class TitanTrainer(Actor):
         with warnings.catch_warnings():  # one rank: DCP says it saves in one process, as asked (no_dist)
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save({"model": model, "optim": optim}, checkpoint_id=path, no_dist=self.world == 1)
-        torch.save({"policy_version": self.policy_version, "updates": self.updates, "rng": torch.get_rng_state()},
+        from meshrl.checkpoint import rng_states
+
+        torch.save({"policy_version": self.policy_version, "updates": self.updates, **rng_states(self.device)},
                    Path(path) / f"rank{self.rank}.pt")
 
     @endpoint
@@ -194,6 +196,8 @@ class TitanTrainer(Actor):
         publish the restored policy under its own version for the generators; returns that version."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        from meshrl.checkpoint import set_rng_states
 
         await self._published()  # not under a copy of the weights it replaces
         model, optim = get_state_dict(self.model, self.optimizer)
@@ -205,7 +209,7 @@ class TitanTrainer(Actor):
         mine = Path(path) / f"rank{self.rank}.pt"
         extra = load_safely(mine if mine.exists() else Path(path) / "rank0.pt")
         self.updates = extra["updates"]
-        torch.set_rng_state(extra["rng"])
+        set_rng_states(extra, self.device)
         self.policy_version = extra["policy_version"] - 1
         return await self._publish()
 
