@@ -6,7 +6,7 @@ import typing
 
 import pytest
 
-from meshrl.configs import CONFIGS, Config, ConfigError, load_config
+from meshrl.configs import CONFIGS, Config, ConfigError, load_config, resumable_overrides
 
 
 def test_registry_has_the_demo_and_smoke_configs():
@@ -51,6 +51,17 @@ def test_values_that_cannot_work_together_are_refused_before_anything_starts(ove
     with pytest.raises(ValueError, match=re.escape(message)):
         check_config(load_config("smoke", overrides))
     check_config(load_config("smoke", ["--controller.eval_top_p", "0.9"]))  # eval samples as it likes
+
+
+def test_a_resume_may_change_placement_and_rank_counts_but_not_what_the_run_computes():
+    """The trainer's checkpoint loads on any number of ranks (tests/test_trainer_ranks.py), so a resume may
+    change them; a learning rate it may not."""
+    saved = load_config("smoke", [])
+    for overrides in (["--trainer.ranks", "2", "--reference.ranks", "2"], ["--generator.replicas", "2"],
+                      ["--controller.steps", "9", "--trainer.num_threads", "1"]):
+        resumable_overrides(saved, load_config("smoke", overrides))
+    with pytest.raises(ConfigError, match=r"--trainer\.lr cannot change on resume"):
+        resumable_overrides(saved, load_config("smoke", ["--trainer.lr", "0.5"]))
 
 
 def test_booleans_take_the_usual_spellings():

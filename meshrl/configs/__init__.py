@@ -334,7 +334,7 @@ def to_dict(config: Config) -> dict:
 RESUMABLE = ("controller.steps", "controller.eval_every", "checkpoint.", "logging.", "job.", "weight_sync.transport",
              "weight_sync.checksums", "weight_sync.chunk_mb", "weight_sync.poll_s", "weight_sync.verify", ".hosts", ".cpus", ".num_threads", ".timeout_s",
              ".max_restarts", "trainer.max_bad_steps", "generator.replicas", "grader.replicas", "controller.stop_timeout_s",
-             "controller.max_failed_fraction")
+             "controller.max_failed_fraction", "trainer.ranks", "reference.ranks")
 
 
 def resumable_overrides(saved: Config, config: Config) -> None:
@@ -345,8 +345,8 @@ def resumable_overrides(saved: Config, config: Config) -> None:
                    for p in RESUMABLE):
             raise ConfigError(f"--{key} cannot change on resume: it would change what the run computes "
                               f"(it was {before.get(key)!r}); a resume may change controller.steps and eval_every, "
-                              "the job and placement (hosts, cpus, threads, replicas), logging, checkpoints, "
-                              "timeouts and restart limits")
+                              "the job and placement (hosts, cpus, threads, replicas, trainer and reference ranks), "
+                              "logging, checkpoints, timeouts and restart limits")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
