@@ -1,20 +1,46 @@
-"""The weight ring under load: real trainer and two real vLLM generators, checksums on.
+"""The weight ring under load: real trainer and two real vLLM generators, checksums on; one of them loads
+slowly, as a large model does, so the trainer laps the ring while it loads, and it keeps up anyway.
 
 `make test` runs it for a few seconds; `pytest tests/test_weight_stress.py --stress-seconds 30`
 runs the full 30-second version.
 """
 
 import asyncio
+import time
 
 import pytest
+from monarch.actor import ActorError, endpoint
 
 from meshrl.actors import in_rank_order, spawn, spawn_ranks
 from meshrl.actors.generator import VLLMGenerator
+from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
 from meshrl.model import ChatTokenizer
 from meshrl.types import Prompt, Sampling
 from meshrl.weight_sync.stress import stress_ring
+
+SLOW_LOAD_S = 0.8  # longer than the tiny model's trainer takes to publish two versions here (~0.2-0.35 s each)
+
+
+class SlowLoadGenerator(VLLMGenerator):
+    """vLLM's load of each version takes SLOW_LOAD_S more, on the event loop as the real load runs."""
+
+    def reload(self, weights) -> None:
+        before = self._newest_in_ring()
+        time.sleep(SLOW_LOAD_S)
+        super().reload(weights)
+        self.overtaken = [*getattr(self, "overtaken", []), self._newest_in_ring() - before]
+
+    def _newest_in_ring(self) -> int:
+        [reader] = self.ring.readers  # one host, one ring: its ranks share it
+        return max(reader.complete_versions(reader.header_now()), default=-1)
+
+    @endpoint
+    async def overtaken_by(self) -> list[int]:
+        """Per load: the versions the trainer completed while vLLM loaded (2 or more: the ring's slot holding
+        the version loaded was rewritten meanwhile, which tore a load straight out of the ring)."""
+        return getattr(self, "overtaken", [])
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -25,8 +51,8 @@ def test_generators_load_only_whole_versions_while_the_trainer_publishes_flat_ou
     async def run():
         sync = WeightSyncConfig(checksums=True)  # every load is checked against the trainer's CRC32
         procs, generators = [], []
-        for i in range(2):
-            p, g = spawn(f"generator{i}", VLLMGenerator, GeneratorConfig(num_threads=1), sync, str(tiny_checkpoint))
+        for i, cls in enumerate([VLLMGenerator, SlowLoadGenerator]):
+            p, g = spawn(f"generator{i}", cls, GeneratorConfig(num_threads=1), sync, str(tiny_checkpoint))
             procs.append(p)
             generators.append(g)
         # fp32: bf16 matmuls are ~8x slower on CPUs without bf16 instructions, and the ring wants many versions
@@ -49,12 +75,21 @@ def test_generators_load_only_whole_versions_while_the_trainer_publishes_flat_ou
             for loaded in stats["versions_loaded"]:
                 assert len(loaded) >= 3 and loaded == sorted(set(loaded))  # only ever newer versions
                 assert loaded[-1] <= published
+            # the slow loader kept up: the trainer lapped the ring during its loads, and every load completed
+            overtaken = await generators[1].overtaken_by.call_one()
+            print(f"versions the trainer completed during each slow load: {overtaken}")
+            assert max(overtaken) >= 2
             # after the storm each generator serves the trainer's final version
             prompt = Prompt(0, ChatTokenizer(tiny_checkpoint).encode_chat("What is 2 + 2?"))
             for g in generators:
                 assert await g.pull_weights.call_one() == published
                 completion = (await g.generate.call_one([prompt], sampling=Sampling(max_tokens=8)))[0]
                 assert completion.policy_version == published
+            # a call for a version the rings do not hold fails as a replica fault (the pool replaces the replica)
+            with pytest.raises(ActorError) as failed:
+                await generators[0].generate.call_one([prompt], min_version=published + 1)
+            assert isinstance(failed.value.exception, ReplicaBroken), failed.value
+            assert f"version {published + 1} or newer" in str(failed.value.exception)
         finally:
             for p in procs:
                 await p.stop()

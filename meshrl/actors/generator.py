@@ -16,8 +16,11 @@ The generator loads new weights itself, between two engine steps, as `generator.
 - `recompute`: the same, but the swap preempts the running requests and vLLM recomputes their
   prefixes under the new weights before they go on.
 New requests never share prefix-cache blocks with requests of another version (a per-version
-`cache_salt`), whatever the mode. A pull that does not finish within `weight_sync.timeout_s` breaks
-the replica (ReplicaBroken): the controller replaces it.
+`cache_salt`), whatever the mode. A load reads the version whole into the reader's own memory off the
+event loop, then swaps it into vLLM between two engine steps; a read that does not finish within
+`weight_sync.timeout_s` breaks the replica (ReplicaBroken) before any of it reaches vLLM: the
+controller replaces it. So does a call asking for a version the replica cannot load (`min_version`
+newer than its rings hold): a call is served from `min_version` or newer, or fails.
 
 With `generator.tensor_parallel_size` > 1 vLLM runs a worker process per GPU of the replica (its GPUs
 come from meshrl/gpu_plan.py): a version is then written once to shared memory and each worker loads
@@ -121,6 +124,10 @@ class VLLMGenerator(Actor):
         await self.book.admitting.wait()
         if self.broken:
             raise self.broken
+        if self.policy_version < min_version:  # published, yet not in the rings this replica reads: a replica fault
+            self._fail(ReplicaBroken(f"it was asked for policy version {min_version} or newer but its weight rings "
+                                     f"hold {self.policy_version} at newest"))
+            raise self.broken
         s = sampling or Sampling(temperature=self.config.temperature, top_p=self.config.top_p,
                                  max_tokens=self.config.max_tokens)
         loop = asyncio.get_running_loop()
@@ -199,36 +206,41 @@ class VLLMGenerator(Actor):
             raise broken from e
 
     async def _load(self) -> None:
-        """Load the ring's newest version if newer than the one served, as `weight_update` says."""
+        """Load the rings' newest version if newer than the one served, as `weight_update` says: read it whole
+        into the reader's own memory, off the event loop (the engine steps on meanwhile, unless draining)
+        and within `weight_sync.timeout_s`, then swap it into vLLM between two engine steps. A read that
+        times out breaks the replica before anything of it reaches vLLM, and stops at its next chunk: it
+        only ever writes the reader's memory."""
         if self.ring is None:
             raise RuntimeError("no weight ring to load from: attach_weights first")
         async with self.loading:
+            if self.broken:  # an earlier load broke it: nothing more is loaded
+                raise self.broken
             if await self.ring.newest() <= self.policy_version:
                 return
             async with self.book.loading(drain=self.update == "drain"):
-                start, in_flight, loads, resets = time.time(), bool(self.running), [], []
-
-                def swap(version: int, weights) -> None:
-                    """Load, and serve as `version` from the next engine step on: nothing may run between the
-                    reload, the version's change and the cache reset (the reader calls this synchronously)."""
-                    loads.append(time.time())
-                    self.reload(weights)
-                    self.policy_version = version
-                    if in_flight and self.update == "in_flight":
-                        resets.append(True)  # running requests keep their prefixes' KV; new ones get a new cache salt
-                    else:
-                        resets.append(self.engine.reset_prefix_cache(reset_running_requests=in_flight))
-
+                start, staged = time.time(), []
                 try:
-                    version = await asyncio.wait_for(self.ring.load_latest(swap, newer_than=self.policy_version),
-                                                     self.pull_timeout or None)
+                    version = await asyncio.wait_for(
+                        self.ring.load_latest(lambda v, weights: staged.append(weights), newer_than=self.policy_version),
+                        self.pull_timeout or None)
                 except TimeoutError:
                     raise ReplicaBroken(f"its weight pull did not finish within {self.pull_timeout:g} s "
                                         "(weight_sync.timeout_s)") from None
-                if version is not None:
-                    self.book.loaded(start, version, in_flight, resets[-1], read_s=loads[0] - start)
-                    if self.verifier:  # after the load's timing: the check is not part of it
-                        self.verifier.check(version)
+                if version is None:
+                    return
+                read_s = time.time() - start
+                # nothing may run between the reload, the version's change and the cache reset: no await below
+                in_flight = bool(self.running)
+                self.reload(staged[-1])
+                self.policy_version = version
+                if in_flight and self.update == "in_flight":
+                    reset = True  # running requests keep their prefixes' KV; new ones get a new cache salt
+                else:
+                    reset = self.engine.reset_prefix_cache(reset_running_requests=in_flight)
+                self.book.loaded(start, version, in_flight, reset, read_s=read_s)
+                if self.verifier:  # after the load's timing: the check is not part of it
+                    self.verifier.check(version)
 
     def reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors into vLLM in place: handed to its one worker in this process, or with
