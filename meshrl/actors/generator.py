@@ -216,17 +216,12 @@ class VLLMGenerator(Actor):
         async with self.loading:
             if self.broken:  # an earlier load broke it: nothing more is loaded
                 raise self.broken
-            if await self.ring.newest() <= self.policy_version:
+            if await self._within_timeout(self.ring.newest()) <= self.policy_version:  # headers only
                 return
             async with self.book.loading(drain=self.update == "drain"):
                 start, staged = time.time(), []
-                try:
-                    version = await asyncio.wait_for(
-                        self.ring.load_latest(lambda v, weights: staged.append(weights), newer_than=self.policy_version),
-                        self.pull_timeout or None)
-                except TimeoutError:
-                    raise ReplicaBroken(f"its weight pull did not finish within {self.pull_timeout:g} s "
-                                        "(weight_sync.timeout_s)") from None
+                version = await self._within_timeout(
+                    self.ring.load_latest(lambda v, weights: staged.append(weights), newer_than=self.policy_version))
                 if version is None:
                     return
                 read_s = time.time() - start
@@ -241,6 +236,14 @@ class VLLMGenerator(Actor):
                 self.book.loaded(start, version, in_flight, reset, read_s=read_s)
                 if self.verifier:  # after the load's timing: the check is not part of it
                     self.verifier.check(version)
+
+    async def _within_timeout(self, read):
+        """A read of the rings, bounded by `weight_sync.timeout_s` (past it, the replica is broken)."""
+        try:
+            return await asyncio.wait_for(read, self.pull_timeout or None)
+        except TimeoutError:
+            raise ReplicaBroken(f"its weight pull did not finish within {self.pull_timeout:g} s "
+                                "(weight_sync.timeout_s)") from None
 
     def reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors into vLLM in place: handed to its one worker in this process, or with

@@ -133,7 +133,7 @@ class WeightSyncConfig:
     slots: int = 2  # versions the trainer's ring holds; readers of the newest never race the writer
     transport: str = "auto"  # auto (shared memory on the trainer's host, else rdma) | shm | rdma | disk (no ring: the plain path, each version saved as a file and loaded from it; a baseline)
     chunk_mb: int = 16  # RDMA reads a slot in chunks of this size, concurrently
-    checksums: bool = False  # CRC32 every published version and verify it on load (stress tests)
+    checksums: bool = False  # CRC32 every published version and verify the generator's copy before loading it (stress tests); forced on where the ring's seqlock cannot be ordered (no libatomic fence on a CPU other than x86: meshrl/weight_sync/ordering.py)
     timeout_s: float = 300.0  # one generator's pull of a version (read and load): past it the replica is replaced
     dtype: str = "auto"  # what versions are published in: auto (the dtype the generators serve) | bfloat16 | float32
     poll_s: float = 0.05  # in_flight and recompute: how often a generating replica looks for a newer version
