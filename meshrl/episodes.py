@@ -82,10 +82,13 @@ def batch_builder(cfg: ControllerConfig, task, temperature: float, now: Callable
     """The work buffer's `build`: a complete Filling -> its Batch. `now()`: the tracer's clock."""
 
     def build(f: Filling) -> Batch:
-        episodes = [e for gid, group in f.kept.items()
+        # in prompt order, not the order the groups finished in (timing): the trainer sums the same
+        # gradients in the same order on a rerun or after a resume, so it computes the same weights
+        kept = sorted(f.kept.items(), key=lambda item: item[0])
+        episodes = [e for gid, group in kept
                     for e in build_episodes(group, gid, cfg.advantage, cfg.advantage_eps, cfg.divide_by_turns,
                                             temperature, cfg.staleness)]
-        trained = [s for group in f.kept.values() for s in group]  # the rewards of the batch trained
+        trained = [s for _, group in kept for s in group]  # the rewards of the batch trained
         rewards = [s.reward for s in trained]
         stats = {
             "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
@@ -105,7 +108,7 @@ def batch_builder(cfg: ControllerConfig, task, temperature: float, now: Callable
             "tokens_after_swap": sum(len(t.token_ids) - t.versions[1][0] for s in trained
                                      for t in model_turns(s.completion) if t.versions),
         }
-        records = [rollout_record(s, gid, prompt) for gid, group in f.kept.items()
+        records = [rollout_record(s, gid, prompt) for gid, group in kept
                    for prompt in [task.train_sample(gid).prompt] for s in group]
         return Batch(f.index, episodes, stats, records)
 

@@ -1,8 +1,9 @@
-"""Pure logic: Episode construction and TrainBatch collation."""
+"""Pure logic: Episode construction, a batch's order, and TrainBatch collation."""
 
 import torch
 
 from meshrl.episodes import build_episodes
+from meshrl.tasks import Sample
 from meshrl.types import Completion, ScoredCompletion, TrainBatch
 
 
@@ -20,6 +21,34 @@ def test_build_episodes_masks_prompt_and_aligns_logprobs():
     assert (first.advantage, second.advantage) == (1.0, -1.0)
     assert first.policy_version == 3 and first.group_id == 7
     assert second.tokens == [1, 2, 5] and second.num_response_tokens == 1
+
+
+def test_a_batch_trains_its_groups_in_prompt_order_whatever_order_they_finished_in():
+    """Groups finish in an order timing decides; the trainer sums their gradients in the batch's order, so
+    a rerun or a resume computes the same weights only if that order is the prompts'."""
+    from meshrl.configs import ControllerConfig
+    from meshrl.episodes import batch_builder
+    from meshrl.work_buffer import Filling, Group
+
+    class Task:
+        accuracy = "correct"
+
+        def train_sample(self, index):
+            return Sample(f"prompt {index}", "")
+
+    groups = {p: [scored(float(i), tokens=(p, i)) for i in range(2)] for p in (4, 5, 9)}
+    build = batch_builder(ControllerConfig(), Task(), 1.0, lambda: 0.0)
+
+    def filled(order):
+        f = Filling(0)
+        for p in order:
+            f.kept[p] = groups[p]
+            f.groups.append(Group(p, groups[p], 2, 4, 3))
+        return build(f)
+
+    first, second = filled([9, 5, 4]), filled([4, 9, 5])
+    assert [e.group_id for e in first.episodes] == [4, 4, 5, 5, 9, 9]
+    assert first.episodes == second.episodes and first.records == second.records and first.stats == second.stats
 
 
 def test_collate_shifts_targets_and_pads():

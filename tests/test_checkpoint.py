@@ -179,13 +179,14 @@ def samples_by_step(run_dir) -> dict[int, list[tuple]]:
 
 
 def test_a_run_killed_after_a_checkpoint_resumes_where_it_stopped_and_samples_what_the_whole_run_did(tmp_path):
-    """SIGKILL, real processes, synchronous training, request seeds: the resumed run trains the same prompts
-    in the same steps as a run never interrupted, and samples the same completions for them, though it
-    generates on two replicas where the whole run had one (a request's seed does not depend on the replica
-    serving it). What a checkpoint holds when groups are in flight, at every await point and for
-    max_policy_age 0 to 2, is tested with fake actors (test_controller.py)."""
+    """SIGKILL, real processes, synchronous training, request seeds, a task whose rewards differ (so every
+    step changes the policy): the resumed run trains the same prompts in the same steps as a run never
+    interrupted, samples the same completions for them, though it generates on two replicas where the
+    whole run had one (a request's seed does not depend on the replica serving it), and trains alike.
+    What a checkpoint holds when groups are in flight, at every await point and for max_policy_age 0 to
+    2, is tested with fake actors (test_controller.py)."""
     args = ["--controller.steps", "4", "--checkpoint.every", "2", "--checkpoint.keep", "0",
-            "--generator.request_seeds", "true"]
+            "--generator.request_seeds", "true", "--task", "user_task:LongerReplies"]
     killed = tmp_path / "killed"
     kill_after_checkpoint(killed, args, step=2)
     at_checkpoint = json.loads((killed / "checkpoints" / "step-2" / "checkpoint.json").read_text())
@@ -200,6 +201,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_where_it_stopped_and_samples_wh
     assert f"resumed from {killed / 'checkpoints' / 'step-2'} (step 2, policy version 2)" in resumed.stdout
     rows = read_jsonl(killed / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["policy_version"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["grad_norm"] > 0 for r in rows)  # every step changed the policy the next one samples from
     trained = prompts_by_step(killed)
     every = [p for step in trained.values() for p in step]
     assert len(every) == len(set(every)) == 8  # no prompt lost, none trained twice
@@ -220,6 +222,10 @@ def test_a_run_killed_after_a_checkpoint_resumes_where_it_stopped_and_samples_wh
     for step in (3, 4):  # measured: the same tokens, and logprobs equal bit for bit
         assert [s[:3] for s in again[step]] == [s[:3] for s in once[step]], step
         assert [s[3] for s in again[step]] == pytest.approx([s[3] for s in once[step]], rel=1e-5), step
+    # and trained alike (measured: loss and gradient norm bit for bit, the batches in prompt order)
+    for resumed_row, whole_row in zip(rows[2:], read_jsonl(whole / "metrics.jsonl")[2:]):
+        assert resumed_row["loss"] == pytest.approx(whole_row["loss"], rel=1e-5, abs=1e-9)
+        assert resumed_row["grad_norm"] == pytest.approx(whole_row["grad_norm"], rel=1e-5)
 
 
 def test_nan_losses_are_not_applied_counted_and_stop_the_run_with_the_last_good_checkpoint_kept(tmp_path):

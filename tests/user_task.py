@@ -43,6 +43,22 @@ def longer_is_better(text: str, answer: str) -> float:
     return min(len(text) / 100, 1.0)
 
 
+class LongerReplies:
+    """A single-turn task the tiny random model learns something from: a longer reply scores more. Its
+    replies differ in length, so groups carry advantages and every step changes the policy."""
+
+    accuracy = "long"
+
+    def train_sample(self, index: int) -> Sample:
+        return Sample(f"Question {index}: say something.", "")
+
+    def eval_samples(self) -> list[Sample]:
+        return [self.train_sample(1000 + i) for i in range(2)]
+
+    def reward(self, text: str, answer: str) -> tuple[float, dict[str, float]]:
+        return min(len(text) / 100, 1.0), {"long": float(len(text) > 50)}
+
+
 class FakeTool:
     """A fake multi-turn environment for smoke runs of the tiny random model (which never calls a real
     tool): the tool answers every model turn with `result <turn>` until the model has had `turns` turns."""
