@@ -377,7 +377,7 @@ async def pull_together(readers: list[RingReader], newer_than: int,
                                          "slots faster than this reader copies them; use more weight_sync.slots")
                 continue
             sums = await asyncio.gather(*(asyncio.to_thread(r.check_sum, b[slot])
-                                          for r, b, slot in zip(readers, before, slots)))
+                                          for r, b, slot in zip(readers, before, slots) if r.handle.checksums))
             if all(sums):
                 return version, [r.layout.unpack(r.bytes) for r in readers]
             corrupt += 1
