@@ -119,10 +119,11 @@ def commit(partial: Path, state: RunState, keep: int) -> Path:
     `keep` checkpoints (0: all). Returns the checkpoint's directory."""
     torch.save(state, partial / "state.pt")
     w = state.work
-    untrained = {*w["filling"].kept, *(r["prompt_index"] for b in w["ready"].values() for r in b.records)}
+    untrained = {*(i for f in w["filling"].values() for i in f.kept),
+                 *(r["prompt_index"] for b in w["ready"].values() for r in b.records)}
     (partial / "checkpoint.json").write_text(json.dumps({
         "step": state.step, "policy_version": state.trainer_version, "next_prompt": w["next_prompt"],
-        "batches_complete": w["filling"].index, "prompts_to_redo": w["redo"],
+        "batches_complete": w["complete_below"], "prompts_to_redo": w["redo"],
         "prompts_generated_not_trained": sorted(untrained), **w["totals"]}, indent=2))
     final = partial.parent / f"step-{state.step}"
     os.rename(partial, final)

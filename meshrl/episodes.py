@@ -64,16 +64,18 @@ def check_rates(scored: list[ScoredCompletion], total: int, prefix: str,
     return rates
 
 
-def rollout_record(scored: ScoredCompletion, group_id: int, prompt: str) -> dict:
-    """One completion as rollouts.jsonl keeps it (the recorder adds the step and the staleness): with
-    `versions`, [token offset, version] of each model turn's tokens where weights changed under them;
-    `logprob`: the sum of its tokens' sampling logprobs."""
+def rollout_record(scored: ScoredCompletion, group_id: int, prompt: str, staleness: str = "oldest_token") -> dict:
+    """One completion as rollouts.jsonl keeps it (the recorder adds the step and the staleness, counted
+    from `counted_version`: its oldest or newest token's by the `staleness` rule, as the bound and the
+    step's metrics count it): with `versions`, [token offset, version] of each model turn's tokens where
+    weights changed under them; `logprob`: the sum of its tokens' sampling logprobs."""
     c = scored.completion
     changed = [t.versions for t in model_turns(c) if t.versions]
     return {"prompt_index": c.prompt_index, "group": group_id, "prompt": prompt, "completion": c.text,
             "logprob": sum(sum(t.logprobs) for t in model_turns(c)),
             "reward": scored.reward, "reward_components": scored.reward_components,
-            "policy_version": c.policy_version, "finish_reason": c.finish_reason,
+            "policy_version": c.policy_version, "counted_version": c.sampled_version(staleness),
+            "finish_reason": c.finish_reason,
             **({"versions": [t.versions for t in model_turns(c)]} if changed else {}),
             **({"turns": len(c.turns)} if isinstance(c, Trajectory) else {})}
 
@@ -102,13 +104,19 @@ def batch_builder(cfg: ControllerConfig, task, temperature: float, now: Callable
             "episodes": len(episodes),
             "turns_mean": statistics.fmean(len(model_turns(s.completion)) for s in trained) if trained else math.nan,
             "tokens_generated": sum(g.tokens for g in f.groups),
+            # generated for this batch and not trained: its groups dropped (equal rewards with dynamic
+            # sampling, or no reward at all), failed, or sampled outside its bound (stale)
+            "tokens_discarded_dropped": sum(g.tokens for g in f.groups if g.prompt_index not in f.kept),
+            "tokens_discarded_failed": f.failed_tokens,
+            "tokens_discarded_stale": f.stale_tokens,
             "gen_time_s": max(g.gen_end for g in f.groups) - min(g.gen_start for g in f.groups),
             "rollout_time_s": now() - min(g.launched for g in f.groups),
             # sampled under a newer version than the sequence's first tokens (weights loaded in flight)
             "tokens_after_swap": sum(len(t.token_ids) - t.versions[1][0] for s in trained
                                      for t in model_turns(s.completion) if t.versions),
         }
-        records = [rollout_record(s, gid, prompt) for gid, group in kept
+        stats["tokens_discarded"] = sum(v for k, v in stats.items() if k.startswith("tokens_discarded_"))
+        records = [rollout_record(s, gid, prompt, cfg.staleness) for gid, group in kept
                    for prompt in [task.train_sample(gid).prompt] for s in group]
         return Batch(f.index, episodes, stats, records)
 

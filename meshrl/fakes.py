@@ -21,6 +21,7 @@ import torch
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
 from meshrl import checkpoint
+from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.weight_updates import WeightUpdates
 from meshrl.configs import Config, ControllerConfig
 from meshrl.controller import Controller
@@ -116,6 +117,8 @@ class FakeGenerator:
     async def generate(self, prompts, *, sampling=None, min_version: int = 0) -> list[Completion]:
         if self.version < min_version:
             await self._load()
+        if self.version < min_version:  # as the real generator: it cannot serve what it was asked for
+            raise ReplicaBroken(f"serves version {self.version}, asked for {min_version} or newer (fake)")
         await self.book.admitting.wait()
         self.running += 1
         self.book.running()

@@ -109,7 +109,8 @@ class MetricLoggers:
 class RolloutRecorder:
     """`rollouts.jsonl`: each trained completion (or a `fraction` of them, the same ones on a rerun)
     with the step that trained it, its prompt and reply, reward and checks, policy version,
-    staleness and finish reason: what the model really did."""
+    staleness (by controller.staleness, as the bound counts it) and finish reason: what the model
+    really did."""
 
     def __init__(self, run_dir: Path, fraction: float, resumed_step: int | None = None):
         """`resumed_step`: a resumed run keeps the records of the steps up to its checkpoint's."""
@@ -129,7 +130,7 @@ class RolloutRecorder:
         rng = random.Random(step)
         for record in records:
             if self.fraction >= 1 or rng.random() < self.fraction:
-                staleness = trained_version - record["policy_version"]
+                staleness = trained_version - record["counted_version"]
                 self.file.write(json.dumps({"step": step, **record, "staleness": staleness}) + "\n")
         self.file.flush()
 

@@ -55,7 +55,7 @@ class RolloutCollector:
                 group = await self.run_group(index, self.task.train_sample(index), self.sampling, "generate")
             except CallFailed as e:
                 logger.warning("the group of prompt %d failed and is not trained: %s", index, e)
-                self.work.fail(index, str(e))
+                self.work.fail(index, str(e), e.tokens)
             else:
                 if self.work.finish(group):
                     self.batch_ready.set()
@@ -124,7 +124,11 @@ class RolloutCollector:
             async def on(replica: Replica):
                 async with self.tracer.span("generator", what, version, replica.index,
                                             timeout=self.timeouts.generate) as span:
-                    return await replica.actor.generate.call_one(prompts, sampling=sampling, min_version=version), span
+                    out = await replica.actor.generate.call_one(prompts, sampling=sampling, min_version=version)
+                    # the version served (its first tokens'), not the one asked for
+                    span["min_version"], span["policy_version"] = version, min(
+                        (c.policy_version for c in out), default=version)
+                    return out, span
 
             completions, span = await self.generators.call(on)
             spans.append(span)
@@ -139,13 +143,21 @@ class RolloutCollector:
                     return await getattr(replica.actor, endpoint).call_one(*args)
             return self.graders.call(on)
 
-        if is_environment(self.task):
-            scored, failed = await converse(
-                index, self.task.opening(sample), dataclasses.replace(sampling, stop=list(self.task.stop)),
-                self.config.controller.max_turns, self.config.generator.max_model_len, self.tokenizer, generate,
-                lambda conversations, last: grade("step", sample, conversations, last))
-            completions = len(scored) + failed
-        else:
-            first = await generate([Prompt(index, self.tokenizer.encode_chat(sample.prompt))], sampling)
-            scored, completions = await grade("score", first, sample), len(first)
+        try:
+            if is_environment(self.task):
+                scored, completions = await self._converse(index, sample, sampling, generate, grade)
+            else:
+                first = await generate([Prompt(index, self.tokenizer.encode_chat(sample.prompt))], sampling)
+                scored, completions = await grade("score", first, sample), len(first)
+        except CallFailed as e:
+            e.tokens = tokens  # generated, and now not trained
+            raise
         return Group(index, scored, completions, tokens, oldest, launched, spans[0]["start"], spans[-1]["end"])
+
+    async def _converse(self, index: int, sample: Sample, sampling: Sampling, generate, grade):
+        """A multi-turn group: (its scored trajectories, how many it started)."""
+        scored, failed = await converse(
+            index, self.task.opening(sample), dataclasses.replace(sampling, stop=list(self.task.stop)),
+            self.config.controller.max_turns, self.config.generator.max_model_len, self.tokenizer, generate,
+            lambda conversations, last: grade("step", sample, conversations, last))
+        return scored, len(scored) + failed

@@ -34,7 +34,8 @@ def write_checkpoint(run_dir: Path, step: int) -> Path:
     dcp.save({"model": {"w": torch.arange(6.0).view(2, 3)}, "optim": {"step": torch.tensor(3.0)}},
              checkpoint_id=str(where / "trainer"), no_dist=True)
     torch.save({"policy_version": step, "updates": step, "rng": torch.get_rng_state()}, where / "trainer" / "rank0.pt")
-    work = {"next_prompt": 8, "redo": [], "filling": Filling(step), "ready": {}, "totals": {}}
+    work = {"next_prompt": 8, "redo": [], "filling": {step: Filling(step)}, "complete_below": step, "ready": {},
+            "totals": {}}
     torch.save(RunState(step, step, work, [{"step": step}], {}), where / "state.pt")
     return where
 

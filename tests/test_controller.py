@@ -102,34 +102,41 @@ def test_equal_reward_groups_are_counted_and_with_dynamic_sampling_replaced_by_n
     if drop:  # not trained; other prompts fill their places, every batch full
         assert trained == [0, 3, 4, 6, 7, 8] and all(r["episodes"] == 4 for r in done.rows)
         assert [r["groups_dropped"] for r in done.rows] == [r["equal_reward_groups"] for r in done.rows]
+        # generated, not trained: 2 completions of 3 tokens a dropped group
+        assert [r["tokens_discarded"] for r in done.rows] == [6 * r["groups_dropped"] for r in done.rows]
+        assert sum(r["tokens_discarded_dropped"] for r in done.rows) == 18
     else:  # trained with zero advantage
         assert trained == list(range(6)) and all(r["groups_dropped"] == 0 for r in done.rows)
+        assert all(r["tokens_discarded"] == 0 for r in done.rows)
 
 
-def test_a_group_that_finishes_stale_is_not_trained_then_and_its_prompt_is_trained_later(tmp_path):
-    # prompt 1 samples from version 0 but finishes only once version 2 is out: too old for batch 2
-    done = run(fake_config(steps=5, prompts=2, max_policy_age=1), tmp_path, Script(late={1: 2}))
-    assert sum(r["groups_stale"] for r in done.rows) == 1
-    trained = trained_prompts(done.trainer)
-    assert sorted(trained) == list(range(10)) and trained.index(1) >= 4  # once, in a later batch
-    assert max(r["staleness"] for r in read_jsonl(tmp_path / "rollouts.jsonl")) <= 1
+def test_a_group_that_finishes_late_is_trained_in_its_own_batch_not_generated_again(tmp_path):
+    # prompt 2 (batch 1's, sampled from version 0) finishes only once version 1 is out, after batch 2's
+    # groups: joining whichever batch was filling, it landed in batch 2, two versions old, and was
+    # generated again; in the slot it was admitted into it trains with batch 1, one version old
+    done = run(fake_config(steps=5, prompts=2, max_policy_age=1), tmp_path, Script(late={2: 1}))
+    assert all(r["groups_stale"] == 0 and r["tokens_discarded"] == 0 for r in done.rows)
+    assert sorted(set(done.trainer.trained[1])) == [2, 3] and sorted(trained_prompts(done.trainer)) == list(range(10))
+    records = read_jsonl(tmp_path / "rollouts.jsonl")
+    assert [(r["step"], r["staleness"]) for r in records if r["prompt_index"] == 2] == [(2, 1), (2, 1)]
 
 
 @pytest.mark.parametrize("rule", ["oldest_token", "newest_token"])
 def test_a_group_spanning_versions_is_counted_from_its_oldest_or_newest_token(tmp_path, rule):
-    # loaded in flight while prompt 1 generates: its tokens come from version 0, then newer ones
+    # loaded in flight while prompt 2 generates: its tokens come from version 0, then version 1; the
+    # records, the step's metrics and the bound all count it by the rule
     config = fake_config(steps=5, prompts=2, max_policy_age=1, staleness=rule)
     config.generator.weight_update = "in_flight"
-    done = run(config, tmp_path, Script(late={1: 2}))
-    late = [r for r in read_jsonl(tmp_path / "rollouts.jsonl") if r["prompt_index"] == 1]
-    assert done.rows[-1]["weight_swaps_in_flight"] >= 1
-    if rule == "oldest_token":  # too old for its batch by its first tokens: stale, sampled again, trained then
-        assert sum(r["groups_stale"] for r in done.rows) == 1 and all("versions" not in r for r in late)
-    else:  # fresh enough by its last tokens: trained as it was sampled
-        assert sum(r["groups_stale"] for r in done.rows) == 0 and sum(r["tokens_after_swap"] for r in done.rows) > 0
-        assert all(r["policy_version"] == 0 and r["versions"][0][0] == [0, 0] and r["versions"][0][-1][1] >= 1
-                   for r in late)
-    assert len(late) == 2 and len({r["step"] for r in late}) == 1  # its group, trained once
+    done = run(config, tmp_path, Script(late={2: 1}))
+    late = [r for r in read_jsonl(tmp_path / "rollouts.jsonl") if r["prompt_index"] == 2]
+    assert done.rows[-1]["weight_swaps_in_flight"] >= 1 and sum(r["tokens_after_swap"] for r in done.rows) > 0
+    assert all(r["policy_version"] == 0 and r["versions"][0][0] == [0, 0] and r["versions"][0][-1][1] == 1
+               for r in late)
+    assert len(late) == 2 and {r["step"] for r in late} == {2}  # its group, trained once, in its batch
+    counted = 0 if rule == "oldest_token" else 1
+    assert {(r["counted_version"], r["staleness"]) for r in late} == {(counted, 1 - counted)}
+    assert done.rows[1]["staleness_max"] == 1  # prompt 3, all from version 0, is in the same batch
+    assert all(r["groups_stale"] == 0 for r in done.rows)
 
 
 def test_a_group_whose_call_raises_fails_alone_and_the_run_goes_on(tmp_path, caplog):

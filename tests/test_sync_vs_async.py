@@ -52,7 +52,7 @@ def test_bench_runs_sync_and_both_async_arms_with_bounded_staleness(tmp_path):
 
     # the timeline: every role's calls, one at a time per actor except the generator's groups (batched
     # together by vLLM); async overlaps generation with training, sync never does
-    from meshrl.trace import read_spans
+    from meshrl.trace import lane, read_spans
 
     def overlap(a, b):
         return a["start"] < b["end"] and b["start"] < a["end"]
@@ -61,12 +61,16 @@ def test_bench_runs_sync_and_both_async_arms_with_bounded_staleness(tmp_path):
         spans = read_spans(runs / arm)
         assert {s["role"] for s in spans} == {"generator", "grader", "trainer"}
         assert {"generate", "pull", "evaluate", "grade", "train", "publish"} <= {s["what"] for s in spans}
-        for role in ("grader", "trainer"):  # a publish copies while the next step's passes run (below)
-            mine = sorted((s for s in spans if s["role"] == role and s["what"] != "publish"), key=lambda s: s["start"])
-            assert all(a["end"] <= b["start"] for a, b in zip(mine, mine[1:])), f"{arm}: {role} spans overlap"
+        # the trainer's own times beside the controller's: one call at a time on each lane (a publish
+        # copies while the next step's passes run, below)
+        assert {lane(s) for s in spans if s["role"] == "trainer"} == {"trainer 0", "trainer 0 asked"}
+        for name in {lane(s) for s in spans if s["role"] != "generator"}:
+            mine = sorted((s for s in spans if lane(s) == name and s["what"] != "publish"), key=lambda s: s["start"])
+            assert all(a["end"] <= b["start"] for a, b in zip(mine, mine[1:])), f"{arm}: {name} spans overlap"
         # the weights a publish copies are never changed under it: the next optimizer update ends after it
-        for p in (s for s in spans if s["what"] == "publish"):
-            assert all(p["end"] <= o["end"] for o in spans if o["what"] == "optim_step" and o["start"] > p["start"])
+        on_trainer = [s for s in spans if lane(s) == "trainer 0"]
+        for p in (s for s in on_trainer if s["what"] == "publish"):
+            assert all(p["end"] <= o["end"] for o in on_trainer if o["what"] == "optim_step" and o["start"] > p["start"])
         generating = [s for s in spans if s["what"] == "generate"]
         training = [s for s in spans if s["what"] == "train"]
         assert any(overlap(g, t) for g in generating for t in training) == (arm != "sync"), arm
