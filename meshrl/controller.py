@@ -88,9 +88,10 @@ class Controller:
             asyncio.current_task().uncancel()  # a requested stop: checkpoint what there is
         finally:
             self.signals.task = None
-            if self.publishing:  # let the last publish end (its error, if the run failed, is the run's)
-                await bounded(asyncio.gather(self.publishing, return_exceptions=True), self.timeouts.stop,
-                              "the last publish")
+            if self.publishing:  # let the last publish end (its error, if the run failed, is the run's); not
+                # cancelled past the bound: the checkpoint below waits for it again
+                await bounded(asyncio.gather(asyncio.shield(self.publishing), return_exceptions=True),
+                              self.timeouts.stop, "the last publish")
             if rollouts:
                 rollouts.cancel()
                 await asyncio.gather(rollouts, return_exceptions=True)

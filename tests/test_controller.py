@@ -3,6 +3,7 @@ that follow the role contracts (tests/fakes.py): the staleness gate, batch count
 and a stop at every await point of the loops followed by a resume. Milliseconds per run."""
 
 import asyncio
+import json
 import logging
 from collections import Counter
 
@@ -220,6 +221,24 @@ def test_a_stop_whose_checkpoint_hangs_goes_on_without_it_after_stop_timeout(tmp
         done = run(config, tmp_path, script, stop_timeout=0.3)
     assert done.rows and checkpoint.latest(tmp_path) is None
     assert "the stop's checkpoint did not finish within 0.3 s (controller.stop_timeout_s)" in caplog.text
+
+
+def test_a_stop_while_the_last_publish_outlives_stop_timeout_checkpoints_its_version(tmp_path, caplog):
+    # the stop's wait for the last publish gives up after stop_timeout_s: the publish goes on (it is not
+    # cancelled), and the checkpoint waits for it, bounded again, instead of awaiting a cancelled future
+    class StopAtSecondPublish(Script):
+        async def point(self, endpoint, replica):
+            await super().point(endpoint, replica)
+            if endpoint == "publish_weights" and self.counts[endpoint] == 2:
+                self.signals.request("SIGINT")
+
+    with caplog.at_level(logging.WARNING):
+        done = run(fake_config(steps=100, prompts=2, max_policy_age=1), tmp_path, StopAtSecondPublish(),
+                   stop_timeout=0.4, costs=Costs(publish=0.6))
+    assert [r["step"] for r in done.rows] == [1, 2]
+    assert "the last publish did not finish within 0.4 s" in caplog.text
+    saved = json.loads((checkpoint.latest(tmp_path) / "checkpoint.json").read_text())
+    assert saved["step"] == 2 and saved["policy_version"] == 2 and done.controller.trainer_version == 2
 
 
 def test_the_fake_trainer_answers_with_the_real_loss_metrics():
