@@ -110,8 +110,8 @@ async def bench_weight_sync(model: str = "smollm2", repeats: int = 5, stress_sec
 
 async def _ring_figures(checkpoint: str, layout, to_hf, ranks: int, repeats: int, gbps) -> dict:
     """The real trainer's ring on `ranks` ranks, read whole by this process over each transport: over
-    RDMA into its landing buffer (the floor: the raw read), over shared memory by a load that copies
-    it into memory of its own, as a generator's load copies it into its model (the floor: one memcpy);
+    RDMA into its landing buffer (the floor: the raw read), over shared memory into the reader's own
+    memory, as a generator's read copies it before its load (the floor: one memcpy);
     then publish-to-loaded into a real vLLM generator, with its parts: the trainer's publish, the
     generator's ring read, and the rest (vLLM's load)."""
     figures, procs = {}, []
@@ -123,11 +123,11 @@ async def _ring_figures(checkpoint: str, layout, to_hf, ranks: int, repeats: int
         rings = await in_rank_order(trainer.weight_ring.call())
         await trainer.publish_weights.call()
         for transport in ("rdma", "shm"):
-            # over RDMA the transfer ends with the bytes checked in the reader's memory, as the raw read's
-            # do; over shared memory the load's copy out of the trainer's memory is the transfer
-            load = (lambda version, weights: None) if transport == "rdma" else _copy_into_memory()
+            # either way the transfer ends with the bytes checked in the reader's own memory (the read
+            # copies a version out of the rings before any load), as the raw read's and a memcpy's do
             reader = ShardedReader(rings, layout, to_hf, transport)
-            figures[f"ring_{transport}_gbps"] = gbps(await _best_seconds(repeats, lambda: reader.load_latest(load)))
+            figures[f"ring_{transport}_gbps"] = gbps(await _best_seconds(
+                repeats, lambda: reader.load_latest(lambda version, weights: None)))
 
         generator_procs, generator = spawn("generator", FloorGenerator, GeneratorConfig(num_threads=1), sync,
                                            checkpoint)
@@ -151,19 +151,6 @@ async def _ring_figures(checkpoint: str, layout, to_hf, ranks: int, repeats: int
         for p in procs:
             await p.stop()
     return figures
-
-
-def _copy_into_memory():
-    """A loader that copies each tensor into memory of its own, as a generator's load does into its model."""
-    into = {}
-
-    def load(version, weights):
-        for name, tensor in weights:
-            if name not in into:
-                into[name] = torch.empty_like(tensor)
-            into[name].copy_(tensor)
-
-    return load
 
 
 async def _stress(checkpoint: str, ranks: int, seconds: float) -> dict:
