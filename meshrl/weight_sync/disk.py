@@ -8,6 +8,7 @@ holds after the two loads (`meshrl study weight-sync-equivalence`). The director
 the trainer and the generators share.
 """
 
+import asyncio
 import os
 import re
 from dataclasses import dataclass
@@ -71,7 +72,7 @@ class DiskReader:
         if version <= newer_than:
             return None
         try:
-            weights = read_version(self.directory, version)
+            weights = await asyncio.to_thread(read_version, self.directory, version)  # off the event loop
         except FileNotFoundError:  # a newer one replaced it meanwhile: take that
             return await self.load_latest(load, newer_than)
         load(version, weights)
