@@ -139,12 +139,13 @@ def read_spans(run_dir: Path) -> list[dict]:
 
 
 COLOURS = {"generate": "#1f77b4", "evaluate": "#17becf", "pull": "#ff7f0e", "grade": "#2ca02c",
-           "train": "#d62728", "optim_step": "#ff9896", "pi_old": "#e377c2", "reference": "#8c564b",
+           "train": "#d62728", "optim_step": "#ff9896", "pi_old": "#e377c2", "logprobs": "#e377c2", "reference": "#8c564b",
            "publish": "#9467bd", "save_state": "#7f7f7f"}
 
 
 def plot_timeline(spans: list[dict], path: Path, title: str = "") -> None:
-    """One lane per actor, time on the x axis, one colour per kind of call."""
+    """One lane per actor, time on the x axis, one colour per kind of call; a publish in the lower half of
+    its lane, over the calls it overlaps on the trainer."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,15 +153,16 @@ def plot_timeline(spans: list[dict], path: Path, title: str = "") -> None:
 
     lanes = sorted({lane(s) for s in spans}, key=lambda name: ("generator grader reference trainer"
                                                                 .find(name.split()[0]), name))
-    kinds = sorted({s["what"] for s in spans}, key=lambda what: (what not in COLOURS, list(COLOURS).index(what)
-                                                                  if what in COLOURS else 0, what))
+    kinds = sorted({s["what"] for s in spans}, key=lambda what: (what == "publish", what not in COLOURS,
+                                                                  list(COLOURS).index(what) if what in COLOURS else 0,
+                                                                  what))
     colours = {what: COLOURS.get(what, "#b0b0b0") for what in kinds}  # bookkeeping calls in grey
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(lanes) + 1.2))
     for row, name in enumerate(lanes):
         for what in kinds:
             bars = [(s["start"], s["end"] - s["start"]) for s in spans if lane(s) == name and s["what"] == what]
             if bars:
-                ax.broken_barh(bars, (row - 0.4, 0.8), color=colours[what],
+                ax.broken_barh(bars, (row, 0.4) if what == "publish" else (row - 0.4, 0.8), color=colours[what],
                                label=what if what not in ax.get_legend_handles_labels()[1] else None)
     ax.set_yticks(range(len(lanes)), lanes)
     ax.invert_yaxis()
