@@ -28,16 +28,28 @@ class Mailbox:
 
     def __init__(self):
         self.turn = asyncio.Lock()  # FIFO: waiters are woken in the order they came
+        self.waiting = 0  # calls delivered and not yet started
 
     async def deliver(self, call, is_concurrent: bool):
-        async def handle():
-            async with self.turn:
-                if not is_concurrent:
-                    return await call()
-                work = asyncio.ensure_future(call())  # started; the next message may be taken
-            return await work
+        if is_concurrent and not self.waiting and not self.turn.locked():  # nothing ahead of it: started now
+            work = asyncio.ensure_future(call())
+        else:
+            work = asyncio.ensure_future(self._in_turn(call, is_concurrent))
+        return await asyncio.shield(work)  # the actor's work, whatever becomes of the caller
 
-        return await asyncio.shield(asyncio.ensure_future(handle()))
+    async def _in_turn(self, call, is_concurrent: bool):
+        self.waiting += 1
+        try:
+            await self.turn.acquire()
+        finally:
+            self.waiting -= 1
+        try:
+            if not is_concurrent:
+                return await call()
+            work = asyncio.ensure_future(call())  # started; the next message may be taken
+        finally:
+            self.turn.release()
+        return await work
 
 
 def mailbox(actor) -> Mailbox:
