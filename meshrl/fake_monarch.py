@@ -34,11 +34,11 @@ class Mailbox:
         if is_concurrent and not self.waiting and not self.turn.locked():  # nothing ahead of it: started now
             work = asyncio.ensure_future(call())
         else:
+            self.waiting += 1  # from delivery on: a call delivered in the same tick queues behind it
             work = asyncio.ensure_future(self._in_turn(call, is_concurrent))
         return await asyncio.shield(work)  # the actor's work, whatever becomes of the caller
 
     async def _in_turn(self, call, is_concurrent: bool):
-        self.waiting += 1
         try:
             await self.turn.acquire()
         finally:

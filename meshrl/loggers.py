@@ -130,7 +130,8 @@ class RolloutRecorder:
         rng = random.Random(step)
         for record in records:
             if self.fraction >= 1 or rng.random() < self.fraction:
-                staleness = trained_version - record["counted_version"]
+                # a batch checkpointed before records had counted_version: its oldest token's
+                staleness = trained_version - record.get("counted_version", record["policy_version"])
                 self.file.write(json.dumps({"step": step, **record, "staleness": staleness}) + "\n")
         self.file.flush()
 

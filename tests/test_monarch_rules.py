@@ -98,3 +98,25 @@ def test_each_fake_runs_concurrently_what_its_real_actor_does(fake, real, role):
     fakes = {name for name in endpoints if getattr(getattr(fake, name, None), "concurrent", False)}
     assert fakes == concurrent_endpoints(real) & endpoints
     assert concurrent_endpoints(Sleeper) == {"together"}  # the check itself sees Monarch's mark
+
+
+def test_a_fake_actor_keeps_arrival_order_for_calls_sent_in_the_same_tick():
+    # a concurrent call sent right behind a plain one (no await between) waits for it, as in Monarch
+    log = []
+
+    class Actor:
+        async def plain(self):
+            log.append("plain start")
+            await asyncio.sleep(0.05)
+            log.append("plain end")
+
+        @concurrent
+        async def together(self):
+            log.append("together")
+
+    async def both():
+        mesh = FakeMesh([Actor()], NoScript())
+        await asyncio.gather(mesh.plain.call_one(), mesh.together.call_one())
+
+    asyncio.run(both())
+    assert log == ["plain start", "plain end", "together"]

@@ -18,6 +18,7 @@ the trace shows what overlapped on the actor.
 """
 
 import asyncio
+import time
 import warnings
 from pathlib import Path
 
@@ -36,6 +37,15 @@ from meshrl.types import TrainBatch
 from meshrl.weight_sync.disk import DiskHandle, write_version
 from meshrl.weight_sync.ring import RingHandle
 from meshrl.weight_sync.shards import host_ring
+
+
+async def publishes_started() -> None:
+    """Let a publish whose message came before this call take its first part (its version, the weights
+    it copies, the disk path's gather) before a plain endpoint goes on. Monarch may start the next
+    message before a concurrent endpoint's body has begun (its task is only scheduled); asyncio runs
+    scheduled tasks in order, so one turn of the loop is enough, and every rank then runs the gather
+    and the next call's collectives in the same order."""
+    await asyncio.sleep(0)
 
 
 class TitanTrainer(Actor):
@@ -69,6 +79,7 @@ class TitanTrainer(Actor):
     async def forward_backward(self, batch: TrainBatch) -> dict:
         """Accumulate the loss's gradient over one micro-batch; returns the loss's metric sums. Logprobs
         are taken from logits / the batch's sampling temperature: the distribution its tokens came from."""
+        await publishes_started()
         with self.clock.span("train", self.policy_version):
             batch = batch.to(self.device)
             mask = batch.loss_mask
@@ -84,6 +95,7 @@ class TitanTrainer(Actor):
     @endpoint
     async def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """The current policy's logprob of every target token [B, T], without training (on the host)."""
+        await publishes_started()
         with self.clock.span("logprobs", self.policy_version):
             return policy_logprobs(self.model, batch.to(self.device), self.config.bf16_autocast).cpu()
 
@@ -127,21 +139,28 @@ class TitanTrainer(Actor):
 
     async def _publish(self) -> int:
         self.policy_version = version = self.policy_version + 1
-        if self.disk is not None:  # gathers: before any await, so every rank does it between the same calls
+        if self.disk is not None:  # gathers: before any await, so that every rank does it before the next call
             self._write_version(version)
         if self.ring is not None:
             state = self.model.state_dict()
             weights = {name: local(state[name]).detach() for name in self.published}
-            self.publishing = asyncio.ensure_future(self._copy(self.publishing, weights, version))
+            self.publishing = self._copy(weights, version, self.publishing)
             await self._published()
         return version
 
-    async def _copy(self, previous: asyncio.Future | None, weights: dict, version: int) -> None:
-        """Into the ring after the version before (the ring takes them in order), in a thread."""
-        if previous is not None:
-            await previous
-        with self.clock.span("publish", version):
-            await asyncio.to_thread(self._write_ring, weights, version)
+    def _copy(self, weights: dict, version: int, previous: asyncio.Future | None) -> asyncio.Future:
+        """The copy into the ring, in a thread: started now (the next calls' passes run while it goes on,
+        the event loop busy with them or not), or once the copy of the version before has ended (the
+        ring takes versions in order)."""
+        if previous is not None and not previous.done():
+            async def after_previous():
+                await previous
+                await self._copy(weights, version, None)
+            return asyncio.ensure_future(after_previous())
+        start = time.time()
+        copying = asyncio.get_running_loop().run_in_executor(None, self._write_ring, weights, version)
+        copying.add_done_callback(lambda _: self.clock.add("publish", start, time.time(), version))
+        return copying
 
     def _write_ring(self, weights: dict, version: int) -> None:
         self.ring.publish(weights, version)
@@ -166,6 +185,7 @@ class TitanTrainer(Actor):
 
     async def _published(self) -> None:
         """Wait for the publish in progress, if any (shielded: a cancelled caller leaves it to finish)."""
+        await publishes_started()
         if self.publishing is not None:
             await asyncio.shield(self.publishing)
 
@@ -223,6 +243,7 @@ class TitanTrainer(Actor):
     async def save(self, path: str) -> None:
         """Write the current policy as an HF checkpoint (loadable by vLLM and transformers); with
         several ranks every rank takes part in the gather and rank 0 writes."""
+        await publishes_started()
         state = self._gathered()
         if self.rank == 0:
             with torch.no_grad():
