@@ -308,15 +308,6 @@ class RingReader:
             return True
 
 
-def choose_transport(handle: RingHandle, transport: str) -> str:
-    """Shared memory when the reader is on the trainer's host and can map its ring, else RDMA."""
-    if transport not in TRANSPORTS:
-        raise ValueError(f"weight_sync.transport must be one of {TRANSPORTS}, not {transport!r}")
-    if transport != "auto":
-        return transport
-    return "shm" if same_host(handle.host, handle.pid, handle.fd) else "rdma"
-
-
 async def newest_together(readers: list[RingReader]) -> int:
     """The newest version completely written in every reader's ring, from their headers alone (-1: none)."""
     newest = _newest_common(readers, await asyncio.gather(*(r.read_header() for r in readers)), -1)
