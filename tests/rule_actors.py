@@ -7,15 +7,18 @@ import time
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 
+async def sleep_timed(seconds: float) -> tuple[float, float]:
+    """Sleep `seconds`; (start, end), wall clock."""
+    start = time.time()
+    await asyncio.sleep(seconds)
+    return start, time.time()
+
+
 class Sleeper(Actor):
     @endpoint
     async def plain(self, seconds: float) -> tuple[float, float]:
-        start = time.time()
-        await asyncio.sleep(seconds)
-        return start, time.time()
+        return await sleep_timed(seconds)
 
     @concurrent_endpoint
     async def together(self, seconds: float) -> tuple[float, float]:
-        start = time.time()
-        await asyncio.sleep(seconds)
-        return start, time.time()
+        return await sleep_timed(seconds)

@@ -9,7 +9,6 @@ A change in Monarch's behaviour fails here first. Times are the actors' own."""
 
 import asyncio
 import inspect
-import time
 
 import pytest
 from monarch.actor import this_host
@@ -20,7 +19,7 @@ from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.fake_monarch import FakeMesh, concurrent
 from meshrl.fakes import FakeGenerator, FakeGrader, FakeTrainer
-from rule_actors import Sleeper
+from rule_actors import Sleeper, sleep_timed
 
 LONG = 0.6  # seconds a first call takes; the second is sent 0.1 s after it
 
@@ -29,13 +28,11 @@ class FakeSleeper:
     """Sleeper's fake: the same two endpoints."""
 
     async def plain(self, seconds: float) -> tuple[float, float]:
-        start = time.time()
-        await asyncio.sleep(seconds)
-        return start, time.time()
+        return await sleep_timed(seconds)
 
     @concurrent
     async def together(self, seconds: float) -> tuple[float, float]:
-        return await FakeSleeper.plain(self, seconds)
+        return await sleep_timed(seconds)
 
 
 class NoScript:
