@@ -5,6 +5,8 @@
   `torch.distributed.checkpoint` (sharded, so it loads unchanged on any number of ranks), and each
   rank's counters and torch RNG states (the CPU generator's, and its CUDA device's where the model is
   on one: `rng_states`).
+- `replay_buffer/`: the replay buffer's groups not yet trained (or, replayed, to be trained again)
+  and their use counts (meshrl/actors/replay_buffer.py).
 - `state.pt`: the controller's side: the step and policy version, the work buffer's position (the
   next prompt, prompts to start again, the batch being filled, complete batches not yet trained), the
   metrics so far and the eval before training.
@@ -36,6 +38,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from meshrl.actors import first, in_rank_order
+from meshrl.timeouts import deadline
 
 DIR = "checkpoints"
 _STEP = re.compile(r"^step-(\d+)$")
@@ -54,11 +57,12 @@ class RunState:
 
 
 class Checkpointer:
-    """Writes a run's checkpoints (the trainer's state by its ranks, the controller's beside it) and
-    reads the trainer's back."""
+    """Writes a run's checkpoints (the trainer's state by its ranks, the replay buffer's by it, the
+    controller's beside them) and reads the trainer's and the buffer's back."""
 
-    def __init__(self, run_dir: Path, keep: int, trainer, tracer, timeouts):
+    def __init__(self, run_dir: Path, keep: int, trainer, tracer, timeouts, buffer):
         self.run_dir, self.keep, self.trainer, self.tracer, self.timeouts = Path(run_dir), keep, trainer, tracer, timeouts
+        self.buffer = buffer
 
     async def write(self, state: RunState) -> Path:
         """Checkpoint `state` (taken at a step's end, while the trainer is idle) as step-N."""
@@ -68,13 +72,23 @@ class Checkpointer:
         partial = begin(self.run_dir, state.step)
         async with self.tracer.span("trainer", "save_state", state.trainer_version, timeout=self.timeouts.trainer):
             await in_rank_order(self.trainer.save_state.call(str(partial / "trainer")))
-        return commit(partial, state, self.keep)
+        async with self.tracer.span("replay_buffer", "save_state", state.trainer_version, timeout=self.timeouts.buffer):
+            await self.buffer.save_state.call_one(str(partial / "replay_buffer"))
+        final = commit(partial, state, self.keep)
+        async with deadline(self.timeouts.buffer, "replay_buffer", "checkpointed"):
+            await self.buffer.checkpointed.call_one(state.step)  # its log of the batches trained up to here goes
+        return final
 
     async def restore_trainer(self, checkpoint: Path) -> int:
         """The trainer's policy, optimizer and counters from `checkpoint`, published again under its
         version (the generators load it before they sample); returns that version."""
         async with self.tracer.span("trainer", "load_state", timeout=self.timeouts.trainer):
             return await first(self.trainer.load_state.call(str(checkpoint / "trainer")))
+
+    async def restore_buffer(self, checkpoint: Path) -> None:
+        """The replay buffer's groups and counts from `checkpoint`."""
+        async with self.tracer.span("replay_buffer", "load_state", timeout=self.timeouts.buffer):
+            await self.buffer.load_state.call_one(str(checkpoint / "replay_buffer"))
 
 
 def rng_states(device: torch.device) -> dict:
@@ -142,10 +156,11 @@ class UnsafeCheckpoint(CheckpointError):
 
 
 def _state_classes() -> list[type]:
+    from meshrl.episodes import Kept
     from meshrl.types import Completion, Episode, ScoredCompletion, Trajectory
     from meshrl.work_buffer import Batch, Filling, Group
 
-    return [RunState, Filling, Group, Batch, Completion, Trajectory, ScoredCompletion, Episode]
+    return [RunState, Filling, Group, Batch, Kept, Completion, Trajectory, ScoredCompletion, Episode]
 
 
 def _why(error: Exception) -> str:
@@ -230,6 +245,13 @@ def verify(checkpoint: Path) -> None:
         raise CheckpointError(f"{trainer / 'rank0.pt'} is missing")
     for rank in ranks:
         load_safely(rank)
+    buffer = checkpoint / "replay_buffer" / "state.pt"
+    if not buffer.is_file():
+        raise CheckpointError(f"{buffer} is missing (a checkpoint written before meshrl had a replay buffer "
+                              "cannot be resumed by this version)")
+    from meshrl.types import Episode
+
+    load_safely(buffer, [Episode])
 
 
 def resumable(run_dir: Path) -> Path:

@@ -20,16 +20,18 @@ import logging
 import time
 
 from meshrl.actors import first, in_rank_order
+from meshrl.actors.replay_buffer import fresh_groups
 from meshrl.checkpoint import Checkpointer, RunState, latest
 from meshrl.configs import Config
-from meshrl.episodes import batch_builder
+from meshrl.episodes import batch_builder, keep_group
 from meshrl.launch import StopSignals, Stopped
 from meshrl.metric_rows import MetricRows, step_row
 from meshrl.replicas import ReplicaPool, RoleFailed
 from meshrl.rollout import RolloutCollector
 from meshrl.timeouts import Timeouts, bounded, deadline
-from meshrl.train_step import train_step
-from meshrl.work_buffer import Batch, WorkBuffer
+from meshrl.train_step import train_updates
+from meshrl.types import BatchRef
+from meshrl.work_buffer import Batch, Group, WorkBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -38,17 +40,18 @@ class Controller:
     """The loops over one run's actors, the work buffer between them, and the checkpoints they take."""
 
     def __init__(self, config: Config, task, tokenizer, generators: ReplicaPool, graders: ReplicaPool, trainer,
-                 reference, tracer, signals: StopSignals, checkpointer: Checkpointer, rows: MetricRows,
+                 reference, buffer, tracer, signals: StopSignals, checkpointer: Checkpointer, rows: MetricRows,
                  timeouts: Timeouts = Timeouts()):
-        """`trainer` and `reference` (or None): actor meshes following roles.Trainer and roles.Reference."""
-        self.config, self.tokenizer, self.tracer, self.timeouts = config, tokenizer, tracer, timeouts
-        self.trainer, self.reference, self.signals = trainer, reference, signals
+        """`trainer`, `reference` (or None) and `buffer`: actor meshes following roles.Trainer,
+        roles.Reference and roles.ReplayBuffer (the trainer's and reference's ranks attached to it)."""
+        self.config, self.task, self.tokenizer, self.tracer, self.timeouts = config, task, tokenizer, tracer, timeouts
+        self.trainer, self.reference, self.buffer, self.signals = trainer, reference, buffer, signals
         self.generators, self.graders, self.checkpointer, self.rows = generators, graders, checkpointer, rows
-        cfg = config.controller
-        self.work = WorkBuffer(cfg.steps, cfg.prompts_per_step, cfg.max_policy_age,
-                               batch_builder(cfg, task, config.generator.temperature, tracer.now),
-                               cfg.prompts_per_step * (cfg.max_sample_rounds if cfg.drop_equal_reward_groups else 1),
-                               cfg.drop_equal_reward_groups, cfg.max_failed_fraction)
+        cfg, fresh = config.controller, fresh_groups(config)
+        self.work = WorkBuffer(cfg.steps, fresh, cfg.max_policy_age, batch_builder(cfg, tracer.now, task.accuracy),
+                               fresh * (cfg.max_sample_rounds if cfg.drop_equal_reward_groups else 1),
+                               cfg.drop_equal_reward_groups, cfg.max_failed_fraction, self._keep)
+        self.adding: list[asyncio.Future] = []  # groups' episodes on their way to the replay buffer
         self.collector = RolloutCollector(config, task, tokenizer, generators, graders, tracer, self.work, timeouts)
         self.trainer_version = 0  # the newest version the trainer published
         self.publishing: asyncio.Future | None = None  # the newest publish, maybe still copying
@@ -60,6 +63,7 @@ class Controller:
         """Go on from a checkpoint: the trainer's state (published again), the work buffer's position,
         the rows and the counters."""
         self.trainer_version = await self.checkpointer.restore_trainer(checkpoint)
+        await self.checkpointer.restore_buffer(checkpoint)
         self.collector.latest = self.trainer_version
         self.work.restore(state.work)
         self.rows.rows, self.initial = list(state.rows), state.initial
@@ -110,10 +114,27 @@ class Controller:
         if self.rows.bad_steps:
             return
         await self._published()
+        await self._added()
         counters = {"generator": (self.generators.restarts, self.generators.retried),
                     "grader": (self.graders.restarts, self.graders.retried), "updates": dict(self.updates)}
         await self.checkpointer.write(RunState(self.rows.done, self.trainer_version, self.work.snapshot(),
                                                list(self.rows.rows), self.initial, counters))
+
+    def _keep(self, batch: int, group: Group):
+        """A kept group of batch `batch`: its episodes go to the replay buffer, a summary stays here."""
+        episodes, kept = keep_group(group.scored, group.prompt_index, self.config.controller, self.task,
+                                    self.config.generator.temperature)
+        self.adding.append(asyncio.ensure_future(self._add(batch, group.prompt_index, episodes, kept.rewards)))
+        return kept
+
+    async def _add(self, batch: int, group_id: int, episodes: list, rewards: list[float]) -> None:
+        async with deadline(self.timeouts.buffer, "replay_buffer", "add"):
+            await self.buffer.add.call_one(batch, group_id, episodes, rewards)
+
+    async def _added(self) -> None:
+        """Wait until every group's episodes sent so far are in the replay buffer (raising its error)."""
+        adding, self.adding = self.adding, []
+        await asyncio.gather(*adding)
 
     async def _rollout_loop(self) -> None:
         """Keep every group the gate allows in flight; raise what ends the run (a pool out of replicas,
@@ -144,6 +165,8 @@ class Controller:
                     row |= await self.collector.evaluate(step)
                 self.rows.log(row, batch)
                 self.work.trained(batch.index)
+                async with deadline(self.timeouts.buffer, "replay_buffer", "trained"):
+                    await self.buffer.trained.call_one(batch.index)
                 if self.rows.bad_steps:
                     logger.warning("step %d: %d of its updates had a NaN or infinite loss or gradient norm and "
                                    "were not applied", step, row["updates_skipped"])
@@ -179,9 +202,12 @@ class Controller:
     async def _step(self, step: int, batch: Batch, start: float) -> dict:
         """Train `batch` at its policy version, publish the next one; the step's row (without eval)."""
         t1 = time.perf_counter()
-        train = await train_step(self.trainer, self.reference, batch.episodes, self.config.trainer,
-                                 self.tokenizer.pad_id, self.tracer.span, batch.index, self.config.reference.ranks,
-                                 self.timeouts)
+        await self._added()
+        async with self.tracer.span("replay_buffer", "sample", batch.index, timeout=self.timeouts.buffer):
+            plan = await self.buffer.sample.call_one(batch.index, batch.groups)
+        updates = [[BatchRef(batch.index, u, m) for m in range(count)] for u, count in enumerate(plan.pop("micro_batches"))]
+        train = plan | await train_updates(self.trainer, self.reference, updates, self.config.trainer,
+                                           self.tracer.span, batch.index, self.config.reference.ranks, self.timeouts)
         t2 = time.perf_counter()
         await self._published()  # the last step's: done, since this step's optimizer update waited for it
         version = self.trainer_version + 1

@@ -4,6 +4,7 @@ functions: the controller's side of the data, after the grader and before the tr
 
 import math
 import statistics
+from dataclasses import dataclass
 from typing import Callable
 
 from meshrl.advantages import STEP_WISE, estimator, population_std, step_wise
@@ -48,19 +49,19 @@ def episode(turns: list[Completion], advantage: float, group_id: int, temperatur
     return Episode(tokens, loss_mask, logprobs, advantage, version, group_id, temperature)
 
 
-def check_rates(scored: list[ScoredCompletion], total: int, prefix: str,
+def check_rates(checks: list[dict[str, float]], total: int, prefix: str,
                 accuracy: str = "correct") -> dict[str, float]:
-    """The mean of each reward check over `total` completions (those not in `scored` count as 0): the
-    task's `accuracy` check as `{prefix}accuracy`, the others under their own names. A check of a part
-    of the task, `<check>/<part>` (a dataset of a mix), is the mean over the completions that carry it
-    (`{prefix}accuracy/<part>` for the accuracy check's)."""
+    """The mean of each reward check over `total` completions (`checks`: the reward components of those
+    scored; the others count as 0): the task's `accuracy` check as `{prefix}accuracy`, the others under
+    their own names. A check of a part of the task, `<check>/<part>` (a dataset of a mix), is the mean
+    over the completions that carry it (`{prefix}accuracy/<part>` for the accuracy check's)."""
     rates = {}
-    for name in dict.fromkeys([accuracy, *(k for s in scored for k in s.reward_components)]):
+    for name in dict.fromkeys([accuracy, *(k for c in checks for k in c)]):
         check, slash, part = name.partition("/")
-        carrying = [s for s in scored if name in s.reward_components] if part else scored
+        carrying = [c for c in checks if name in c] if part else checks
         count = len(carrying) if part else total
         rates[prefix + ("accuracy" if check == accuracy else check) + slash + part] = (
-            sum(s.reward_components.get(name, 0.0) for s in carrying) / count if count else math.nan)
+            sum(c.get(name, 0.0) for c in carrying) / count if count else math.nan)
     return rates
 
 
@@ -80,29 +81,54 @@ def rollout_record(scored: ScoredCompletion, group_id: int, prompt: str, stalene
             **({"turns": len(c.turns)} if isinstance(c, Trajectory) else {})}
 
 
-def batch_builder(cfg: ControllerConfig, task, temperature: float, now: Callable[[], float]):
-    """The work buffer's `build`: a complete Filling -> its Batch. `now()`: the tracer's clock."""
+@dataclass
+class Kept:
+    """A kept group as the controller keeps it once its episodes are in the replay buffer: what its
+    batch's metrics and rollouts.jsonl need, no tokens."""
+
+    rewards: list[float]
+    checks: list[dict[str, float]]  # each completion's reward components
+    turns: list[int]  # each completion's model turns
+    tokens_after_swap: int  # sampled under a newer version than the sequence's first tokens
+    versions: list[int]  # its episodes' policy versions
+    records: list[dict]  # rollouts.jsonl's
+
+
+def keep_group(group: list[ScoredCompletion], group_id: int, cfg: ControllerConfig, task,
+               temperature: float) -> tuple[list[Episode], Kept]:
+    """A kept group's Episodes (for the replay buffer) and what the controller keeps of it."""
+    episodes = build_episodes(group, group_id, cfg.advantage, cfg.advantage_eps, cfg.divide_by_turns, temperature,
+                              cfg.staleness)
+    prompt = task.train_sample(group_id).prompt
+    return episodes, Kept(
+        [s.reward for s in group], [s.reward_components for s in group],
+        [len(model_turns(s.completion)) for s in group],
+        sum(len(t.token_ids) - t.versions[1][0] for s in group for t in model_turns(s.completion) if t.versions),
+        [e.policy_version for e in episodes], [rollout_record(s, group_id, prompt, cfg.staleness) for s in group])
+
+
+def batch_builder(cfg: ControllerConfig, now: Callable[[], float], accuracy: str = "correct"):
+    """The work buffer's `build`: a complete Filling (its kept groups as `Kept`) -> its Batch. `now()`:
+    the tracer's clock."""
 
     def build(f: Filling) -> Batch:
         # in prompt order, not the order the groups finished in (timing): the trainer sums the same
         # gradients in the same order on a rerun or after a resume, so it computes the same weights
         kept = sorted(f.kept.items(), key=lambda item: item[0])
-        episodes = [e for gid, group in kept
-                    for e in build_episodes(group, gid, cfg.advantage, cfg.advantage_eps, cfg.divide_by_turns,
-                                            temperature, cfg.staleness)]
-        trained = [s for _, group in kept for s in group]  # the rewards of the batch trained
-        rewards = [s.reward for s in trained]
+        rewards = [r for _, k in kept for r in k.rewards]  # the rewards of the batch trained
+        checks = [c for _, k in kept for c in k.checks]
+        turns = [t for _, k in kept for t in k.turns]
         stats = {
             "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
             "reward_std": population_std(rewards) if rewards else math.nan,
-            **check_rates(trained, len(trained), "", task.accuracy),
+            **check_rates(checks, len(checks), "", accuracy),
             "reward_errors": sum(g.completions - len(g.scored) for g in f.groups),
             "equal_reward_groups": f.equal,
             "groups_dropped": f.equal if cfg.drop_equal_reward_groups else 0,
             "groups_stale": f.stale,
             "groups_failed": f.failed,
-            "episodes": len(episodes),
-            "turns_mean": statistics.fmean(len(model_turns(s.completion)) for s in trained) if trained else math.nan,
+            "episodes": sum(len(k.versions) for _, k in kept),
+            "turns_mean": statistics.fmean(turns) if turns else math.nan,
             "tokens_generated": sum(g.tokens for g in f.groups),
             # generated for this batch and not trained: its groups dropped (equal rewards with dynamic
             # sampling, or no reward at all), failed, or sampled outside its bound (stale)
@@ -111,13 +137,10 @@ def batch_builder(cfg: ControllerConfig, task, temperature: float, now: Callable
             "tokens_discarded_stale": f.stale_tokens,
             "gen_time_s": max(g.gen_end for g in f.groups) - min(g.gen_start for g in f.groups),
             "rollout_time_s": now() - min(g.launched for g in f.groups),
-            # sampled under a newer version than the sequence's first tokens (weights loaded in flight)
-            "tokens_after_swap": sum(len(t.token_ids) - t.versions[1][0] for s in trained
-                                     for t in model_turns(s.completion) if t.versions),
+            "tokens_after_swap": sum(k.tokens_after_swap for _, k in kept),
         }
         stats["tokens_discarded"] = sum(v for k, v in stats.items() if k.startswith("tokens_discarded_"))
-        records = [rollout_record(s, gid, prompt, cfg.staleness) for gid, group in kept
-                   for prompt in [task.train_sample(gid).prompt] for s in group]
-        return Batch(f.index, episodes, stats, records)
+        return Batch(f.index, [gid for gid, _ in kept], [v for _, k in kept for v in k.versions], stats,
+                     [r for _, k in kept for r in k.records])
 
     return build

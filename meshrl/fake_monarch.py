@@ -13,7 +13,9 @@ Monarch: the call goes on and holds the actor's turn until it ends.
 """
 
 import asyncio
+import functools
 
+from monarch._src.actor.endpoint import EndpointProperty
 from monarch.actor import ActorError
 
 
@@ -84,11 +86,22 @@ class FakeEndpoint:
 
     async def _on(self, actor, *args, **kwargs):
         await self.mesh.script.point(self.name, actor)
-        method = getattr(actor, self.name)
+        method, is_concurrent = endpoint_of(actor, self.name)
         try:
-            return await mailbox(actor).deliver(lambda: method(*args, **kwargs), getattr(method, "concurrent", False))
+            return await mailbox(actor).deliver(lambda: method(*args, **kwargs), is_concurrent)
         except Exception as e:  # an endpoint's own error reaches the caller as Monarch's ActorError
             raise ActorError(e) from None
+
+
+def endpoint_of(actor, name: str):
+    """(the method, whether concurrent) of a fake actor's endpoint `name`, or of a real Monarch actor's
+    (an `@endpoint` or `concurrent_endpoint` of an Actor subclass run in process: the real replay buffer)."""
+    prop = getattr(type(actor), name)
+    if isinstance(prop, EndpointProperty):
+        return (functools.partial(prop._method, actor),
+                getattr(prop._method, "_monarch_concurrent_endpoint_wrapper", False))
+    method = getattr(actor, name)
+    return method, getattr(method, "concurrent", False)
 
 
 class FakeMesh:

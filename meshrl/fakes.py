@@ -21,6 +21,9 @@ import torch
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
 from meshrl import checkpoint
+from meshrl.actors import load_actor_class
+from meshrl.actors.distributed import from_buffer, to_buffer
+from meshrl.actors.replay_buffer import buffer_impl
 from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.weight_updates import WeightUpdates
 from meshrl.configs import Config, ControllerConfig
@@ -211,8 +214,13 @@ class FakeTrainer:
         self.version, self.updates, self.trained, self.pending = 0, 0, [], []
         self.copying: asyncio.Future | None = None  # a publish's copy into the ring, as the real trainer's
         self.clock = ActorClock()
+        self.buffer = None
+
+    async def attach_buffer(self, buffer) -> None:
+        self.buffer = buffer
 
     async def forward_backward(self, batch) -> dict:
+        batch = await from_buffer(self.buffer, batch)
         rows = batch.loss_mask.any(-1)
         self.pending += [int(i) - PROMPT_ID for i in batch.input_ids[rows, 0]]
         tokens = int(batch.loss_mask.sum())
@@ -222,8 +230,8 @@ class FakeTrainer:
                 "clip_low": 0, "clip_high": 0, "behaviour_weight": float(tokens), "tis_truncated": 0,
                 "behaviour_kl": 0.0, "entropy": 0.0}
 
-    async def logprobs(self, batch) -> torch.Tensor:
-        return batch.behaviour_logprobs
+    async def logprobs(self, batch) -> torch.Tensor | None:
+        return await to_buffer(self.buffer, batch, (await from_buffer(self.buffer, batch)).behaviour_logprobs)
 
     async def optim_step(self, skip: bool = False) -> dict:
         with self.clock.span("optim_step", self.version):
@@ -324,6 +332,11 @@ async def run_fake(config: Config, run_dir: Path, script: Script | None = None, 
     signals = script.signals = StopSignals()
     fake_trainers = [FakeTrainer(weights, costs) for _ in range(config.trainer.ranks)]
     trainer = FakeMesh(fake_trainers, script)
+    buffer = FakeMesh([load_actor_class(buffer_impl(config.replay_buffer.impl))(
+        config.replay_buffer, config.trainer, config.controller.prompts_per_step, config.controller.max_policy_age,
+        FakeTokenizer.pad_id)], script)  # the real replay buffer, in this process
+    for fake in fake_trainers:
+        await fake.attach_buffer(buffer)
     timeouts = Timeouts(stop=Timeout(stop_timeout, "controller.stop_timeout_s"),
                         generate=Timeout(call_timeout, "generator.timeout_s"),
                         grade=Timeout(call_timeout, "grader.timeout_s"))
@@ -344,8 +357,9 @@ async def run_fake(config: Config, run_dir: Path, script: Script | None = None, 
     rows = MetricRows(MetricLoggers(run_dir, config, "fake", resumed_rows=state.rows if state else ()),
                       RolloutRecorder(run_dir, config.logging.rollouts_fraction, state.step if state else None),
                       progress=progress)
-    controller = Controller(config, FakeTask(), FakeTokenizer(), generators, graders, trainer, None, tracer, signals,
-                            checkpoint.Checkpointer(run_dir, 0, trainer, tracer, timeouts), rows, timeouts)
+    controller = Controller(config, FakeTask(), FakeTokenizer(), generators, graders, trainer, None, buffer, tracer,
+                            signals, checkpoint.Checkpointer(run_dir, 0, trainer, tracer, timeouts, buffer), rows,
+                            timeouts)
     try:
         if state:
             await controller.restore(state, state_dir)

@@ -22,7 +22,7 @@ from monarch.job import JobState, JobTrait, LocalJob, ProcessJob, SlurmJob
 from meshrl.configs.job import JobConfig
 
 KINDS = ("local", "process", "workers", "slurm", "kubernetes")
-PLACED = ("trainer", "reference", "generator", "grader")  # the roles with a `hosts` field
+PLACED = ("trainer", "reference", "replay_buffer", "generator", "grader")  # the roles with a `hosts` field
 
 
 def host_groups(job: JobConfig) -> dict[str, int]:
@@ -67,6 +67,8 @@ def plan(config) -> dict[str, RolePlacement]:
                 raise ValueError(f"{role}.ranks ({section.ranks}) must be a multiple of the hosts in its group "
                                  f"{group!r} ({hosts}): each host runs as many ranks")
             per_host = section.ranks // hosts
+        elif role == "replay_buffer":  # one process, on the group's first host
+            per_host = 1
         else:  # generator, grader
             per_host = -(-section.replicas // hosts)
         placements[role] = RolePlacement(group, hosts, per_host)
@@ -84,6 +86,8 @@ def describe(config, placement: dict[str, RolePlacement]) -> list[str]:
         where = f"group {p.group} ({_n(p.hosts, 'host')})" if p.group else "the controller's host"
         if role in ("trainer", "reference"):
             what = f"{_n(getattr(config, role).ranks, 'rank')}, {p.procs_per_host} per host"
+        elif role == "replay_buffer":
+            what = f"{config.replay_buffer.impl}, one process"
         else:
             what = f"{_n(getattr(config, role).replicas, 'replica')} (one process each, round-robin over the hosts)"
         lines.append(f"{role}: {what} on {where}")

@@ -15,6 +15,7 @@ from monarch.actor import Actor, endpoint
 from tqdm import tqdm
 
 from meshrl.actors import load_actor_class, placement, spawn, spawn_ranks
+from meshrl.actors.replay_buffer import buffer_impl
 from meshrl.actors.roles import ROLES, missing_endpoints
 from meshrl.advantages import STEP_WISE, estimator
 from meshrl.configs import Config
@@ -80,6 +81,15 @@ def check_config(config: Config) -> None:
     check_loss(config.trainer.loss)
     if not 0 <= config.grader.judge.rule_weight <= 1:
         raise ValueError(f"grader.judge.rule_weight must be in [0, 1], not {config.grader.judge.rule_weight:g}")
+    buffer = config.replay_buffer
+    if buffer.impl == "replay":
+        if cfg.max_policy_age < 1:
+            raise ValueError("replay_buffer.impl replay trains groups again in later steps, which the staleness bound "
+                             "must allow: set controller.max_policy_age to 1 or more")
+        if not 0 < buffer.fresh_fraction <= 1 or buffer.max_reuse < 1:
+            raise ValueError("replay_buffer.fresh_fraction must be in (0, 1] and replay_buffer.max_reuse at least 1")
+        if buffer.priority not in ("reward_std", "newest"):
+            raise ValueError(f"unknown replay_buffer.priority {buffer.priority!r}; known: reward_std, newest")
     if config.grader.judge.rubric:
         from meshrl.actors.judge import check_rubric
 
@@ -92,7 +102,8 @@ class Actors:
     actors follow roles.Generator and roles.Grader); meshrl/actors/roles.py says what each must answer."""
 
     trainer: "ActorMesh[roles.Trainer]"
-    procs: list  # the proc meshes, to stop
+    buffer: "ActorMesh[roles.ReplayBuffer]"
+    procs: dict  # role -> its proc mesh, to stop
     reference: "ActorMesh[roles.Reference] | None" = None
 
 
@@ -102,6 +113,8 @@ def actor_classes(config: Config) -> dict[str, type]:
     if config.trainer.loss.kl_coef > 0:
         roles["reference"] = config.reference
     classes = {role: load_actor_class(role_config.impl) for role, role_config in roles.items()}
+    roles["replay_buffer"] = config.replay_buffer
+    classes["replay_buffer"] = load_actor_class(buffer_impl(config.replay_buffer.impl))
     multi_turn = is_environment(task_class(config.task))
     if multi_turn and config.generator.request_seeds:
         raise ValueError("generator.request_seeds is for single-turn tasks: a multi-turn group's conversations are "
@@ -114,18 +127,25 @@ def actor_classes(config: Config) -> dict[str, type]:
     return classes
 
 
-async def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Path, hosts: Hosts) -> Actors:
+async def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Path, hosts: Hosts,
+                       pad_id: int) -> Actors:
     """One proc mesh per role besides the pools, on the hosts each role's config names: the trainer's
-    (`trainer.ranks` processes) and the reference's (`reference.ranks`)."""
+    (`trainer.ranks` processes), the reference's (`reference.ranks`) and the replay buffer's (one,
+    which the others take their micro-batches from)."""
     procs, trainer = await spawn_ranks("trainer", classes["trainer"], config.trainer.ranks, config.trainer,
                                        config.weight_sync, str(checkpoint), hosts=hosts.of("trainer"))
-    actors, meshes = {"trainer": trainer}, [procs]
+    actors, meshes = {"trainer": trainer}, {"trainer": procs}
     if "reference" in classes:
-        procs, actors["reference"] = await spawn_ranks("reference", classes["reference"], config.reference.ranks,
-                                                       config.reference, str(checkpoint),
-                                                       hosts=hosts.of("reference"))
-        meshes.append(procs)
-    return Actors(**actors, procs=meshes)
+        meshes["reference"], actors["reference"] = await spawn_ranks(
+            "reference", classes["reference"], config.reference.ranks, config.reference, str(checkpoint),
+            hosts=hosts.of("reference"))
+    meshes["replay_buffer"], buffer = spawn("replay_buffer", classes["replay_buffer"], config.replay_buffer, config.trainer,
+                          config.controller.prompts_per_step, config.controller.max_policy_age, pad_id,
+                          host=hosts.host("replay_buffer", 0))
+    for role in ("trainer", "reference"):
+        if role in actors:
+            await actors[role].attach_buffer.call(buffer)
+    return Actors(**actors, buffer=buffer, procs=meshes)
 
 
 def generator_args(config: Config, index: int, checkpoint: Path) -> tuple:

@@ -3,8 +3,6 @@ training did, how long each phase took, and the replicas' and work buffer's coun
 metrics.jsonl, TensorBoard and W&B (meshrl/loggers.py), the trained completions to rollouts.jsonl;
 they are what a checkpoint keeps and a resumed run goes on from."""
 
-import statistics
-
 from tqdm import tqdm
 
 from meshrl.loggers import MetricLoggers, RolloutRecorder
@@ -14,10 +12,10 @@ from meshrl.work_buffer import Batch
 def step_row(step: int, version: int, batch: Batch, train: dict, times: dict[str, float],
              counters: dict[str, int]) -> dict:
     """Step `step`'s row: it trained `batch` at policy version `batch.index` and published `version`.
-    `times`: wait, train, publish and (the longest generator's) pull seconds; `counters`: replica
-    restarts, retried calls and weight-update counts so far."""
+    `train`: what the replay buffer's plan said of the episodes trained (their staleness among it) and
+    what training did; `times`: wait, train, publish and (the longest generator's) pull seconds;
+    `counters`: replica restarts, retried calls and weight-update counts so far."""
     stats = dict(batch.stats)
-    staleness = [batch.index - e.policy_version for e in batch.episodes] or [0]  # [0]: nothing to train
     return {
         "step": step,
         "policy_version": version,
@@ -27,8 +25,6 @@ def step_row(step: int, version: int, batch: Batch, train: dict, times: dict[str
         "train_time_s": times["train"],
         "weight_sync_s": times["publish"] + times["pull"],
         "wait_time_s": times["wait"],
-        "staleness_mean": statistics.fmean(staleness),
-        "staleness_max": max(staleness),
     }
 
 

@@ -100,7 +100,8 @@ class RolloutCollector:
 
         groups = await asyncio.gather(*(one(i, s) for i, s in enumerate(samples)))
         scored = [s for g in groups for s in g.scored]
-        rates = check_rates(scored, sum(g.completions for g in groups), "eval_", self.task.accuracy)  # failed: 0
+        rates = check_rates([s.reward_components for s in scored], sum(g.completions for g in groups), "eval_",
+                            self.task.accuracy)  # failed: 0
         lines = [f"eval at step {step}: " + "  ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in rates.items())]
         for g in groups[:3]:
             reply = g.scored[0].completion.text.strip() if g.scored else "(failed, or its reward function did)"

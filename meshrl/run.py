@@ -103,15 +103,16 @@ class Run:
                 self.hosts = await self._start_job()
                 self.config.weight_sync.dtype = await weight_dtype(self.config, self.hosts,
                                                                    local=not self.placement["generator"].group)
-                self.actors = await spawn_actors(self.gpus.apply(self.config), self.classes, self.model_path, self.hosts)
+                self.actors = await spawn_actors(self.gpus.apply(self.config), self.classes, self.model_path, self.hosts,
+                                                 self.tokenizer.pad_id)
                 self.signals.install()
                 self.signals.on_hard_stop = self._hard_stop
                 await self._start_pools()
                 c = self.controller = Controller(
                     self.config, self.task, self.tokenizer, *self.pools, self.actors.trainer, self.actors.reference,
-                    self.tracer, self.signals, checkpoint.Checkpointer(self.run_dir, self.config.checkpoint.keep,
-                                                                       self.actors.trainer, self.tracer,
-                                                                       self.timeouts), rows, self.timeouts)
+                    self.actors.buffer, self.tracer, self.signals,
+                    checkpoint.Checkpointer(self.run_dir, self.config.checkpoint.keep, self.actors.trainer, self.tracer,
+                                            self.timeouts, self.actors.buffer), rows, self.timeouts)
                 if resumed:
                     await c.restore(resumed, self.resume_from)
                     tqdm.write(f"resumed from {self.resume_from} (step {resumed.step}, "
@@ -192,7 +193,7 @@ class Run:
             grade.replicas, grade.max_restarts, self._write_processes, timeouts.stop)
         self.pools = [generators, graders]
         await asyncio.gather(generators.start(), graders.start())
-        for role, procs in zip(("trainer", "reference"), self.actors.procs):
+        for role, procs in self.actors.procs.items():
             found = await processes(procs, role)  # the trainer's: one per rank
             self.where[role] = ([h for h, _ in found], [p for _, p in found]) if len(found) > 1 else found[0]
         self._write_processes()
@@ -231,7 +232,7 @@ class Run:
         others still stop. Then the job's hosts."""
         pools = [pool.stop() for pool in self.pools]
         meshes = [bounded(mesh.stop(), self.timeouts.stop, "stopping a mesh")
-                  for mesh in (self.actors.procs if self.actors else [])]
+                  for mesh in (self.actors.procs.values() if self.actors else [])]
         await asyncio.gather(*pools, *meshes, return_exceptions=True)
         if self.hosts:
             self.hosts.kill()

@@ -37,6 +37,7 @@ class Timeouts:
     grade: Timeout | None = None
     trainer: Timeout | None = None  # one trainer call: a micro-batch, an optimizer step, a publish, the save
     reference: Timeout | None = None
+    buffer: Timeout | None = None  # one replay-buffer call: adding a group, a step's plan, a micro-batch
     stop: Timeout | None = None  # each call made while stopping: the stop's checkpoint, the save, stopping meshes
 
     @staticmethod
@@ -47,6 +48,7 @@ class Timeouts:
             grade=Timeout(config.grader.timeout_s, "grader.timeout_s"),
             trainer=Timeout(config.trainer.timeout_s, "trainer.timeout_s"),
             reference=Timeout(config.reference.timeout_s, "reference.timeout_s"),
+            buffer=Timeout(config.replay_buffer.timeout_s, "replay_buffer.timeout_s"),
             stop=Timeout(config.controller.stop_timeout_s, "controller.stop_timeout_s"))
 
 

@@ -24,7 +24,7 @@ from meshrl.actors import first
 from meshrl.configs import TrainerConfig
 from meshrl.timeouts import Timeouts
 from meshrl.trace import no_span
-from meshrl.types import Episode, TrainBatch
+from meshrl.types import BatchRef, Episode, TrainBatch
 
 
 def split(episodes: list, parts: int) -> list[list]:
@@ -68,11 +68,14 @@ def padding_fraction(episodes: list[Episode], batches: list[TrainBatch]) -> floa
     return 1 - sum(len(e.tokens) - 1 for e in episodes) / max(positions, 1)
 
 
-def rounds(batches: list[TrainBatch], ranks: int) -> list[list[TrainBatch]]:
-    """`batches` in rounds of `ranks`, the last filled up with copies that carry no loss token."""
+def rounds(batches: list[TrainBatch | BatchRef], ranks: int) -> list[list[TrainBatch | BatchRef]]:
+    """`batches` in rounds of `ranks`, the last filled up with copies that carry no loss token (of a
+    `BatchRef`: the same micro-batch, `idle`)."""
     out = [batches[i:i + ranks] for i in range(0, len(batches), ranks)]
     if out and len(out[-1]) < ranks:
-        idle = dataclasses.replace(out[-1][0], loss_mask=torch.zeros_like(out[-1][0].loss_mask))
+        last = out[-1][0]
+        idle = (dataclasses.replace(last, idle=True) if isinstance(last, BatchRef)
+                else dataclasses.replace(last, loss_mask=torch.zeros_like(last.loss_mask)))
         out[-1] += [idle] * (ranks - len(out[-1]))
     return out
 
@@ -86,25 +89,47 @@ async def each_rank(trainer, endpoint: str, batches: list[TrainBatch]) -> list:
 async def train_step(trainer, reference, episodes: list[Episode], config: TrainerConfig, pad_id: int,
                      span=no_span, version: int | None = None, reference_ranks: int = 1,
                      timeouts: Timeouts = Timeouts()) -> dict:
-    """Train on `episodes` with `config.mini_batches` updates on the trainer's `config.ranks` ranks
-    (the reference, if any, on its `reference_ranks`); return the step's metrics.
+    """Train on `episodes`, collated here and sent to the trainer (the controller's step takes them from
+    the replay buffer instead: `train_updates` with `BatchRef`s): see `train_updates`."""
+    updates = [micro_batches(chunk, config.micro_batch_size, pad_id, config.micro_batch_tokens)
+               for chunk in split(episodes, config.mini_batches)]
+    metrics = await train_updates(trainer, reference, updates, config, span, version, reference_ranks, timeouts)
+    return {**metrics, "tokens_trained": int(sum(len(e.tokens) for e in episodes)),
+            "padding_fraction": padding_fraction(episodes, [b for batches in updates for b in batches])}
+
+
+def with_into(batch: TrainBatch | BatchRef, into: str) -> TrainBatch | BatchRef:
+    """A `BatchRef` that has its actor put what it computes into its micro-batch's field `into`."""
+    return dataclasses.replace(batch, into=into) if isinstance(batch, BatchRef) else batch
+
+
+async def computed(actor, group: list, into: str) -> None:
+    """Each rank's logprobs of its micro-batch of `group`, as the micro-batch's field `into`: set here
+    for a TrainBatch, put into the replay buffer by the rank itself for a `BatchRef`."""
+    for batch, values in zip(group, await each_rank(actor, "logprobs", [with_into(b, into) for b in group])):
+        if isinstance(batch, TrainBatch):
+            setattr(batch, into, values)
+
+
+async def train_updates(trainer, reference, updates: list[list[TrainBatch | BatchRef]], config: TrainerConfig,
+                        span=no_span, version: int | None = None, reference_ranks: int = 1,
+                        timeouts: Timeouts = Timeouts()) -> dict:
+    """One optimizer update per list of micro-batches (TrainBatches, or `BatchRef`s the ranks take from
+    the replay buffer) on the trainer's `config.ranks` ranks (the reference, if any, on its
+    `reference_ranks`); return the step's metrics.
 
     Ratio, clip, behaviour-weight and KL figures are means over all loss tokens of the step;
     `clip_fraction_by_update` gives each update's clipped share, `loss` and `grad_norm` the mean
     over updates. Each actor call is timed by `span` (a `Tracer.span`) with the trained `version`,
     and bounded by `timeouts.trainer` (the reference's by `timeouts.reference`)."""
-    updates = [micro_batches(chunk, config.micro_batch_size, pad_id, config.micro_batch_tokens)
-               for chunk in split(episodes, config.mini_batches)]
     if reference:
         for group in rounds([b for batches in updates for b in batches], reference_ranks):
             async with span("reference", "reference", version, timeout=timeouts.reference):
-                for batch, ref in zip(group, await each_rank(reference, "logprobs", group)):
-                    batch.ref_logprobs = ref
+                await computed(reference, group, "ref_logprobs")
     for batches in updates[1:]:  # pi_old before the first update changes the weights
         for group in rounds(batches, config.ranks):
             async with span("trainer", "pi_old", version, timeout=timeouts.trainer):
-                for batch, old in zip(group, await each_rank(trainer, "logprobs", group)):
-                    batch.old_logprobs = old
+                await computed(trainer, group, "old_logprobs")
     sums, clip_by_update, losses, grad_norms, skipped = defaultdict(float), [], [], [], 0
     for batches in updates:
         update = defaultdict(float)
@@ -128,8 +153,6 @@ async def train_step(trainer, reference, episodes: list[Episode], config: Traine
         "loss": sum(losses) / len(losses),
         "updates": len(updates),
         "updates_skipped": skipped,  # not applied: a NaN or infinite loss or gradient norm
-        "tokens_trained": int(sum(len(e.tokens) for e in episodes)),
-        "padding_fraction": padding_fraction(episodes, [b for batches in updates for b in batches]),
         "logprob_mismatch": sums["logprob_mismatch"] / tokens,
         "ratio_mean": sums["ratio"] / tokens,
         "ratio_max": sums["ratio_max"],

@@ -106,6 +106,19 @@ class Episode:
         return sum(self.loss_mask)
 
 
+@dataclass(frozen=True)
+class BatchRef:
+    """A micro-batch the replay buffer holds (meshrl/actors/replay_buffer.py): batch `batch`'s
+    optimizer update `update`, micro-batch `micro`. An actor given one takes the micro-batch from the
+    buffer itself; what it computes for it (`into`: "old_logprobs", "ref_logprobs") it puts back there."""
+
+    batch: int
+    update: int
+    micro: int
+    into: str = ""
+    idle: bool = False  # a rank's turn in a round short of micro-batches: the micro-batch, training nothing
+
+
 @dataclass
 class TrainBatch:
     """Right-padded tensors for one micro-batch.

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from meshrl.advantages import all_equal
-from meshrl.types import Episode, ScoredCompletion
+from meshrl.types import ScoredCompletion
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Filling:
     """A batch being filled: the groups admitted into it, running or finished, kept or not."""
 
     index: int
-    kept: dict[int, list[ScoredCompletion]] = field(default_factory=dict)  # prompt index -> its group
+    kept: dict[int, object] = field(default_factory=dict)  # prompt index -> what `keep` made of its group
     groups: list[Group] = field(default_factory=list)  # finished into it (kept, equal-reward dropped, no reward)
     equal: int = 0  # groups whose rewards were all equal: no learning signal
     stale: int = 0  # sampled from a version outside this batch's bound: their prompts start again
@@ -62,10 +62,11 @@ class Filling:
 
 @dataclass
 class Batch:
-    """A complete batch, everything the step that trains it needs, as one object."""
+    """A complete batch as the controller knows it: its groups' episodes are in the replay buffer."""
 
     index: int  # trained by step index + 1, at policy version index
-    episodes: list[Episode]
+    groups: list[int]  # its kept groups' prompt indices, in prompt order (the order they are trained in)
+    versions: list[int]  # its episodes' policy versions
     stats: dict  # its rollout metrics (rewards, checks, group counts, times)
     records: list[dict]  # one per trained completion, for rollouts.jsonl
 
@@ -83,6 +84,9 @@ class WorkBuffer:
     tries: int = 0  # groups finished into a batch at most (dynamic sampling); 0: batch_size
     drop_equal: bool = False  # groups whose rewards are all equal are not kept
     max_failed_fraction: float = 0.5  # more failed groups than this share of batch_size stop the run
+    # a kept group (its batch's index, the group) -> what the Filling keeps of it (the controller's: its
+    # episodes go to the replay buffer, and a summary stays); by default its scored completions
+    keep: Callable[[int, Group], object] = lambda batch, group: group.scored
 
     def __post_init__(self):
         self.tries = self.tries or self.batch_size
@@ -135,7 +139,7 @@ class WorkBuffer:
         no_signal = bool(group.scored) and all_equal([s.reward for s in group.scored])
         f.equal += no_signal
         if group.scored and not (no_signal and self.drop_equal):
-            f.kept[group.prompt_index] = group.scored
+            f.kept[group.prompt_index] = self.keep(f.index, group)
         if not f.complete(self.batch_size, self.tries):
             return None
         batch = self.ready[f.index] = self.build(f)
@@ -168,7 +172,7 @@ class WorkBuffer:
         sampled from a version in [b - max_policy_age, b]."""
         batch = self.ready.get(index)
         if batch is not None:
-            versions = [e.policy_version for e in batch.episodes]
+            versions = batch.versions
             if versions and not (index - self.max_policy_age <= min(versions) and max(versions) <= index):
                 raise RuntimeError(f"batch {index} holds episodes of policy versions {min(versions)} to "
                                    f"{max(versions)}: outside the staleness bound ({self.max_policy_age})")

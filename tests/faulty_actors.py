@@ -10,6 +10,7 @@ import torch
 
 from monarch.actor import endpoint
 
+from meshrl.actors.distributed import from_buffer
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.trainer import TitanTrainer
 
@@ -47,6 +48,7 @@ class NaNTrainer(TitanTrainer):
     @endpoint
     async def forward_backward(self, batch) -> dict:
         self.batches = getattr(self, "batches", 0) + 1
+        batch = await from_buffer(self.buffer, batch)
         if self.batches >= 2:
             batch.advantages = torch.full_like(batch.advantages, float("nan"))
         return await TitanTrainer.forward_backward._method(self, batch)

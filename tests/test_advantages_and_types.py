@@ -27,7 +27,7 @@ def test_a_batch_trains_its_groups_in_prompt_order_whatever_order_they_finished_
     """Groups finish in an order timing decides; the trainer sums their gradients in the batch's order, so
     a rerun or a resume computes the same weights only if that order is the prompts'."""
     from meshrl.configs import ControllerConfig
-    from meshrl.episodes import batch_builder
+    from meshrl.episodes import batch_builder, keep_group
     from meshrl.work_buffer import Filling, Group
 
     class Task:
@@ -37,18 +37,19 @@ def test_a_batch_trains_its_groups_in_prompt_order_whatever_order_they_finished_
             return Sample(f"prompt {index}", "")
 
     groups = {p: [scored(float(i), tokens=(p, i)) for i in range(2)] for p in (4, 5, 9)}
-    build = batch_builder(ControllerConfig(), Task(), 1.0, lambda: 0.0)
+    build = batch_builder(ControllerConfig(), lambda: 0.0)
 
     def filled(order):
         f = Filling(0)
         for p in order:
-            f.kept[p] = groups[p]
+            f.kept[p] = keep_group(groups[p], p, ControllerConfig(), Task(), 1.0)[1]
             f.groups.append(Group(p, groups[p], 2, 4, 3))
         return build(f)
 
     first, second = filled([9, 5, 4]), filled([4, 9, 5])
-    assert [e.group_id for e in first.episodes] == [4, 4, 5, 5, 9, 9]
-    assert first.episodes == second.episodes and first.records == second.records and first.stats == second.stats
+    assert first.groups == [4, 5, 9] and [r["group"] for r in first.records] == [4, 4, 5, 5, 9, 9]
+    assert (first.groups, first.versions, first.records, first.stats) == (
+        second.groups, second.versions, second.records, second.stats)
 
 
 def test_collate_shifts_targets_and_pads():
@@ -67,6 +68,7 @@ def test_check_rates_average_each_check_and_count_unscored_completions_as_zero()
 
     a = ScoredCompletion(scored(1.5).completion, 1.5, {"correct": 1.0, "format": 1.0})
     b = ScoredCompletion(scored(0.0).completion, 0.0, {"correct": 0.0, "format": 1.0})
+    a, b = a.reward_components, b.reward_components
     assert check_rates([a, b], 2, prefix="eval_") == {"eval_accuracy": 0.5, "eval_format": 1.0}
     assert check_rates([a, b], 4, prefix="") == {"accuracy": 0.25, "format": 0.5}  # two whose reward raised
     rates = check_rates([], 0, prefix="")
@@ -78,5 +80,5 @@ def test_check_rates_of_a_part_of_the_task_average_over_the_completions_of_that_
 
     parts = [("sums", 1.0), ("sums", 0.0), ("sums", 1.0), ("countdown", 0.0)]  # a mix of two datasets
     done = [ScoredCompletion(scored(r).completion, r, {"correct": r, f"correct/{name}": r}) for name, r in parts]
-    rates = check_rates(done, 5, prefix="eval_")  # one more completion whose reward raised
+    rates = check_rates([s.reward_components for s in done], 5, prefix="eval_")  # one more completion whose reward raised
     assert rates == {"eval_accuracy": 0.4, "eval_accuracy/sums": 2 / 3, "eval_accuracy/countdown": 0.0}

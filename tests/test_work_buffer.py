@@ -4,15 +4,14 @@ import random
 
 import pytest
 
-from meshrl.types import Completion, Episode, ScoredCompletion
+from meshrl.types import Completion, ScoredCompletion
 from meshrl.work_buffer import Batch, Filling, Group, TooManyFailures, WorkBuffer
 
 
 def build(f: Filling) -> Batch:
-    """A stand-in for episodes.batch_builder: one episode per kept completion, at its group's version."""
-    episodes = [Episode([1, 2], [False, True], [0.0, -1.0], 0.0, s.completion.policy_version, gid)
-                for gid, group in f.kept.items() for s in group]
-    return Batch(f.index, episodes, {"equal": f.equal, "stale": f.stale, "failed": f.failed}, [])
+    """A stand-in for episodes.batch_builder: its kept groups, each completion one episode at its version."""
+    return Batch(f.index, sorted(f.kept), [s.completion.policy_version for _, g in sorted(f.kept.items()) for s in g],
+                 {"equal": f.equal, "stale": f.stale, "failed": f.failed}, [])
 
 
 def group(index: int, version: int = 0, rewards=(1.0, 0.0)) -> Group:
@@ -49,10 +48,10 @@ def test_each_group_is_trained_in_the_batch_it_was_admitted_into_whenever_it_fin
     assert work.finish(group(3)) is None
     assert work.finish(group(1)) is None  # batch 0 still waits for prompt 0
     later = work.finish(group(2))
-    assert later.index == 1 and {e.group_id for e in later.episodes} == {2, 3}
+    assert later.index == 1 and set(later.groups) == {2, 3}
     assert work.batch(0) is None and work.batch(1) is later and not work.may_start(0)
     batch = work.finish(group(0))
-    assert batch.index == 0 and {e.group_id for e in batch.episodes} == {0, 1} and work.batch(0) is batch
+    assert batch.index == 0 and set(batch.groups) == {0, 1} and work.batch(0) is batch
     work.trained(0)
     assert work.batch(0) is None and starts(work, 1) == [4, 5]  # batch 2's slots
 
@@ -95,13 +94,13 @@ def test_equal_reward_groups_are_kept_unless_dropped_and_dynamic_sampling_stops_
     starts(plain, 0)
     plain.finish(group(0, rewards=(1.0, 1.0)))
     batch = plain.finish(group(1))
-    assert batch.stats["equal"] == 1 and {e.group_id for e in batch.episodes} == {0, 1}
+    assert batch.stats["equal"] == 1 and set(batch.groups) == {0, 1}
 
     unscored = buffer(size=2)  # every reward function raised: tried, not trained
     starts(unscored, 0)
     unscored.finish(group(0, rewards=()))
     batch = unscored.finish(group(1))
-    assert batch is not None and {e.group_id for e in batch.episodes} == {1}
+    assert batch is not None and set(batch.groups) == {1}
 
     dropping = buffer(size=2, tries=3, drop_equal=True)
     assert starts(dropping, 0) == [0, 1]
@@ -109,7 +108,7 @@ def test_equal_reward_groups_are_kept_unless_dropped_and_dynamic_sampling_stops_
     assert starts(dropping, 0) == [2]  # a dropped group frees its place: another prompt starts
     assert dropping.finish(group(1)) is None
     batch = dropping.finish(group(2, rewards=(0.0, 0.0)))  # the third try: short of signal, trained as it is
-    assert batch is not None and {e.group_id for e in batch.episodes} == {1} and batch.stats["equal"] == 2
+    assert batch is not None and set(batch.groups) == {1} and batch.stats["equal"] == 2
 
 
 def test_a_failed_group_is_counted_not_retried_and_too_many_stop_the_run():
@@ -153,7 +152,7 @@ def test_a_snapshot_holds_what_is_not_trained_and_running_groups_as_to_redo():
 def test_handing_over_a_batch_outside_the_bound_is_an_error():
     work = buffer(size=1, age=0)
     starts(work, 0)
-    work.ready[0] = Batch(0, [Episode([1, 2], [False, True], [0.0, 0.0], 0.0, 1, 0)], {}, [])  # from the future
+    work.ready[0] = Batch(0, [0], [1], {}, [])  # an episode from the future
     with pytest.raises(RuntimeError, match="outside the staleness bound"):
         work.batch(0)
 

@@ -4,7 +4,8 @@
 `spawn_ranks` (meshrl/actors/__init__.py) sets RANK, WORLD_SIZE, MASTER_ADDR... in every process of
 the mesh before the actors start; `join` reads them, pins the rank to its cores, picks its device and
 initialises the process group (gloo on the CPU, NCCL on CUDA); `shard` applies the model family's
-FSDP2 plan.
+FSDP2 plan. Both take their micro-batches from the replay buffer when given a BatchRef (`from_buffer`)
+and put back what they compute for it (`to_buffer`).
 """
 
 import os
@@ -18,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from meshrl.actors import pin_cpus, placement, resolve_device
 from meshrl.families import family_of
 from meshrl.model import build_policy, load_policy, read_hf_config
+from meshrl.types import BatchRef, TrainBatch
 
 
 @dataclass(frozen=True)
@@ -120,3 +122,16 @@ def shard(model: torch.nn.Module, rank: Rank, plan: Callable) -> None:
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's rows of a (possibly sharded) tensor."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+async def from_buffer(buffer, batch: TrainBatch | BatchRef) -> TrainBatch:
+    """The micro-batch itself: a BatchRef's taken from the replay buffer (an actor mesh), actor to actor."""
+    return await buffer.micro_batch.call_one(batch) if isinstance(batch, BatchRef) else batch
+
+
+async def to_buffer(buffer, batch: TrainBatch | BatchRef, values: torch.Tensor) -> torch.Tensor | None:
+    """`values` computed for `batch`: put into the replay buffer (a BatchRef's, as its `into`), or returned."""
+    if isinstance(batch, BatchRef):
+        await buffer.attach.call_one(batch, values)
+        return None
+    return values

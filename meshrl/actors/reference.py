@@ -8,10 +8,10 @@ for its own micro-batch of each round.
 import torch
 from monarch.actor import Actor, endpoint
 
-from meshrl.actors.distributed import join, load_on_ranks
+from meshrl.actors.distributed import from_buffer, join, load_on_ranks, to_buffer
 from meshrl.configs import ReferenceConfig
 from meshrl.losses import policy_logprobs
-from meshrl.types import TrainBatch
+from meshrl.types import BatchRef, TrainBatch
 
 
 class ReferenceModel(Actor):
@@ -20,8 +20,17 @@ class ReferenceModel(Actor):
         self.config, self.device = config, me.device
         self.model, _ = load_on_ranks(checkpoint, me)
         self.model.eval().requires_grad_(False)
+        self.buffer = None  # the replay buffer BatchRefs name micro-batches of
 
     @endpoint
-    async def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """log p_ref of every target token [B, T] (on the host, for the caller)."""
-        return policy_logprobs(self.model, batch.to(self.device), self.config.bf16_autocast).cpu()
+    async def attach_buffer(self, buffer) -> None:
+        """Take micro-batches from this replay buffer (meshrl/actors/replay_buffer.py) from now on."""
+        self.buffer = buffer
+
+    @endpoint
+    async def logprobs(self, batch: TrainBatch | BatchRef) -> torch.Tensor | None:
+        """log p_ref of every target token [B, T] (on the host, for the caller; of a BatchRef's micro-batch,
+        put back into the replay buffer as its `into`)."""
+        micro = await from_buffer(self.buffer, batch)
+        values = policy_logprobs(self.model, micro.to(self.device), self.config.bf16_autocast).cpu()
+        return await to_buffer(self.buffer, batch, values)

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from meshrl.types import Completion, Prompt, Sampling, ScoredCompletion, TrainBatch
+from meshrl.types import BatchRef, Completion, Episode, Prompt, Sampling, ScoredCompletion, TrainBatch
 
 
 class ReplicaBroken(RuntimeError):
@@ -71,12 +71,17 @@ class Trainer(Protocol):
     """Trains on TrainBatches and publishes weights; computes no advantages.
     Constructed with (TrainerConfig, WeightSyncConfig, checkpoint path)."""
 
-    async def forward_backward(self, batch: TrainBatch) -> dict:
-        """Accumulate the loss's gradient over one micro-batch; returns its metric sums (meshrl/losses.py).
-        Logprobs are taken from logits / `batch.temperature`: the distribution the tokens were sampled from."""
+    async def attach_buffer(self, buffer) -> None:
+        """Take micro-batches from this replay buffer (an actor mesh following ReplayBuffer) from now on."""
 
-    async def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """The current policy's logprob of every target token [B, T], without training."""
+    async def forward_backward(self, batch: TrainBatch | BatchRef) -> dict:
+        """Accumulate the loss's gradient over one micro-batch (a `BatchRef`: taken from the replay buffer);
+        returns its metric sums (meshrl/losses.py). Logprobs are taken from logits / `batch.temperature`:
+        the distribution the tokens were sampled from."""
+
+    async def logprobs(self, batch: TrainBatch | BatchRef) -> torch.Tensor | None:
+        """The current policy's logprob of every target token [B, T], without training; for a `BatchRef`,
+        attached to its micro-batch in the replay buffer (as `ref.into`) instead of returned."""
 
     async def optim_step(self, skip: bool = False) -> dict:
         """One optimizer update: {"updates", "grad_norm", "skipped"}. Not applied (the gradients dropped,
@@ -109,11 +114,53 @@ class Trainer(Protocol):
 class Reference(Protocol):
     """The frozen initial policy for the KL penalty. Constructed with (ReferenceConfig, checkpoint path)."""
 
-    async def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """log p_ref of every target token [B, T]."""
+    async def attach_buffer(self, buffer) -> None:
+        """As the trainer's: take micro-batches from this replay buffer."""
+
+    async def logprobs(self, batch: TrainBatch | BatchRef) -> torch.Tensor | None:
+        """log p_ref of every target token [B, T]; for a `BatchRef`, attached in the replay buffer instead."""
 
 
-ROLES: dict[str, type] = {"generator": Generator, "grader": Grader, "trainer": Trainer, "reference": Reference}
+class ReplayBuffer(Protocol):
+    """Holds the kept groups' Episodes between the controller and the trainer, composes each batch,
+    collates its micro-batches and hands them to the trainer's and reference's ranks; logs the batches
+    handed out since the newest checkpoint. Constructed with (ReplayBufferConfig, TrainerConfig,
+    prompts_per_step, max_policy_age, pad token id). meshrl/actors/replay_buffer.py has two."""
+
+    async def add(self, batch: int, group_id: int, episodes: list[Episode], rewards: list[float]) -> None:
+        """A kept group's episodes (with its rewards), generated for batch `batch`."""
+
+    async def sample(self, batch: int, fresh: list[int]) -> dict:
+        """Compose batch `batch` (its fresh groups `fresh`, in order, and whatever else the buffer trains),
+        its episodes within the staleness bound (raise otherwise); collate its micro-batches; return
+        {"micro_batches": [count per optimizer update], "episodes_trained", "episodes_reused", "groups_reused",
+        "tokens_trained", "padding_fraction", "staleness_mean", "staleness_max", "episodes_by_age"}.
+        A batch handed out before (since the newest checkpoint) is handed out again exactly."""
+
+    async def micro_batch(self, ref: BatchRef) -> TrainBatch:
+        """The micro-batch `ref` names, with what was attached to it (no loss token if `ref.idle`)."""
+
+    async def attach(self, ref: BatchRef, values: torch.Tensor) -> None:
+        """Set `ref.into` of the micro-batch `ref` names."""
+
+    async def trained(self, batch: int) -> None:
+        """Batch `batch` is trained and its step logged."""
+
+    async def checkpointed(self, step: int) -> None:
+        """A checkpoint of every step up to `step` is written: drop the log of the batches they trained."""
+
+    async def logged(self) -> list[int]:
+        """The batches handed out since the newest checkpoint, in order."""
+
+    async def save_state(self, path: str) -> None:
+        """The buffer's state (what it holds, its counts) into directory `path`."""
+
+    async def load_state(self, path: str) -> int:
+        """Restore what `save_state` wrote."""
+
+
+ROLES: dict[str, type] = {"generator": Generator, "grader": Grader, "trainer": Trainer, "reference": Reference,
+                          "replay_buffer": ReplayBuffer}
 
 
 MULTI_TURN_ONLY = {"step"}  # a grader for single-turn tasks need not answer conversations

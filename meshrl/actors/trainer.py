@@ -26,14 +26,14 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 from torch.distributed.tensor import DTensor
 
-from meshrl.actors.distributed import all_gather, join, load_on_ranks, local
+from meshrl.actors.distributed import all_gather, from_buffer, join, load_on_ranks, local, to_buffer
 from meshrl.checkpoint import SafeReader, load_safely
 from meshrl.configs import TrainerConfig, WeightSyncConfig
 from meshrl.losses import (autocast, check, on_positions, policy_logprobs, policy_loss, response_logits,
                            token_entropy, token_logprobs)
 from meshrl.model import published_weights, save_checkpoint
 from meshrl.trace import ActorClock
-from meshrl.types import TrainBatch
+from meshrl.types import BatchRef, TrainBatch
 from meshrl.weight_sync.disk import DiskHandle, write_version
 from meshrl.weight_sync.ring import RingHandle
 from meshrl.weight_sync.shards import host_ring
@@ -74,12 +74,20 @@ class TitanTrainer(Actor):
         self.updates = 0  # optimizer updates taken
         self.publishing: asyncio.Future | None = None  # the copy into the ring of the newest version
         self.clock = ActorClock()  # when each endpoint ran, here
+        self.buffer = None  # the replay buffer BatchRefs name micro-batches of
 
     @endpoint
-    async def forward_backward(self, batch: TrainBatch) -> dict:
-        """Accumulate the loss's gradient over one micro-batch; returns the loss's metric sums. Logprobs
-        are taken from logits / the batch's sampling temperature: the distribution its tokens came from."""
+    async def attach_buffer(self, buffer) -> None:
+        """Take micro-batches from this replay buffer (meshrl/actors/replay_buffer.py) from now on."""
+        self.buffer = buffer
+
+    @endpoint
+    async def forward_backward(self, batch: TrainBatch | BatchRef) -> dict:
+        """Accumulate the loss's gradient over one micro-batch (a BatchRef: taken from the replay buffer);
+        returns the loss's metric sums. Logprobs are taken from logits / the batch's sampling temperature:
+        the distribution its tokens came from."""
         await publishes_started()
+        batch = await from_buffer(self.buffer, batch)
         with self.clock.span("train", self.policy_version):
             batch = batch.to(self.device)
             mask = batch.loss_mask
@@ -93,11 +101,14 @@ class TitanTrainer(Actor):
         return metrics
 
     @endpoint
-    async def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """The current policy's logprob of every target token [B, T], without training (on the host)."""
+    async def logprobs(self, batch: TrainBatch | BatchRef) -> torch.Tensor | None:
+        """The current policy's logprob of every target token [B, T], without training (on the host); of
+        a BatchRef's micro-batch, put back into the replay buffer as its `into` instead."""
         await publishes_started()
+        micro = await from_buffer(self.buffer, batch)
         with self.clock.span("logprobs", self.policy_version):
-            return policy_logprobs(self.model, batch.to(self.device), self.config.bf16_autocast).cpu()
+            values = policy_logprobs(self.model, micro.to(self.device), self.config.bf16_autocast).cpu()
+        return await to_buffer(self.buffer, batch, values)
 
     @endpoint
     async def optim_step(self, skip: bool = False) -> dict:

@@ -156,6 +156,21 @@ class ReferenceConfig:
 
 
 @dataclass
+class ReplayBufferConfig:
+    """The replay buffer between the controller and the trainer (meshrl/actors/replay_buffer.py): it
+    holds the episodes of finished groups, collates each step's micro-batches, and hands them to the
+    trainer's ranks."""
+
+    impl: str = "fifo"  # fifo (each group trained once, in the batch it was generated for) | replay (groups trained again, see below) | module:Class
+    max_reuse: int = 2  # replay: times a group may be trained again after its first, while within controller.max_policy_age
+    fresh_fraction: float = 0.5  # replay: the share of each batch's prompts_per_step groups generated for it; old groups fill the rest
+    priority: str = "reward_std"  # replay: which old groups first: reward_std (the widest spread of rewards: the most to learn) | newest
+    cpus: str = ""  # pin its process to these cores; "" leaves placement to the OS
+    hosts: str = ""  # the job.hosts group its process goes on; "": the controller's host
+    timeout_s: float = 600.0  # one call (adding a group, a step's plan, a micro-batch): past it the run stops
+
+
+@dataclass
 class ControllerConfig:
     """The training loop. Eval rates are means over eval_samples completions per held-out prompt."""
 
@@ -213,6 +228,7 @@ class Config:
     grader: GraderConfig = field(default_factory=GraderConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    replay_buffer: ReplayBufferConfig = field(default_factory=ReplayBufferConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

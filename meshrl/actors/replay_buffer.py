@@ -1,0 +1,198 @@
+"""The replay buffer: the data plane between the controller and the trainer, on a process of its own.
+
+The controller puts each kept group's Episodes here as the group finishes (`add`) and keeps only
+what its rules need (prompt, reward, version, length). When the work buffer says batch b is
+complete, the controller asks for its plan (`sample`): the buffer composes the batch, collates its
+micro-batches here and answers only their count per optimizer update; the trainer's ranks (and the
+reference's) then take each micro-batch from the buffer themselves (`micro_batch`, by a `BatchRef`)
+and put back what they compute for it (`attach`: pi_old, the reference's logprobs). No token of a
+training batch passes through the controller.
+
+The work buffer (meshrl/work_buffer.py) stays the one owner of admission and of the staleness bound;
+this buffer asserts the bound for every episode it hands out. Two implementations, by
+`replay_buffer.impl`:
+
+- `fifo` (FifoBuffer): each group trained once, in the batch it was generated for.
+- `replay` (ReplayBuffer): a batch trains its fresh groups (`fresh_fraction` of `prompts_per_step`)
+  and fills the rest with groups trained before, while their version stays within the bound and up to
+  `max_reuse` times again, those with the widest spread of rewards first (`priority reward_std`; or the
+  newest). A group whose rewards are all equal has no learning signal and is not trained again. The
+  decoupled loss's behaviour weight already corrects for the older policy they were sampled from.
+
+Every batch handed out is logged, in order, until a checkpoint holding its step has been written
+(`checkpointed`); asked for again (`sample` of a logged batch), it is handed out exactly as the first
+time. The state (groups waiting, their use counts) is saved with each checkpoint (`save_state`).
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from monarch.actor import Actor, endpoint
+
+from meshrl.actors import pin_cpus
+from meshrl.advantages import population_std
+from meshrl.configs import ReplayBufferConfig, TrainerConfig
+from meshrl.train_step import micro_batches, padding_fraction, split
+from meshrl.types import BatchRef, Episode, TrainBatch
+
+
+@dataclass
+class StoredGroup:
+    """One prompt's group of episodes, as the controller added it."""
+
+    batch: int  # the batch it was generated for
+    episodes: list[Episode]
+    version: int  # its oldest episode's policy version
+    reward_std: float  # the spread of its rewards: 0 means no learning signal
+    uses: int = 0  # times trained
+
+
+@dataclass
+class Handed:
+    """A batch as handed out: its groups in the order trained, and how many of its episodes were reused."""
+
+    groups: list[int]
+    episodes: list[Episode] = field(default_factory=list)
+    reused: int = 0  # episodes trained before
+    groups_reused: int = 0
+
+
+class FifoBuffer(Actor):
+    """Each group trained once, in the batch it was generated for (roles.ReplayBuffer)."""
+
+    def __init__(self, config: ReplayBufferConfig, trainer: TrainerConfig, prompts_per_step: int,
+                 max_policy_age: int, pad_id: int):
+        if config.cpus:
+            pin_cpus(config.cpus, 1)
+        self.config, self.trainer, self.pad_id = config, trainer, pad_id
+        self.prompts_per_step, self.max_policy_age = prompts_per_step, max_policy_age
+        self.groups: dict[int, StoredGroup] = {}  # by group id (its prompt index)
+        self.log: dict[int, Handed] = {}  # batches handed out since the newest checkpoint, by index
+        self.micro: dict[int, list[list[TrainBatch]]] = {}  # the collated micro-batches of batches not yet trained
+
+    @endpoint
+    async def add(self, batch: int, group_id: int, episodes: list[Episode], rewards: list[float]) -> None:
+        """A kept group's episodes, generated for batch `batch`."""
+        version = min((e.policy_version for e in episodes), default=batch)
+        self.groups[group_id] = StoredGroup(batch, episodes, version, population_std(rewards) if rewards else 0.0)
+
+    @endpoint
+    async def sample(self, batch: int, fresh: list[int]) -> dict:
+        """Compose batch `batch` from its fresh groups `fresh` (in this order; a logged batch: as it was
+        handed out), collate its micro-batches, and return its plan: {"micro_batches": [count per
+        update], "episodes_trained", "episodes_reused", "groups_reused", "tokens_trained", "padding_fraction",
+        "staleness_mean", "staleness_max", "episodes_by_age": [episodes of age 0, 1, ...]}."""
+        handed = self.log.get(batch) or self.compose(batch, fresh)
+        ages = [batch - e.policy_version for e in handed.episodes]
+        if ages and not 0 <= min(ages) <= max(ages) <= self.max_policy_age:
+            raise RuntimeError(f"batch {batch} would train episodes of policy versions {batch - max(ages)} to "
+                               f"{batch - min(ages)}: outside the staleness bound ({self.max_policy_age})")
+        self.log[batch] = handed
+        t = self.trainer
+        updates = [micro_batches(chunk, t.micro_batch_size, self.pad_id, t.micro_batch_tokens)
+                   for chunk in split(handed.episodes, t.mini_batches)]
+        self.micro[batch] = updates
+        return {"micro_batches": [len(u) for u in updates], "episodes_trained": len(handed.episodes),
+                "episodes_reused": handed.reused, "groups_reused": handed.groups_reused,
+                "tokens_trained": sum(len(e.tokens) for e in handed.episodes),
+                "padding_fraction": padding_fraction(handed.episodes, [b for u in updates for b in u]),
+                "staleness_mean": sum(ages) / len(ages) if ages else 0.0, "staleness_max": max(ages, default=0),
+                "episodes_by_age": [ages.count(a) for a in range(max(ages, default=0) + 1)]}
+
+    def compose(self, batch: int, fresh: list[int]) -> Handed:
+        """The groups batch `batch` trains: here, exactly its fresh ones."""
+        return Handed(list(fresh), [e for g in fresh for e in self.groups[g].episodes])
+
+    @endpoint
+    async def micro_batch(self, ref: BatchRef) -> TrainBatch:
+        """The micro-batch `ref` names, with what was attached to it; an `idle` one trains nothing (no loss
+        token: a rank's turn in a round short of micro-batches)."""
+        micro = self.micro[ref.batch][ref.update][ref.micro]
+        if ref.idle:
+            return dataclasses.replace(micro, loss_mask=torch.zeros_like(micro.loss_mask))
+        return micro
+
+    @endpoint
+    async def attach(self, ref: BatchRef, values: torch.Tensor) -> None:
+        """What an actor computed for micro-batch `ref` (its `into`: old_logprobs or ref_logprobs)."""
+        if not ref.idle:
+            setattr(self.micro[ref.batch][ref.update][ref.micro], ref.into, values)
+
+    @endpoint
+    async def trained(self, batch: int) -> None:
+        """Batch `batch` is trained and its step logged: its micro-batches go, its groups count a use."""
+        self.micro.pop(batch, None)
+        for g in self.log[batch].groups:
+            self.groups[g].uses += 1
+        self.evict(batch + 1)
+
+    def evict(self, next_batch: int) -> None:
+        """Forget the groups no batch from `next_batch` on may train: here, every group trained."""
+        self.groups = {g: s for g, s in self.groups.items() if not s.uses}
+
+    @endpoint
+    async def checkpointed(self, step: int) -> None:
+        """A checkpoint of the steps up to `step` is written: the batches they trained leave the log."""
+        self.log = {b: h for b, h in self.log.items() if b >= step}
+
+    @endpoint
+    async def logged(self) -> list[int]:
+        """The batches handed out since the newest checkpoint, in order."""
+        return sorted(self.log)
+
+    @endpoint
+    async def save_state(self, path: str) -> None:
+        """The groups waiting and their use counts, into `path` (a checkpoint's `replay_buffer/`)."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        state = {g: [s.batch, s.episodes, s.version, s.reward_std, s.uses] for g, s in self.groups.items()}
+        torch.save({"groups": state}, Path(path) / "state.pt")
+
+    @endpoint
+    async def load_state(self, path: str) -> int:
+        """Restore what `save_state` wrote; returns the number of groups restored."""
+        from meshrl.checkpoint import load_safely
+
+        state = load_safely(Path(path) / "state.pt", [Episode])
+        self.groups = {g: StoredGroup(*fields) for g, fields in state["groups"].items()}
+        self.log, self.micro = {}, {}
+        return len(self.groups)
+
+
+class ReplayBuffer(FifoBuffer):
+    """Groups trained again (roles.ReplayBuffer): each batch's fresh groups, then groups trained
+    before, while within the staleness bound and up to `max_reuse` times again, by priority."""
+
+    def compose(self, batch: int, fresh: list[int]) -> Handed:
+        old = [g for g, s in self.groups.items() if g not in fresh and self.reusable(s, batch)]
+        key = ((lambda g: (-self.groups[g].reward_std, -self.groups[g].version, g))
+               if self.config.priority == "reward_std" else (lambda g: (-self.groups[g].version, g)))
+        again = sorted(old, key=key)[:max(self.prompts_per_step - len(fresh), 0)]
+        groups = list(fresh) + sorted(again)
+        episodes = [e for g in groups for e in self.groups[g].episodes]
+        return Handed(groups, episodes, sum(len(self.groups[g].episodes) for g in again), len(again))
+
+    def reusable(self, group: StoredGroup, batch: int) -> bool:
+        """Trained before, fewer than 1 + max_reuse times, with a learning signal, and within the bound."""
+        return (0 < group.uses <= self.config.max_reuse and group.reward_std > 0
+                and batch - group.version <= self.max_policy_age)
+
+    def evict(self, next_batch: int) -> None:
+        self.groups = {g: s for g, s in self.groups.items() if not s.uses or self.reusable(s, next_batch)}
+
+
+IMPLEMENTATIONS = {"fifo": "meshrl.actors.replay_buffer:FifoBuffer", "replay": "meshrl.actors.replay_buffer:ReplayBuffer"}
+
+
+def buffer_impl(impl: str) -> str:
+    """The "module:Class" `replay_buffer.impl` names: fifo, replay, or the user's own."""
+    return IMPLEMENTATIONS.get(impl, impl)
+
+
+def fresh_groups(config) -> int:
+    """Groups generated for each batch: prompts_per_step, or with `replay` its fresh share (at least one)."""
+    prompts = config.controller.prompts_per_step
+    if config.replay_buffer.impl != "replay":
+        return prompts
+    return max(1, round(prompts * config.replay_buffer.fresh_fraction))
