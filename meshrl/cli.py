@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     control.add_argument("--json", type=Path, required=True, help="where to write the figures")
     control.add_argument("--replicas", default="1,8,64,512", help="generator replica counts, comma separated")
     control.add_argument("--group-size", type=int, default=8, help="completions per prompt")
-    control.add_argument("--max-tokens", type=int, default=32, help="tokens per completion")
+    control.add_argument("--max-tokens", default="32", help="tokens per completion, comma separated (e.g. 1024,8192)")
     control.add_argument("--groups", type=int, default=4096, help="groups routed per figure (at least)")
     control.add_argument("--placement", metavar="REPLICAS:RANKS:PROMPTS",
                          help="predict the step time of this placement, e.g. 8:4:64 (needs the cost model's times)")
@@ -260,7 +260,8 @@ def _bench_controller(args) -> None:
         placement = {"replicas": replicas, "ranks": ranks, "prompts": prompts}
     costs = Costs(args.generate_s_per_token, args.train_s_per_token, args.publish_s, args.pull_s, args.tail)
     _write_bench(args.json, controller, controller.run([int(r) for r in args.replicas.split(",")], args.group_size,
-                                                       args.max_tokens, args.groups, placement, costs,
+                                                       [int(t) for t in args.max_tokens.split(",")], args.groups,
+                                                       placement, costs,
                                                        args.time_scale))
 
 

@@ -215,11 +215,13 @@ class FakeTrainer:
         self.copying: asyncio.Future | None = None  # a publish's copy into the ring, as the real trainer's
         self.clock = ActorClock()
         self.buffer = None
+        self.received: Counter = Counter()  # what the caller sent forward_backward and logprobs, by type
 
     async def attach_buffer(self, buffer) -> None:
         self.buffer = buffer
 
     async def forward_backward(self, batch) -> dict:
+        self.received[type(batch).__name__] += 1
         batch = await from_buffer(self.buffer, batch)
         rows = batch.loss_mask.any(-1)
         self.pending += [int(i) - PROMPT_ID for i in batch.input_ids[rows, 0]]
@@ -231,6 +233,7 @@ class FakeTrainer:
                 "behaviour_kl": 0.0, "entropy": 0.0}
 
     async def logprobs(self, batch) -> torch.Tensor | None:
+        self.received[type(batch).__name__] += 1
         return await to_buffer(self.buffer, batch, (await from_buffer(self.buffer, batch)).behaviour_logprobs)
 
     async def optim_step(self, skip: bool = False) -> dict:

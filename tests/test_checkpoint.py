@@ -242,3 +242,28 @@ def test_nan_losses_are_not_applied_counted_and_stop_the_run_with_the_last_good_
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-1"]
     # the policy saved is the last good one: bad updates never touched the weights
     assert (tmp_path / "final" / "model.safetensors").is_file()
+
+
+def test_a_replay_run_killed_after_a_checkpoint_resumes_with_the_buffer_it_had(tmp_path):
+    """`replay_buffer.impl replay` on real actors: the replay buffer is a process of its own, the trainer's
+    ranks take their micro-batches from it (their own spans say so), groups are trained again, and a
+    run SIGKILLed after a checkpoint resumes from it: every step logged once, versions continuous."""
+    args = ["--controller.steps", "4", "--checkpoint.every", "2", "--replay_buffer.impl", "replay",
+            "--controller.max_policy_age", "1"]
+    killed = tmp_path / "killed"
+    kill_after_checkpoint(killed, args, step=2)
+    assert (killed / "checkpoints" / "step-2" / "replay_buffer" / "state.pt").is_file()
+    resumed = subprocess.run(train(killed, "--resume", str(killed)), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = read_jsonl(killed / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["policy_version"] for r in rows] == [1, 2, 3, 4]
+    # 2 prompts a step, one of them fresh: after the first, each step trains a group of 4 again
+    assert rows[0]["episodes_reused"] == 0 and all(r["episodes_reused"] == 4 for r in rows[1:])
+    assert all(r["staleness_max"] == 1 and r["episodes_trained"] == 8 for r in rows[1:])
+    processes = json.loads((killed / "processes.json").read_text())
+    placement = json.loads((killed / "placement.json").read_text())
+    assert "replay_buffer" in processes and "replay_buffer" in placement
+    spans = read_jsonl(killed / "trace.jsonl")
+    taken = [s for s in spans if s["role"] == "trainer" and s["what"] == "from_buffer" and s["clock"] == "actor"]
+    trained = [s for s in spans if s["role"] == "trainer" and s["what"] == "train" and s["clock"] == "actor"]
+    assert len(taken) == len(trained) > 0  # every micro-batch trained was taken from the buffer by the rank

@@ -2,6 +2,7 @@
 written here as the trainer and the controller write them (DCP, torch.save), then tampered with (a
 pickle whose loading would create a marker file) or damaged (a truncated or missing file)."""
 
+import asyncio
 import json
 import pickle
 import subprocess
@@ -12,8 +13,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from meshrl.actors.replay_buffer import FifoBuffer
 from meshrl.checkpoint import CheckpointError, RunState, UnsafeCheckpoint, resumable, verify
-from meshrl.configs import load_config, to_dict
+from meshrl.configs import ReplayBufferConfig, TrainerConfig, load_config, to_dict
+from meshrl.fake_monarch import endpoint_of
+from meshrl.types import Episode
 from meshrl.work_buffer import Filling
 
 
@@ -28,7 +32,8 @@ class Payload:
 
 
 def write_checkpoint(run_dir: Path, step: int) -> Path:
-    """A checkpoint as meshrl writes one: the trainer's DCP state and rank file, the controller's state."""
+    """A checkpoint as meshrl writes one: the trainer's DCP state and rank file, the replay buffer's state
+    (by the real buffer), the controller's state."""
     where = run_dir / "checkpoints" / f"step-{step}"
     (where / "trainer").mkdir(parents=True)
     dcp.save({"model": {"w": torch.arange(6.0).view(2, 3)}, "optim": {"step": torch.tensor(3.0)}},
@@ -37,6 +42,10 @@ def write_checkpoint(run_dir: Path, step: int) -> Path:
     work = {"next_prompt": 8, "redo": [], "filling": {step: Filling(step)}, "complete_below": step, "ready": {},
             "totals": {}}
     torch.save(RunState(step, step, work, [{"step": step}], {}), where / "state.pt")
+    buffer = FifoBuffer(ReplayBufferConfig(), TrainerConfig(), 2, 0, 0)  # one group waiting
+    add, save = endpoint_of(buffer, "add")[0], endpoint_of(buffer, "save_state")[0]
+    asyncio.run(add(step, 8, [Episode([1, 2], [False, True], [0.0, -1.0], 1.0, step, 8)], [1.0, 0.0]))
+    asyncio.run(save(str(where / "replay_buffer")))
     return where
 
 
@@ -46,7 +55,7 @@ def test_a_checkpoint_as_written_passes_and_its_state_loads(tmp_path):
     assert resumable(tmp_path) == checkpoint
 
 
-@pytest.mark.parametrize("file", ["state.pt", "trainer/rank0.pt", "trainer/.metadata"])
+@pytest.mark.parametrize("file", ["state.pt", "trainer/rank0.pt", "trainer/.metadata", "replay_buffer/state.pt"])
 def test_a_file_that_would_run_code_is_refused_and_runs_nothing(tmp_path, file):
     checkpoint = write_checkpoint(tmp_path, 2)
     marker = tmp_path / "pwned"

@@ -208,6 +208,26 @@ def test_a_stop_at_every_await_point_then_a_resume_trains_every_prompt_exactly_o
             assert [sorted(set(u)) for u in halves] == uninterrupted, k
 
 
+def test_replay_stopped_at_every_await_point_and_resumed_trains_no_group_more_than_max_reuse_times_again(tmp_path):
+    """The replay buffer's groups and use counts are in each checkpoint: a resume goes on with them."""
+    config = fake_config(steps=5, prompts=2, max_policy_age=1)
+    config.replay_buffer.impl, config.replay_buffer.max_reuse = "replay", 1
+    whole = full_run_calls(config, tmp_path)
+    reused_whole = sum(r["episodes_reused"] for r in read_jsonl(tmp_path / "whole" / "metrics.jsonl"))
+    assert reused_whole > 0
+    for k in range(1, len(whole) + 1, 2):
+        run_dir = tmp_path / f"stop-at-{k}"
+        first = run(config, run_dir, Script(stop_at=k, yields={"generate": k % 3}))
+        saved = checkpoint.latest(run_dir)
+        second = run(config, run_dir, resume=saved is not None)
+        rows = read_jsonl(run_dir / "metrics.jsonl")
+        assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and [r["policy_version"] for r in rows] == [1, 2, 3, 4, 5]
+        halves = first.trainer.trained[:len(first.rows)] + second.trainer.trained
+        uses = Counter(p for update in halves for p in set(update))
+        assert max(uses.values()) <= 2, (k, uses)  # once fresh, once again at most
+        assert sum(r["episodes_reused"] for r in rows) > 0 and all(r["staleness_max"] <= 1 for r in rows)
+
+
 def test_a_stop_whose_checkpoint_hangs_goes_on_without_it_after_stop_timeout(tmp_path, caplog):
     class HangingSave(Script):
         async def point(self, endpoint, replica):

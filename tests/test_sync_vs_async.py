@@ -59,7 +59,7 @@ def test_bench_runs_sync_and_both_async_arms_with_bounded_staleness(tmp_path):
 
     for arm in ARMS:
         spans = read_spans(runs / arm)
-        assert {s["role"] for s in spans} == {"generator", "grader", "trainer"}
+        assert {s["role"] for s in spans} == {"generator", "grader", "trainer", "replay_buffer"}
         assert {"generate", "pull", "evaluate", "grade", "train", "publish"} <= {s["what"] for s in spans}
         # the trainer's own times beside the controller's: one call at a time on each lane (a publish
         # copies while the next step's passes run, below)

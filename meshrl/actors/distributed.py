@@ -124,9 +124,15 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-async def from_buffer(buffer, batch: TrainBatch | BatchRef) -> TrainBatch:
-    """The micro-batch itself: a BatchRef's taken from the replay buffer (an actor mesh), actor to actor."""
-    return await buffer.micro_batch.call_one(batch) if isinstance(batch, BatchRef) else batch
+async def from_buffer(buffer, batch: TrainBatch | BatchRef, clock=None, version: int | None = None) -> TrainBatch:
+    """The micro-batch itself: a BatchRef's taken from the replay buffer (an actor mesh), actor to actor
+    (timed as a `from_buffer` span of `clock`, an ActorClock, if given)."""
+    if not isinstance(batch, BatchRef):
+        return batch
+    if clock is None:
+        return await buffer.micro_batch.call_one(batch)
+    with clock.span("from_buffer", version):
+        return await buffer.micro_batch.call_one(batch)
 
 
 async def to_buffer(buffer, batch: TrainBatch | BatchRef, values: torch.Tensor) -> torch.Tensor | None:

@@ -15,9 +15,11 @@ this buffer asserts the bound for every episode it hands out. Two implementation
 - `fifo` (FifoBuffer): each group trained once, in the batch it was generated for.
 - `replay` (ReplayBuffer): a batch trains its fresh groups (`fresh_fraction` of `prompts_per_step`)
   and fills the rest with groups trained before, while their version stays within the bound and up to
-  `max_reuse` times again, those with the widest spread of rewards first (`priority reward_std`; or the
-  newest). A group whose rewards are all equal has no learning signal and is not trained again. The
-  decoupled loss's behaviour weight already corrects for the older policy they were sampled from.
+  `max_reuse` times again, those with the widest spread of rewards first (`priority reward_std`: a
+  group whose rewards are all equal has no learning signal, and comes last), or the newest first
+  (`priority newest`); ties go to the newer group, then the lower prompt index, so a rerun composes the
+  same batches. The decoupled loss's behaviour weight already corrects for the older policy they were
+  sampled from.
 
 Every batch handed out is logged, in order, until a checkpoint holding its step has been written
 (`checkpointed`); asked for again (`sample` of a logged batch), it is handed out exactly as the first
@@ -174,9 +176,8 @@ class ReplayBuffer(FifoBuffer):
         return Handed(groups, episodes, sum(len(self.groups[g].episodes) for g in again), len(again))
 
     def reusable(self, group: StoredGroup, batch: int) -> bool:
-        """Trained before, fewer than 1 + max_reuse times, with a learning signal, and within the bound."""
-        return (0 < group.uses <= self.config.max_reuse and group.reward_std > 0
-                and batch - group.version <= self.max_policy_age)
+        """Trained before, at most max_reuse times again so far, and within the bound for `batch`."""
+        return 0 < group.uses <= self.config.max_reuse and batch - group.version <= self.max_policy_age
 
     def evict(self, next_batch: int) -> None:
         self.groups = {g: s for g, s in self.groups.items() if not s.uses or self.reusable(s, next_batch)}

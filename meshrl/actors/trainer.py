@@ -87,7 +87,7 @@ class TitanTrainer(Actor):
         returns the loss's metric sums. Logprobs are taken from logits / the batch's sampling temperature:
         the distribution its tokens came from."""
         await publishes_started()
-        batch = await from_buffer(self.buffer, batch)
+        batch = await from_buffer(self.buffer, batch, self.clock, self.policy_version)
         with self.clock.span("train", self.policy_version):
             batch = batch.to(self.device)
             mask = batch.loss_mask
@@ -105,7 +105,7 @@ class TitanTrainer(Actor):
         """The current policy's logprob of every target token [B, T], without training (on the host); of
         a BatchRef's micro-batch, put back into the replay buffer as its `into` instead."""
         await publishes_started()
-        micro = await from_buffer(self.buffer, batch)
+        micro = await from_buffer(self.buffer, batch, self.clock, self.policy_version)
         with self.clock.span("logprobs", self.policy_version):
             values = policy_logprobs(self.model, micro.to(self.device), self.config.bf16_autocast).cpu()
         return await to_buffer(self.buffer, batch, values)

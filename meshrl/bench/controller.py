@@ -1,9 +1,14 @@
 """`meshrl bench controller`: the controller's own cost, and what a placement's step time would be.
 
 - Cost: the real controller (loops, work buffer, replica pools, tracer, metric rows, checkpoint)
-  drives fake actors (meshrl/fakes.py) that answer at once, on one core: groups routed per second and
-  controller CPU per group, for each replica count. Each step has one group per replica (of
-  `group_size` completions of `max_tokens` tokens), one step of staleness allowed.
+  drives fake actors (meshrl/fakes.py) that answer at once, and the real replay buffer, all on one
+  core: groups routed per second and the controller's CPU per group, for each replica count and
+  completion length. Each step has one group per replica (of `group_size` completions of
+  `max_tokens` tokens), one step of staleness allowed. The actors run in this process, each step of
+  their endpoints timed (meshrl/fake_monarch.py's ACTOR_CPU): the controller's CPU is the process's
+  less theirs. `with_buffer` adds the replay buffer's (composing and collating each batch): the work
+  the controller did itself before the buffer was an actor of its own. Messages are not serialized
+  between fakes; a real controller also unpickles each group's completions and pickles them on.
 - Prediction: the same with the fakes taking simulated time from a cost model (seconds per generated
   token of a group, per trained token on each trainer rank, per publish and pull, and how much longer
   the slowest groups take): the step time of a placement trained synchronously (max_policy_age 0)
@@ -28,6 +33,8 @@ from pathlib import Path
 import torch
 
 from meshrl.actors import cpu_name
+from meshrl.actors.replay_buffer import FifoBuffer
+from meshrl.fake_monarch import ACTOR_CPU
 from meshrl.fakes import Costs, fake_config, run_fake
 
 
@@ -44,14 +51,18 @@ def controller_cost(replicas: int, group_size: int, max_tokens: int, groups: int
     steps = max(3, math.ceil(groups / replicas))
     config = fake_config(steps=steps, prompts=replicas, group=group_size, max_policy_age=1, replicas=replicas)
     config.generator.max_tokens, config.trainer.micro_batch_size = max_tokens, 16
+    ACTOR_CPU.clear()
     with tempfile.TemporaryDirectory() as run_dir:
         wall, cpu = time.perf_counter(), time.process_time()
         with contextlib.redirect_stdout(io.StringIO()):  # the evals' example replies
             asyncio.run(run_fake(config, Path(run_dir), progress=False))
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     routed = steps * replicas + 2 * len(range(2))  # the batches' groups and two evals of two prompts
-    return {"replicas": replicas, "steps": steps, "groups": routed, "wall_s": wall,
-            "groups_per_s": routed / wall, "cpu_ms_per_group": 1000 * cpu / routed}
+    controller = cpu - sum(ACTOR_CPU.values())
+    return {"replicas": replicas, "max_tokens": max_tokens, "steps": steps, "groups": routed, "wall_s": wall,
+            "groups_per_s": routed / wall, "cpu_ms_per_group": 1000 * controller / routed,
+            "with_buffer_ms_per_group": 1000 * (controller + ACTOR_CPU[FifoBuffer.__name__]) / routed,
+            "actors_cpu_s": dict(ACTOR_CPU)}
 
 
 ARMS = {"sync": (0, "drain"), "async_drain": (1, "drain"), "async": (1, "in_flight")}  # (max_policy_age, update)
@@ -74,26 +85,27 @@ def predict(replicas: int, ranks: int, prompts: int, group_size: int, max_tokens
     return out
 
 
-def run(replicas: list[int], group_size: int, max_tokens: int, groups: int, placement: dict | None,
+def run(replicas: list[int], group_size: int, max_tokens: list[int], groups: int, placement: dict | None,
         costs: Costs, time_scale: float) -> dict:
     core = one_core()
     logging.getLogger("meshrl").setLevel(logging.ERROR)
-    controller_cost(8, group_size, max_tokens, 64)  # warm: imports, first allocations
-    curve = [controller_cost(r, group_size, max_tokens, groups) for r in replicas]
+    controller_cost(8, group_size, max_tokens[0], 64)  # warm: imports, first allocations
+    curve = [controller_cost(r, group_size, tokens, groups) for tokens in max_tokens for r in replicas]
     result = {"core": core, "cpu": cpu_name(), "group_size": group_size, "max_tokens": max_tokens, "cost": curve}
     if placement:
         result["placement"] = {**placement, "costs": dataclasses.asdict(costs), "time_scale": time_scale,
-                               **predict(**placement, group_size=group_size, max_tokens=max_tokens, costs=costs,
+                               **predict(**placement, group_size=group_size, max_tokens=max_tokens[0], costs=costs,
                                          steps=6, time_scale=time_scale)}
     return result
 
 
 def report(result: dict) -> str:
-    lines = [f"controller cost on one core ({result['cpu']}), groups of {result['group_size']} x "
-             f"{result['max_tokens']} tokens, instant fake actors:",
-             f"  {'replicas':>8s} {'groups':>7s} {'groups/s':>9s} {'CPU ms/group':>13s}"]
-    lines += [f"  {c['replicas']:8d} {c['groups']:7d} {c['groups_per_s']:9.0f} {c['cpu_ms_per_group']:13.3f}"
-              for c in result["cost"]]
+    lines = [f"controller cost on one core ({result['cpu']}), groups of {result['group_size']} completions, "
+             "instant fake actors and the real replay buffer in process:",
+             f"  {'tokens':>6s} {'replicas':>8s} {'groups':>7s} {'groups/s':>9s} {'CPU ms/group':>13s} "
+             f"{'with buffer':>12s}"]
+    lines += [f"  {c['max_tokens']:6d} {c['replicas']:8d} {c['groups']:7d} {c['groups_per_s']:9.0f} "
+              f"{c['cpu_ms_per_group']:13.3f} {c['with_buffer_ms_per_group']:12.3f}" for c in result["cost"]]
     if p := result.get("placement"):
         lines.append(f"predicted for {p['replicas']} generator replicas, {p['ranks']} trainer ranks, {p['prompts']} "
                      f"prompts per step: step {p['sync_step_s']:.2f} s sync, {p['async_drain_step_s']:.2f} s async "

@@ -1,0 +1,150 @@
+"""The replay buffer's rules, on the real actor classes run in this process behind the fakes' Monarch
+handles (meshrl/fake_monarch.py): what each batch trains (fifo, replay), the staleness bound, the log of
+batches handed out since the last checkpoint, and its state across a checkpoint."""
+
+import asyncio
+
+import pytest
+import torch
+
+from meshrl.actors.replay_buffer import FifoBuffer, ReplayBuffer
+from meshrl.configs import ReplayBufferConfig, TrainerConfig
+from meshrl.fake_monarch import FakeMesh
+from meshrl.fakes import Script, fake_config, run_fake
+from meshrl.types import BatchRef, Episode
+
+TRAINER = TrainerConfig(micro_batch_size=2)
+
+
+def episodes(group: int, version: int, count: int = 2) -> list[Episode]:
+    """`count` episodes whose first token is the group's id, the second its index in the group."""
+    return [Episode([group, i, 7], [False, True, True], [0.0, -1.0, -1.0], float(i), version, group)
+            for i in range(count)]
+
+
+def buffer(cls=FifoBuffer, prompts: int = 2, age: int = 1, **config) -> FakeMesh:
+    return FakeMesh([cls(ReplayBufferConfig(**config), TRAINER, prompts, age, 0)], Script())
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+async def trained_groups(buf, batch: int, fresh: list[int]) -> tuple[dict, list[int]]:
+    """Batch `batch`'s plan and the group of each sequence it trains, in order, as the ranks take them."""
+    plan = await buf.sample.call_one(batch, fresh)
+    firsts = []
+    for u, count in enumerate(plan["micro_batches"]):
+        for m in range(count):
+            firsts += (await buf.micro_batch.call_one(BatchRef(batch, u, m))).input_ids[:, 0].tolist()
+    return plan, firsts
+
+
+def test_fifo_trains_each_group_once_in_the_order_given_and_then_forgets_it():
+    async def go():
+        buf = buffer()
+        for g in (3, 1):
+            await buf.add.call_one(0, g, episodes(g, 0), [1.0, 0.0])
+        await buf.add.call_one(1, 5, episodes(5, 0), [1.0, 0.0])
+        plan, firsts = await trained_groups(buf, 0, [1, 3])
+        assert firsts == [1, 1, 3, 3] and plan["micro_batches"] == [2]
+        assert (plan["episodes_trained"], plan["episodes_reused"], plan["tokens_trained"]) == (4, 0, 12)
+        await buf.trained.call_one(0)
+        assert set(buf.actors[0].groups) == {5}  # 1 and 3 trained: gone
+        plan, firsts = await trained_groups(buf, 1, [5])
+        assert firsts == [5, 5] and plan["staleness_max"] == 1 and plan["episodes_by_age"] == [0, 2]
+    run(go())
+
+
+def test_an_episode_outside_the_bound_is_never_handed_out():
+    async def go():
+        buf = buffer(age=1)
+        await buf.add.call_one(2, 0, episodes(0, 0), [1.0, 0.0])  # version 0 for batch 2: age 2 > 1
+        with pytest.raises(Exception, match="outside the staleness bound"):
+            await buf.sample.call_one(2, [0])
+    run(go())
+
+
+def test_a_round_short_of_micro_batches_gets_an_idle_copy_that_trains_nothing():
+    async def go():
+        buf = buffer()
+        await buf.add.call_one(0, 0, episodes(0, 0), [1.0, 0.0])
+        await buf.sample.call_one(0, [0])
+        busy = await buf.micro_batch.call_one(BatchRef(0, 0, 0))
+        idle = await buf.micro_batch.call_one(BatchRef(0, 0, 0, idle=True))
+        assert busy.loss_mask.any() and not idle.loss_mask.any() and torch.equal(busy.input_ids, idle.input_ids)
+    run(go())
+
+
+def test_a_logged_batch_is_handed_out_again_exactly_until_a_checkpoint_holds_its_step():
+    async def go():
+        buf = buffer(ReplayBuffer, prompts=2, age=2, fresh_fraction=0.5)
+        await buf.add.call_one(0, 0, episodes(0, 0), [1.0, 0.0])
+        await buf.sample.call_one(0, [0])
+        await buf.trained.call_one(0)
+        await buf.add.call_one(1, 1, episodes(1, 1), [1.0, 0.0])
+        first = await buf.sample.call_one(1, [1])
+        micro = [await buf.micro_batch.call_one(BatchRef(1, 0, m)) for m in range(first["micro_batches"][0])]
+        await buf.attach.call_one(BatchRef(1, 0, 0, into="old_logprobs"), torch.zeros(2, 2))
+        await buf.trained.call_one(1)  # group 0's second use: more than max_reuse 1 would allow again
+        assert await buf.logged.call_one() == [0, 1]
+        again = await buf.sample.call_one(1, [1])  # as a restarted trainer would ask
+        assert again == first and first["episodes_reused"] == 2
+        for m, before in enumerate(micro):
+            after = await buf.micro_batch.call_one(BatchRef(1, 0, m))
+            for name in ("input_ids", "target_ids", "loss_mask", "behaviour_logprobs", "advantages"):
+                assert torch.equal(getattr(before, name), getattr(after, name)), name
+        await buf.checkpointed.call_one(2)  # steps 1 and 2 (batches 0 and 1) are in a checkpoint
+        assert await buf.logged.call_one() == []
+    run(go())
+
+
+def test_replay_fills_a_batch_with_old_groups_by_reward_spread_within_the_bound_and_max_reuse():
+    async def go():
+        buf = buffer(ReplayBuffer, prompts=3, age=2, max_reuse=1, fresh_fraction=0.34)
+        await buf.add.call_one(0, 0, episodes(0, 0), [1.0, 0.0])  # spread 0.5
+        await buf.add.call_one(0, 1, episodes(1, 0), [1.0, 1.0])  # no signal
+        await buf.add.call_one(0, 2, episodes(2, 0), [0.6, 0.0])  # spread 0.3
+        plan, firsts = await trained_groups(buf, 0, [0, 1, 2])
+        assert plan["episodes_reused"] == 0
+        await buf.trained.call_one(0)
+        await buf.add.call_one(1, 3, episodes(3, 1), [1.0, 0.0])
+        plan, firsts = await trained_groups(buf, 1, [3])  # two old groups: the widest spreads, 0 and 2
+        assert firsts == [3, 3, 0, 0, 2, 2] and (plan["episodes_reused"], plan["groups_reused"]) == (4, 2)
+        await buf.trained.call_one(1)  # 0 and 2 were trained again once: max_reuse 1, gone
+        assert set(buf.actors[0].groups) == {1, 3}
+        await buf.add.call_one(2, 4, episodes(4, 2), [1.0, 0.0])
+        plan, firsts = await trained_groups(buf, 2, [4])
+        assert firsts == [4, 4, 1, 1, 3, 3] and plan["episodes_by_age"] == [2, 2, 2]
+        await buf.trained.call_one(2)
+        await buf.add.call_one(3, 5, episodes(5, 3), [1.0, 0.0])
+        plan, firsts = await trained_groups(buf, 3, [5])  # 1 (version 0) is past the bound; 3 used up
+        assert firsts == [5, 5, 4, 4]
+    run(go())
+
+
+def test_the_state_a_checkpoint_holds_brings_back_the_same_groups_and_use_counts(tmp_path):
+    async def go():
+        buf = buffer(ReplayBuffer, prompts=2, age=2, fresh_fraction=0.5)
+        await buf.add.call_one(0, 0, episodes(0, 0), [1.0, 0.0])
+        await buf.sample.call_one(0, [0])
+        await buf.trained.call_one(0)
+        await buf.add.call_one(1, 1, episodes(1, 1), [1.0, 0.0])
+        await buf.save_state.call_one(str(tmp_path / "replay_buffer"))
+        restored = buffer(ReplayBuffer, prompts=2, age=2, fresh_fraction=0.5)
+        assert await restored.load_state.call_one(str(tmp_path / "replay_buffer")) == 2
+        assert restored.actors[0].groups == buf.actors[0].groups
+        assert await trained_groups(restored, 1, [1]) == await trained_groups(buf, 1, [1])
+    run(go())
+
+
+@pytest.mark.parametrize("impl", ["fifo", "replay"])
+def test_the_controller_sends_the_trainer_only_references_to_micro_batches_in_the_buffer(tmp_path, impl):
+    config = fake_config(steps=4, prompts=2, max_policy_age=1)
+    config.replay_buffer.impl = impl
+    config.trainer.mini_batches = 2  # pi_old calls too
+    done = run(run_fake(config, tmp_path, Script()))
+    assert set(done.trainer.received) == {"BatchRef"}  # no TrainBatch: no token tensor from the controller
+    reused = [r["episodes_reused"] for r in done.rows]
+    assert (sum(reused) > 0) == (impl == "replay") and all(r["staleness_max"] <= 1 for r in done.rows)
+    assert [r["step"] for r in done.rows] == [1, 2, 3, 4]
