@@ -31,7 +31,7 @@ from meshrl.replicas import ReplicaPool, RoleFailed
 from meshrl.rollout import RolloutCollector
 from meshrl.timeouts import Timeouts, bounded, deadline
 from meshrl.train_step import train_updates
-from meshrl.types import BatchRef
+from meshrl.types import BatchRef, GroupEpisodes
 from meshrl.work_buffer import Batch, Group, WorkBuffer
 
 logger = logging.getLogger(__name__)
@@ -135,12 +135,12 @@ class Controller:
         """A kept group of batch `batch`: its episodes go to the replay buffer, a summary stays here."""
         episodes, kept = keep_group(group.scored, group.prompt_index, self.config.controller, self.task,
                                     self.config.generator.temperature)
-        self.adding.append(asyncio.ensure_future(self._add(batch, group.prompt_index, episodes, kept.rewards)))
+        self.adding.append(asyncio.ensure_future(self._add(batch, episodes)))
         return kept
 
-    async def _add(self, batch: int, group_id: int, episodes: list, rewards: list[float]) -> None:
+    async def _add(self, batch: int, episodes: GroupEpisodes) -> None:
         async with deadline(self.timeouts.buffer, "replay_buffer", "add"):
-            await self.buffer.add.call_one(batch, group_id, episodes, rewards)
+            await self.buffer.add.call_one(batch, episodes)
 
     async def _added(self) -> None:
         """Wait until every group's episodes sent so far are in the replay buffer (raising its error)."""

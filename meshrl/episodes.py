@@ -9,7 +9,7 @@ from typing import Callable
 
 from meshrl.advantages import STEP_WISE, estimator, population_std, step_wise
 from meshrl.configs import ControllerConfig
-from meshrl.types import Completion, Episode, ScoredCompletion, Trajectory, model_turns
+from meshrl.types import Completion, Episode, GroupEpisodes, ScoredCompletion, Trajectory, model_turns
 from meshrl.work_buffer import Batch, Filling
 
 
@@ -22,15 +22,31 @@ def build_episodes(group: list[ScoredCompletion], group_id: int, advantage: str 
     trajectory's number of turns with `divide_by_turns`. `temperature`: the one they were sampled at; an
     episode's policy version is its sequence's, by the `staleness` rule (a step-wise episode's, its
     whole trajectory's)."""
+    return flatten(group_episodes(group, group_id, advantage, eps, divide_by_turns, temperature, staleness))
+
+
+def group_episodes(group: list[ScoredCompletion], group_id: int, advantage: str = "grpo", eps: float = 1e-6,
+                   divide_by_turns: bool = False, temperature: float = 1.0,
+                   staleness: str = "oldest_token") -> GroupEpisodes:
+    """`build_episodes`'s Episodes before they are flattened: the turns, advantage and version of each
+    (no token list copied)."""
     rewards = [s.reward for s in group]
     turns = [model_turns(s.completion) for s in group]
     versions = [s.completion.sampled_version(staleness) for s in group]
     if advantage.startswith(STEP_WISE):
         per_turn = step_wise(rewards, [len(t) for t in turns], advantage.removeprefix(STEP_WISE), divide_by_turns, eps)
-        return [episode([turn], a, group_id, temperature, version)
-                for ts, advantages, version in zip(turns, per_turn, versions) for turn, a in zip(ts, advantages)]
-    return [episode(ts, a, group_id, temperature, version)
-            for ts, a, version in zip(turns, estimator(advantage)(rewards, eps), versions)]
+        each = [([turn], a, version) for ts, advantages, version in zip(turns, per_turn, versions)
+                for turn, a in zip(ts, advantages)]
+    else:
+        each = list(zip(turns, estimator(advantage)(rewards, eps), versions))
+    return GroupEpisodes(group_id, [t for t, _, _ in each], [a for _, a, _ in each], [v for _, _, v in each], rewards,
+                         temperature)
+
+
+def flatten(group: GroupEpisodes) -> list[Episode]:
+    """A group's flat, trainer-ready Episodes."""
+    return [episode(turns, a, group.group_id, group.temperature, version)
+            for turns, a, version in zip(group.turns, group.advantages, group.versions)]
 
 
 def episode(turns: list[Completion], advantage: float, group_id: int, temperature: float = 1.0,
@@ -73,7 +89,7 @@ def rollout_record(scored: ScoredCompletion, group_id: int, prompt: str, stalene
     c = scored.completion
     changed = [t.versions for t in model_turns(c) if t.versions]
     return {"prompt_index": c.prompt_index, "group": group_id, "prompt": prompt, "completion": c.text,
-            "logprob": sum(sum(t.logprobs) for t in model_turns(c)),
+            "logprob": sum(sum(t.logprobs) if t.logprob_sum is None else t.logprob_sum for t in model_turns(c)),
             "reward": scored.reward, "reward_components": scored.reward_components,
             "policy_version": c.policy_version, "counted_version": c.sampled_version(staleness),
             "finish_reason": c.finish_reason,
@@ -95,16 +111,16 @@ class Kept:
 
 
 def keep_group(group: list[ScoredCompletion], group_id: int, cfg: ControllerConfig, task,
-               temperature: float) -> tuple[list[Episode], Kept]:
-    """A kept group's Episodes (for the replay buffer) and what the controller keeps of it."""
-    episodes = build_episodes(group, group_id, cfg.advantage, cfg.advantage_eps, cfg.divide_by_turns, temperature,
+               temperature: float) -> tuple[GroupEpisodes, Kept]:
+    """A kept group's episodes (for the replay buffer, not yet flat) and what the controller keeps of it."""
+    episodes = group_episodes(group, group_id, cfg.advantage, cfg.advantage_eps, cfg.divide_by_turns, temperature,
                               cfg.staleness)
     prompt = task.train_sample(group_id).prompt
     return episodes, Kept(
         [s.reward for s in group], [s.reward_components for s in group],
         [len(model_turns(s.completion)) for s in group],
         sum(len(t.token_ids) - t.versions[1][0] for s in group for t in model_turns(s.completion) if t.versions),
-        [e.policy_version for e in episodes], [rollout_record(s, group_id, prompt, cfg.staleness) for s in group])
+        list(episodes.versions), [rollout_record(s, group_id, prompt, cfg.staleness) for s in group])
 
 
 def batch_builder(cfg: ControllerConfig, now: Callable[[], float], accuracy: str = "correct"):

@@ -146,8 +146,9 @@ class FakeGenerator:
             self.script.late.pop(index, None)
             if index in self.script.reject:
                 raise ValueError(f"prompt {index} is longer than the model's context (fake)")
-            out += [Completion(p.index, p.token_ids, [7 + j for j in range(length)], [-0.5] * length,
-                               "1" if index in self.script.equal else str(j % 2), first, "stop", versions)
+            out += [Completion(p.index, p.token_ids, list(range(7, 7 + length)), [-0.5] * length,
+                               "1" if index in self.script.equal else str(j % 2), first, "stop", versions,
+                               -0.5 * length)
                     for j in range(sampling.n)]
         return out
 

@@ -42,6 +42,7 @@ class Completion:
     # [token offset, version] wherever the version its tokens were sampled from changes (weights loaded
     # while it was generated); [] when every token came from `policy_version`
     versions: list[list[int]] = field(default_factory=list)
+    logprob_sum: float | None = None  # the sum of `logprobs`, summed by the generator (None: not given)
 
     def sampled_version(self, rule: str = "oldest_token") -> int:
         """The version its staleness is counted from: its oldest token's, or (`newest_token`) its newest's."""
@@ -87,6 +88,20 @@ class ScoredCompletion:
     completion: Completion | Trajectory
     reward: float
     reward_components: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class GroupEpisodes:
+    """A kept group's episodes as the controller hands them to the replay buffer, not yet flat: for each,
+    the model turns it trains on, its advantage and its policy version. The buffer flattens them
+    (meshrl/episodes.py's `episode`) in its own process, so the controller copies no token list."""
+
+    group_id: int
+    turns: list[list["Completion"]]  # each episode's model turns
+    advantages: list[float]
+    versions: list[int]
+    rewards: list[float]  # the group's rewards (the replay buffer's priority)
+    temperature: float = 1.0  # the one its tokens were sampled at
 
 
 @dataclass

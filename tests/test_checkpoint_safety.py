@@ -17,7 +17,7 @@ from meshrl.actors.replay_buffer import FifoBuffer
 from meshrl.checkpoint import CheckpointError, RunState, UnsafeCheckpoint, resumable, verify
 from meshrl.configs import ReplayBufferConfig, TrainerConfig, load_config, to_dict
 from meshrl.fake_monarch import endpoint_of
-from meshrl.types import Episode
+from meshrl.types import Completion, GroupEpisodes
 from meshrl.work_buffer import Filling
 
 
@@ -44,7 +44,8 @@ def write_checkpoint(run_dir: Path, step: int) -> Path:
     torch.save(RunState(step, step, work, [{"step": step}], {}), where / "state.pt")
     buffer = FifoBuffer(ReplayBufferConfig(), TrainerConfig(), 2, 0, 0)  # one group waiting
     add, save = endpoint_of(buffer, "add")[0], endpoint_of(buffer, "save_state")[0]
-    asyncio.run(add(step, 8, [Episode([1, 2], [False, True], [0.0, -1.0], 1.0, step, 8)], [1.0, 0.0]))
+    completion = Completion(8, [1], [2], [-1.0], "", step, "stop")
+    asyncio.run(add(step, GroupEpisodes(8, [[completion]], [1.0], [step], [1.0, 0.0])))
     asyncio.run(save(str(where / "replay_buffer")))
     return where
 

@@ -11,15 +11,15 @@ from meshrl.actors.replay_buffer import FifoBuffer, ReplayBuffer
 from meshrl.configs import ReplayBufferConfig, TrainerConfig
 from meshrl.fake_monarch import FakeMesh
 from meshrl.fakes import Script, fake_config, run_fake
-from meshrl.types import BatchRef, Episode
+from meshrl.types import BatchRef, Completion, GroupEpisodes
 
 TRAINER = TrainerConfig(micro_batch_size=2)
 
 
-def episodes(group: int, version: int, count: int = 2) -> list[Episode]:
-    """`count` episodes whose first token is the group's id, the second its index in the group."""
-    return [Episode([group, i, 7], [False, True, True], [0.0, -1.0, -1.0], float(i), version, group)
-            for i in range(count)]
+def episodes(group: int, version: int, rewards=(1.0, 0.0)) -> GroupEpisodes:
+    """A group of one episode per reward: its first token is the group's id, the second its index in the group."""
+    turns = [[Completion(group, [group], [i, 7], [-1.0, -1.0], "", version, "stop")] for i in range(len(rewards))]
+    return GroupEpisodes(group, turns, [float(i) for i in range(len(rewards))], [version] * len(rewards), list(rewards))
 
 
 def buffer(cls=FifoBuffer, prompts: int = 2, age: int = 1, **config) -> FakeMesh:
@@ -44,8 +44,8 @@ def test_fifo_trains_each_group_once_in_the_order_given_and_then_forgets_it():
     async def go():
         buf = buffer()
         for g in (3, 1):
-            await buf.add.call_one(0, g, episodes(g, 0), [1.0, 0.0])
-        await buf.add.call_one(1, 5, episodes(5, 0), [1.0, 0.0])
+            await buf.add.call_one(0, episodes(g, 0, (1.0, 0.0)))
+        await buf.add.call_one(1, episodes(5, 0, (1.0, 0.0)))
         plan, firsts = await trained_groups(buf, 0, [1, 3])
         assert firsts == [1, 1, 3, 3] and plan["micro_batches"] == [2]
         assert (plan["episodes_trained"], plan["episodes_reused"], plan["tokens_trained"]) == (4, 0, 12)
@@ -59,7 +59,7 @@ def test_fifo_trains_each_group_once_in_the_order_given_and_then_forgets_it():
 def test_an_episode_outside_the_bound_is_never_handed_out():
     async def go():
         buf = buffer(age=1)
-        await buf.add.call_one(2, 0, episodes(0, 0), [1.0, 0.0])  # version 0 for batch 2: age 2 > 1
+        await buf.add.call_one(2, episodes(0, 0, (1.0, 0.0)))  # version 0 for batch 2: age 2 > 1
         with pytest.raises(Exception, match="outside the staleness bound"):
             await buf.sample.call_one(2, [0])
     run(go())
@@ -68,7 +68,7 @@ def test_an_episode_outside_the_bound_is_never_handed_out():
 def test_a_round_short_of_micro_batches_gets_an_idle_copy_that_trains_nothing():
     async def go():
         buf = buffer()
-        await buf.add.call_one(0, 0, episodes(0, 0), [1.0, 0.0])
+        await buf.add.call_one(0, episodes(0, 0, (1.0, 0.0)))
         await buf.sample.call_one(0, [0])
         busy = await buf.micro_batch.call_one(BatchRef(0, 0, 0))
         idle = await buf.micro_batch.call_one(BatchRef(0, 0, 0, idle=True))
@@ -79,10 +79,10 @@ def test_a_round_short_of_micro_batches_gets_an_idle_copy_that_trains_nothing():
 def test_a_logged_batch_is_handed_out_again_exactly_until_a_checkpoint_holds_its_step():
     async def go():
         buf = buffer(ReplayBuffer, prompts=2, age=2, fresh_fraction=0.5)
-        await buf.add.call_one(0, 0, episodes(0, 0), [1.0, 0.0])
+        await buf.add.call_one(0, episodes(0, 0, (1.0, 0.0)))
         await buf.sample.call_one(0, [0])
         await buf.trained.call_one(0)
-        await buf.add.call_one(1, 1, episodes(1, 1), [1.0, 0.0])
+        await buf.add.call_one(1, episodes(1, 1, (1.0, 0.0)))
         first = await buf.sample.call_one(1, [1])
         micro = [await buf.micro_batch.call_one(BatchRef(1, 0, m)) for m in range(first["micro_batches"][0])]
         await buf.attach.call_one(BatchRef(1, 0, 0, into="old_logprobs"), torch.zeros(2, 2))
@@ -102,22 +102,22 @@ def test_a_logged_batch_is_handed_out_again_exactly_until_a_checkpoint_holds_its
 def test_replay_fills_a_batch_with_old_groups_by_reward_spread_within_the_bound_and_max_reuse():
     async def go():
         buf = buffer(ReplayBuffer, prompts=3, age=2, max_reuse=1, fresh_fraction=0.34)
-        await buf.add.call_one(0, 0, episodes(0, 0), [1.0, 0.0])  # spread 0.5
-        await buf.add.call_one(0, 1, episodes(1, 0), [1.0, 1.0])  # no signal
-        await buf.add.call_one(0, 2, episodes(2, 0), [0.6, 0.0])  # spread 0.3
+        await buf.add.call_one(0, episodes(0, 0, (1.0, 0.0)))  # spread 0.5
+        await buf.add.call_one(0, episodes(1, 0, (1.0, 1.0)))  # no signal
+        await buf.add.call_one(0, episodes(2, 0, (0.6, 0.0)))  # spread 0.3
         plan, firsts = await trained_groups(buf, 0, [0, 1, 2])
         assert plan["episodes_reused"] == 0
         await buf.trained.call_one(0)
-        await buf.add.call_one(1, 3, episodes(3, 1), [1.0, 0.0])
+        await buf.add.call_one(1, episodes(3, 1, (1.0, 0.0)))
         plan, firsts = await trained_groups(buf, 1, [3])  # two old groups: the widest spreads, 0 and 2
         assert firsts == [3, 3, 0, 0, 2, 2] and (plan["episodes_reused"], plan["groups_reused"]) == (4, 2)
         await buf.trained.call_one(1)  # 0 and 2 were trained again once: max_reuse 1, gone
         assert set(buf.actors[0].groups) == {1, 3}
-        await buf.add.call_one(2, 4, episodes(4, 2), [1.0, 0.0])
+        await buf.add.call_one(2, episodes(4, 2, (1.0, 0.0)))
         plan, firsts = await trained_groups(buf, 2, [4])
         assert firsts == [4, 4, 1, 1, 3, 3] and plan["episodes_by_age"] == [2, 2, 2]
         await buf.trained.call_one(2)
-        await buf.add.call_one(3, 5, episodes(5, 3), [1.0, 0.0])
+        await buf.add.call_one(3, episodes(5, 3, (1.0, 0.0)))
         plan, firsts = await trained_groups(buf, 3, [5])  # 1 (version 0) is past the bound; 3 used up
         assert firsts == [5, 5, 4, 4]
     run(go())
@@ -126,10 +126,10 @@ def test_replay_fills_a_batch_with_old_groups_by_reward_spread_within_the_bound_
 def test_the_state_a_checkpoint_holds_brings_back_the_same_groups_and_use_counts(tmp_path):
     async def go():
         buf = buffer(ReplayBuffer, prompts=2, age=2, fresh_fraction=0.5)
-        await buf.add.call_one(0, 0, episodes(0, 0), [1.0, 0.0])
+        await buf.add.call_one(0, episodes(0, 0, (1.0, 0.0)))
         await buf.sample.call_one(0, [0])
         await buf.trained.call_one(0)
-        await buf.add.call_one(1, 1, episodes(1, 1), [1.0, 0.0])
+        await buf.add.call_one(1, episodes(1, 1, (1.0, 0.0)))
         await buf.save_state.call_one(str(tmp_path / "replay_buffer"))
         restored = buffer(ReplayBuffer, prompts=2, age=2, fresh_fraction=0.5)
         assert await restored.load_state.call_one(str(tmp_path / "replay_buffer")) == 2

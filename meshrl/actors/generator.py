@@ -154,7 +154,8 @@ class VLLMGenerator(Actor):
     def _completion(self, prompt: Prompt, sample: Sample) -> Completion:
         first = sample.versions[0][1] if sample.versions else self.policy_version
         return Completion(prompt.index, prompt.token_ids, sample.token_ids, sample.logprobs, sample.text, first,
-                          sample.finish_reason, sample.versions if len(sample.versions) > 1 else [])
+                          sample.finish_reason, sample.versions if len(sample.versions) > 1 else [],
+                          sum(sample.logprobs))
 
     async def _drive(self) -> None:
         """Step the engine until no request is left, handing each finished request to its caller; between

@@ -1,7 +1,8 @@
 """The replay buffer: the data plane between the controller and the trainer, on a process of its own.
 
-The controller puts each kept group's Episodes here as the group finishes (`add`) and keeps only
-what its rules need (prompt, reward, version, length). When the work buffer says batch b is
+The controller puts each kept group's episodes here as the group finishes (`add`: their turns,
+advantages and versions, flattened into Episodes here) and keeps only what its rules need (prompt,
+reward, version, length). When the work buffer says batch b is
 complete, the controller asks for its plan (`sample`): the buffer composes the batch, collates its
 micro-batches here and answers only their count per optimizer update; the trainer's ranks (and the
 reference's) then take each micro-batch from the buffer themselves (`micro_batch`, by a `BatchRef`)
@@ -37,7 +38,8 @@ from meshrl.actors import pin_cpus
 from meshrl.advantages import population_std
 from meshrl.configs import ReplayBufferConfig, TrainerConfig
 from meshrl.train_step import micro_batches, padding_fraction, split
-from meshrl.types import BatchRef, Episode, TrainBatch
+from meshrl.episodes import flatten
+from meshrl.types import BatchRef, Episode, GroupEpisodes, TrainBatch
 
 
 @dataclass
@@ -75,10 +77,10 @@ class FifoBuffer(Actor):
         self.micro: dict[int, list[list[TrainBatch]]] = {}  # the collated micro-batches of batches not yet trained
 
     @endpoint
-    async def add(self, batch: int, group_id: int, episodes: list[Episode], rewards: list[float]) -> None:
-        """A kept group's episodes, generated for batch `batch`."""
-        version = min((e.policy_version for e in episodes), default=batch)
-        self.groups[group_id] = StoredGroup(batch, episodes, version, population_std(rewards) if rewards else 0.0)
+    async def add(self, batch: int, group: GroupEpisodes) -> None:
+        """A kept group's episodes, generated for batch `batch`: flattened here, off the controller."""
+        self.groups[group.group_id] = StoredGroup(batch, flatten(group), min(group.versions, default=batch),
+                                                  population_std(group.rewards) if group.rewards else 0.0)
 
     @endpoint
     async def sample(self, batch: int, fresh: list[int]) -> dict:

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from meshrl.types import BatchRef, Completion, Episode, Prompt, Sampling, ScoredCompletion, TrainBatch
+from meshrl.types import BatchRef, Completion, GroupEpisodes, Prompt, Sampling, ScoredCompletion, TrainBatch
 
 
 class ReplicaBroken(RuntimeError):
@@ -127,8 +127,9 @@ class ReplayBuffer(Protocol):
     handed out since the newest checkpoint. Constructed with (ReplayBufferConfig, TrainerConfig,
     prompts_per_step, max_policy_age, pad token id). meshrl/actors/replay_buffer.py has two."""
 
-    async def add(self, batch: int, group_id: int, episodes: list[Episode], rewards: list[float]) -> None:
-        """A kept group's episodes (with its rewards), generated for batch `batch`."""
+    async def add(self, batch: int, group: GroupEpisodes) -> None:
+        """A kept group's episodes (with its rewards), generated for batch `batch`, to flatten
+        (meshrl/episodes.py's `flatten`)."""
 
     async def sample(self, batch: int, fresh: list[int]) -> dict:
         """Compose batch `batch` (its fresh groups `fresh`, in order, and whatever else the buffer trains),
