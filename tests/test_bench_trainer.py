@@ -1,5 +1,6 @@
-"""`meshrl bench trainer` runs the plain torch loop and the trainer actor on 1 and 2 ranks (real
-actors, tiny model, one timed step) and writes every figure it prints."""
+"""`meshrl bench trainer` runs the plain torch loop and the trainer actor (fed by the caller, and from a
+replay buffer actor) on 1 and 2 ranks (real actors, tiny model, one timed step) and writes every figure
+it prints."""
 
 import json
 import subprocess
@@ -18,6 +19,7 @@ def test_trainer_bench_writes_its_figures_for_each_rank_count(tmp_path, tiny_che
         r = figures[ranks]
         assert r["plain_tokens_per_s"] > 0 and r["trainer_tokens_per_s"] > 0
         assert abs(r["trainer_vs_plain"] - r["trainer_tokens_per_s"] / r["plain_tokens_per_s"]) < 1e-9
+        assert abs(r["from_buffer_vs_plain"] - r["from_buffer_tokens_per_s"] / r["plain_tokens_per_s"]) < 1e-9
         assert 0 < r["load_mb_per_rank"] < r["load_peak_rss_mb_per_rank"]
         assert f"{ranks.replace('_', ' ')}" in result.stdout
 

@@ -90,6 +90,12 @@ def run_cli(*args):
     (["train", "--config", "smoke", "--generator.impl", "meshrl.actors.grader:Grader"],
      "meshrl.actors.grader:Grader cannot be the generator: it has no generate, attach_weights, pull_weights, "
      "weight_updates, weight_sync_stats endpoint (the contract is meshrl.actors.roles.Generator)"),
+    (["train", "--config", "smoke", "--replay_buffer.impl", "meshrl.actors.grader:Grader"],
+     "meshrl.actors.grader:Grader cannot be the replay_buffer: it has no add, sample, micro_batch, attach, trained, "
+     "checkpointed, logged, save_state, load_state endpoint (the contract is meshrl.actors.roles.ReplayBuffer)"),
+    (["train", "--config", "smoke", "--replay_buffer.impl", "replay"], "set controller.max_policy_age to 1 or more"),
+    (["train", "--config", "smoke", "--replay_buffer.impl", "replay", "--controller.max_policy_age", "1",
+      "--replay_buffer.priority", "oldest"], "unknown replay_buffer.priority 'oldest'"),
     (["train", "--config", "smoke", "--trainer.mini_batches", "0"], "trainer.mini_batches and"),
     (["train", "--config", "smoke", "--trainer.loss.tis_level", "batch"], "unknown trainer.loss.tis_level 'batch'"),
 ])

@@ -80,6 +80,7 @@ def test_cluster_configs_are_checked_by_a_dry_run_without_a_cluster(config, kind
     assert "trainer: 1 rank, 1 per host on group trainer (1 host)" in lines
     assert any(line.startswith("generator: 1 replica") and line.endswith("on group generators (1 host)")
                for line in lines)
+    assert "replay_buffer: fifo, one process on the controller's host" in lines
     assert lines[-1] == "checked; nothing started (--dry-run)"
     assert not list(tmp_path.iterdir())  # nothing written, nothing launched
     # the same check refuses a placement that cannot work, in one line

@@ -4,8 +4,11 @@ of the same model on the same batch, in the same process placement, for each ran
 - plain: each rank builds the model, shards it with torch's own `fully_shard` (several ranks), and
   runs forward (the LM head on the loss positions), a REINFORCE loss, backward, clipping and an
   AdamW step on a batch it already holds, timed inside the process;
-- trainer: the real trainer actor on the same ranks, driven through `train_step` as the controller
-  drives it (the batch sent over Monarch, the decoupled loss, the metrics), timed by the caller.
+- trainer: the real trainer actor on the same ranks, driven through `train_step` (the batch collated
+  by the caller and sent over Monarch, the decoupled loss, the metrics), timed by the caller;
+- from buffer: the same trainer taking its micro-batches from a replay buffer actor on a process of
+  its own, as the controller has it do (`sample` composes and collates the batch there, each rank
+  fetches its micro-batch by reference), timed by the caller from `sample` to the last update.
 
 Each figure is the best of `repeats` timed steps, after one warm-up step. With them, each trainer
 rank's resident memory added while loading the model as the trainer does (several ranks read only their
@@ -19,14 +22,15 @@ from pathlib import Path
 import torch
 from monarch.actor import Actor, endpoint
 
-from meshrl.actors import in_rank_order, parse_cpus, spawn_ranks
+from meshrl.actors import in_rank_order, parse_cpus, spawn, spawn_ranks
 from meshrl.actors.distributed import join, load_on_ranks
+from meshrl.actors.replay_buffer import FifoBuffer
 from meshrl.actors.trainer import TitanTrainer
-from meshrl.configs import TrainerConfig, WeightSyncConfig
+from meshrl.configs import ReplayBufferConfig, TrainerConfig, WeightSyncConfig
 from meshrl.losses import autocast, response_logits, token_logprobs
 from meshrl.model import build_policy, load_policy, read_hf_config, resolve_checkpoint
-from meshrl.train_step import train_step
-from meshrl.types import Episode, TrainBatch
+from meshrl.train_step import train_step, train_updates
+from meshrl.types import BatchRef, Completion, Episode, GroupEpisodes, TrainBatch
 
 
 def episodes(batch: int, prompt: int, response: int) -> list[Episode]:
@@ -129,19 +133,40 @@ async def _run(model: str, rank_counts: list[int], batch: int, prompt: int, resp
         finally:
             await procs.stop()
         procs, trainer = await spawn_ranks("trainer", TitanTrainer, ranks, config, WeightSyncConfig(), checkpoint)
+        buffer_procs, buffer = spawn("replay_buffer", FifoBuffer, ReplayBufferConfig(), config, batch, 0, 0)
         try:
-            times = []
-            for _ in range(repeats + 1):  # the first is the warm-up
+            await trainer.attach_buffer.call(buffer)
+            times, from_buffer = [], []
+            for i in range(repeats + 1):  # the first is the warm-up; each way in turn
                 start = time.perf_counter()
                 await train_step(trainer, None, data, config, pad_id=0)
                 times.append(time.perf_counter() - start)
-            trainer_s = min(times[1:])
+                from_buffer.append(await _step_from_buffer(trainer, buffer, data, config, i))
+            trainer_s, buffer_s = min(times[1:]), min(from_buffer[1:])
         finally:
-            await procs.stop()
+            await asyncio.gather(procs.stop(), buffer_procs.stop())
         result[f"ranks_{ranks}"] = {"plain_tokens_per_s": tokens / plain_s, "trainer_tokens_per_s": tokens / trainer_s,
-                                    "trainer_vs_plain": plain_s / trainer_s, "load_mb_per_rank": max(r["peak_mb"] - r["before_mb"] for r in loads),
+                                    "trainer_vs_plain": plain_s / trainer_s,
+                                    "from_buffer_tokens_per_s": tokens / buffer_s, "from_buffer_vs_plain": plain_s / buffer_s,
+                                    "load_mb_per_rank": max(r["peak_mb"] - r["before_mb"] for r in loads),
                                     "load_peak_rss_mb_per_rank": max(r["peak_mb"] for r in loads)}
     return result
+
+
+async def _step_from_buffer(trainer, buffer, data: list[Episode], config: TrainerConfig, index: int) -> float:
+    """Seconds of one step whose micro-batches the trainer takes from the replay buffer (the batch put
+    there first, untimed, as the controller does while groups finish)."""
+    for e in data:
+        prompt = e.loss_mask.index(True)
+        turn = Completion(e.group_id, e.tokens[:prompt], e.tokens[prompt:], e.behaviour_logprobs[prompt:], "", 0, "stop")
+        await buffer.add.call_one(index, GroupEpisodes(e.group_id, [[turn]], [e.advantage], [index], [0.0, 1.0]))
+    start = time.perf_counter()
+    plan = await buffer.sample.call_one(index, [e.group_id for e in data])
+    updates = [[BatchRef(index, u, m) for m in range(count)] for u, count in enumerate(plan["micro_batches"])]
+    await train_updates(trainer, None, updates, config)
+    seconds = time.perf_counter() - start
+    await buffer.trained.call_one(index)
+    return seconds
 
 
 def report(result: dict) -> str:
@@ -150,6 +175,8 @@ def report(result: dict) -> str:
     for key in (k for k in result if k.startswith("ranks_")):
         r = result[key]
         lines.append(f"  {key.replace('_', ' '):8s} plain loop {r['plain_tokens_per_s']:7.1f} tokens/s   trainer actor "
-                     f"{r['trainer_tokens_per_s']:7.1f} tokens/s   ({r['trainer_vs_plain']:.2f} x plain)   "
+                     f"{r['trainer_tokens_per_s']:7.1f} tokens/s   ({r['trainer_vs_plain']:.2f} x plain), from the "
+                     f"replay buffer {r['from_buffer_tokens_per_s']:7.1f} tokens/s ({r['from_buffer_vs_plain']:.2f} x "
+                     "plain)   "
                      f"loading: +{r['load_mb_per_rank']:.0f} MB per rank (peak {r['load_peak_rss_mb_per_rank']:.0f} MB)")
     return "\n".join(lines)
