@@ -10,6 +10,7 @@ import time
 from collections import defaultdict
 
 import psutil
+import pytest
 
 TWO_REPLICAS = ["--generator.replicas", "2", "--generator.num_threads", "1", "--generator.cpus", "0;1"]
 
@@ -66,23 +67,24 @@ def test_a_killed_replica_is_replaced_and_every_group_is_trained_exactly_once(tm
     assert (tmp_path / "final" / "model.safetensors").is_file()
 
 
-def test_a_dead_trainer_ends_the_run_with_one_line_and_keeps_what_was_written(tmp_path):
+@pytest.mark.parametrize("role", ["trainer", "replay_buffer"])
+def test_a_dead_trainer_or_replay_buffer_ends_the_run_with_one_line_and_keeps_what_was_written(tmp_path, role):
     run = train(tmp_path, "--controller.steps", "1000")
     try:
         wait_for_steps(run, tmp_path, 2)
         actors = psutil.Process(run.pid).children(recursive=True)
-        psutil.Process(json.loads((tmp_path / "processes.json").read_text())["trainer"]).send_signal(signal.SIGKILL)
+        psutil.Process(json.loads((tmp_path / "processes.json").read_text())[role]).send_signal(signal.SIGKILL)
         _, stderr = run.communicate(timeout=120)
     finally:
         if run.poll() is None:
             run.kill()
     assert run.returncode == 1
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("meshrl: error: ") and "trainer" in last and f"are in {tmp_path}" in last, last
+    assert last.startswith("meshrl: error: ") and role in last and f"are in {tmp_path}" in last, last
     assert "Traceback" not in stderr
     steps = len(read_jsonl(tmp_path / "metrics.jsonl"))
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["steps"] == steps >= 2 and "trainer" in summary["failed"]
+    assert summary["steps"] == steps >= 2 and role in summary["failed"]
     assert (tmp_path / "trace.json").is_file() and (tmp_path / "curves.png").is_file()
     time.sleep(1)
     assert not [p for p in actors if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
