@@ -20,6 +20,8 @@ import gc
 import logging
 import time
 
+from monarch.actor import ActorError
+
 from meshrl.actors import first, in_rank_order
 from meshrl.actors.replay_buffer import fresh_groups
 from meshrl.checkpoint import Checkpointer, RunState, latest
@@ -217,8 +219,13 @@ class Controller:
         async with self.tracer.span("replay_buffer", "sample", batch.index, timeout=self.timeouts.buffer):
             plan = await self.buffer.sample.call_one(batch.index, batch.groups)
         updates = [[BatchRef(batch.index, u, m) for m in range(count)] for u, count in enumerate(plan.pop("micro_batches"))]
-        train = plan | await train_updates(self.trainer, self.reference, updates, self.config.trainer,
-                                           self.tracer.span, batch.index, self.config.reference.ranks, self.timeouts)
+        try:
+            train = plan | await train_updates(self.trainer, self.reference, updates, self.config.trainer,
+                                               self.tracer.span, batch.index, self.config.reference.ranks, self.timeouts)
+        except ActorError:  # the ranks take their micro-batches from the buffer: its death fails their calls
+            async with deadline(self.timeouts.buffer, "replay_buffer", "logged"):
+                await self.buffer.logged.call_one()  # raises the buffer's own failure, one line naming it
+            raise
         t2 = time.perf_counter()
         await self._published()  # the last step's: done, since this step's optimizer update waited for it
         version = self.trainer_version + 1

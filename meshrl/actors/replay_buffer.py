@@ -37,8 +37,8 @@ from monarch.actor import Actor, endpoint
 from meshrl.actors import pin_cpus
 from meshrl.advantages import population_std
 from meshrl.configs import ReplayBufferConfig, TrainerConfig
-from meshrl.train_step import micro_batches, padding_fraction, split
 from meshrl.episodes import flatten
+from meshrl.train_step import micro_batches, padding_fraction, split
 from meshrl.types import BatchRef, Episode, GroupEpisodes, TrainBatch
 
 
