@@ -43,6 +43,9 @@ class Timed:
                 ACTOR_CPU[self.key] += time.thread_time() - start
             try:
                 value, error = (yield out), None
+            except GeneratorExit:  # dropped while suspended: the endpoint's coroutine is closed too
+                steps.close()
+                raise
             except BaseException as e:  # a cancellation or error thrown into the awaiting task: passed on
                 value, error = None, e
 
