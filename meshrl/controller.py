@@ -62,7 +62,7 @@ class Controller:
         cfg, fresh = config.controller, fresh_groups(config)
         self.work = WorkBuffer(cfg.steps, fresh, cfg.max_policy_age, batch_builder(cfg, tracer.now, task.accuracy),
                                fresh * (cfg.max_sample_rounds if cfg.drop_equal_reward_groups else 1),
-                               cfg.drop_equal_reward_groups, cfg.max_failed_fraction, self._keep)
+                               cfg.drop_equal_reward_groups, cfg.max_failed_fraction, self._keep, cfg.generate_ahead)
         self.adding: list[asyncio.Future] = []  # groups' episodes on their way to the replay buffer
         self.collector = RolloutCollector(config, task, tokenizer, generators, graders, tracer, self.work, timeouts)
         self.trainer_version = 0  # the newest version the trainer published

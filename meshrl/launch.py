@@ -46,6 +46,9 @@ def check_config(config: Config) -> None:
         raise ValueError(f"unknown logging.wandb_mode {config.logging.wandb_mode!r}; known: auto, online, offline")
     if cfg.max_policy_age < 0:
         raise ValueError("controller.max_policy_age must be at least 0")
+    if cfg.generate_ahead > cfg.max_policy_age:
+        raise ValueError(f"controller.generate_ahead ({cfg.generate_ahead}) cannot be more than "
+                         f"controller.max_policy_age ({cfg.max_policy_age}): its groups would be stale when trained")
     if not 0 <= cfg.max_failed_fraction <= 1:
         raise ValueError("controller.max_failed_fraction must be between 0 and 1")
     if config.generator.top_p != 1:

@@ -5,8 +5,9 @@ microseconds and every await point of the loops around it sees a consistent stat
 
 The rule: batch b trains at policy version b (step b + 1). Every group is admitted into a slot of one
 batch when it starts, and trained in that batch whenever it finishes: the lowest batch with a free
-slot (`next_batch()`), once version `next_batch() - max_policy_age` is published, so it samples from a
-version the bound allows for its batch. At most (max_policy_age + 1) x prompts_per_step groups are
+slot (`next_batch()`), once version `next_batch() - ahead` is published (`ahead`: max_policy_age, or
+fewer versions, which leaves replayed groups room within the bound), so it samples from a version
+the bound allows for its batch. At most (ahead + 1) x prompts_per_step groups are
 in flight, and none is born stale: a group that finishes after later ones waits in its own batch
 rather than falling into the next one, out of its bound. A batch is complete with `batch_size` groups
 kept (or `tries` finished, with dynamic sampling); a group dropped or failed frees its slot for another
@@ -87,9 +88,11 @@ class WorkBuffer:
     # a kept group (its batch's index, the group) -> what the Filling keeps of it (the controller's: its
     # episodes go to the replay buffer, and a summary stays); by default its scored completions
     keep: Callable[[int, Group], object] = lambda batch, group: group.scored
+    ahead: int = -1  # versions generation may run ahead of the trainer (the gate); -1: max_policy_age
 
     def __post_init__(self):
         self.tries = self.tries or self.batch_size
+        self.ahead = self.max_policy_age if self.ahead < 0 else self.ahead
         self.next_prompt = 0  # the task's next training sample never started
         self.redo: list[int] = []  # prompts to start before new ones (stopped or stale groups), sorted
         self.running: dict[int, int] = {}  # prompt index -> the batch it was admitted into
@@ -106,10 +109,10 @@ class WorkBuffer:
         return b
 
     def may_start(self, trainer_version: int) -> bool:
-        """The staleness gate: a group for batch b waits for version b - max_policy_age, and no batch
-        past the last one gets groups."""
+        """The staleness gate: a group for batch b waits for version b - ahead, and no batch past the
+        last one gets groups."""
         batch = self.next_batch()
-        return batch < self.steps and trainer_version >= batch - self.max_policy_age
+        return batch < self.steps and trainer_version >= batch - self.ahead
 
     def start(self, trainer_version: int) -> int | None:
         """The prompt to start a group for now (one stopped or stale first), or None if the gate is shut."""

@@ -94,6 +94,8 @@ def run_cli(*args):
      "meshrl.actors.grader:Grader cannot be the replay_buffer: it has no add, sample, micro_batch, attach, trained, "
      "checkpointed, logged, save_state, load_state endpoint (the contract is meshrl.actors.roles.ReplayBuffer)"),
     (["train", "--config", "smoke", "--replay_buffer.impl", "replay"], "set controller.max_policy_age to 1 or more"),
+    (["train", "--config", "smoke", "--controller.generate_ahead", "1"],
+     "controller.generate_ahead (1) cannot be more than controller.max_policy_age (0)"),
     (["train", "--config", "smoke", "--replay_buffer.impl", "replay", "--controller.max_policy_age", "1",
       "--replay_buffer.priority", "oldest"], "unknown replay_buffer.priority 'oldest'"),
     (["train", "--config", "smoke", "--trainer.mini_batches", "0"], "trainer.mini_batches and"),

@@ -148,3 +148,13 @@ def test_the_controller_sends_the_trainer_only_references_to_micro_batches_in_th
     reused = [r["episodes_reused"] for r in done.rows]
     assert (sum(reused) > 0) == (impl == "replay") and all(r["staleness_max"] <= 1 for r in done.rows)
     assert [r["step"] for r in done.rows] == [1, 2, 3, 4]
+
+
+def test_with_generation_kept_in_step_replay_trains_an_old_group_beside_each_fresh_one(tmp_path):
+    """controller.generate_ahead 0 keeps generation in step with training (as in sync training) while the
+    bound (2) leaves room for groups trained again: every step after the first trains one of each."""
+    config = fake_config(steps=5, prompts=2, max_policy_age=2, generate_ahead=0)
+    config.replay_buffer.impl = "replay"
+    rows = run(run_fake(config, tmp_path, Script())).rows
+    assert [r["episodes_reused"] for r in rows] == [0, 2, 2, 2, 2]
+    assert [r["episodes_by_age"] for r in rows] == [[2], [2, 2], [2, 2], [2, 2], [2, 2]]  # the newest old group

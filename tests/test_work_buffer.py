@@ -42,6 +42,15 @@ def test_the_gate_lets_groups_run_at_most_max_policy_age_batches_ahead(age):
     assert starts(work, 1) == [2 * (age + 1), 2 * (age + 1) + 1]  # version 1 opens one more batch
 
 
+def test_generation_may_run_fewer_versions_ahead_than_the_bound_allows():
+    """`ahead` 0 with a bound of 2: generation waits for each version as in sync training, and the two
+    versions of room are the replay buffer's, for groups trained again."""
+    work = buffer(steps=6, size=2, age=2, ahead=0)
+    assert starts(work, 0) == [0, 1] and not work.may_start(0)  # batch 1 waits for version 1
+    assert starts(work, 1) == [2, 3]
+    assert work.finish(group(2, version=0)) is None and work.finish(group(3, version=0)).index == 1  # within 2
+
+
 def test_each_group_is_trained_in_the_batch_it_was_admitted_into_whenever_it_finishes():
     work = buffer(size=2, age=1)
     assert starts(work, 0) == [0, 1, 2, 3]  # 0 and 1 into batch 0, 2 and 3 into batch 1
