@@ -2,8 +2,10 @@
 
 The rollout loop keeps groups in flight across the generator replicas: it starts every group the
 work buffer's staleness gate lets start (meshrl/work_buffer.py), and wakes whenever a group ends or
-a new policy version is published. The training loop takes batch b (complete, its episodes within
-the bound), trains step b + 1 on it at policy version b (meshrl/train_step.py), publishes version
+a new policy version is published; each kept group's episodes go to the replay buffer as it ends
+(meshrl/actors/replay_buffer.py). The training loop takes batch b (complete, its episodes within
+the bound), has the replay buffer compose and collate it, trains step b + 1 on it at policy version
+b (meshrl/train_step.py: the trainer's ranks take the micro-batches from the buffer), publishes version
 b + 1, evaluates now and then, and logs the step's row. It does not wait for the publish: the next
 step's batch and forward and backward passes go on meanwhile (the trainer's next optimizer update
 waits for it), and the version counts as published, for the gate and the generators, once the
