@@ -46,7 +46,7 @@ def arm_figures(run_dir: Path) -> dict:
         if "eval_accuracy" in r:
             evals.append((tokens, r["eval_accuracy"]))
     return {"eval_final": summary["eval_accuracy_final"], "last_number_final": summary["eval_last_number_final"],
-            "gain": gain, "generated": generated, "tokens_per_point": generated / (100 * gain) if gain > 0 else None,
+            "gain": gain, "generated": generated, "trained": sum(r["episodes_trained"] for r in rows), "tokens_per_point": generated / (100 * gain) if gain > 0 else None,
             "reused": sum(r.get("episodes_reused", 0) for r in rows) / max(sum(r["episodes_trained"] for r in rows), 1),
             "staleness": statistics.fmean(r["staleness_mean"] for r in rows),
             "wall_s": summary["wall_time_s"], "train_s": sum(r["step_time_s"] for r in rows), "evals": evals}
@@ -57,9 +57,8 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
     figures = {arm: [arm_figures(directory / f"{arm}_seed{seed}") for seed in SEEDS if f"{arm}_seed{seed}" in done]
                for arm in ARMS}
     figures = {arm: f for arm, f in figures.items() if f}
-    rows = [[arm, mean_spread([f["eval_final"] for f in fs]), mean_spread([f["gain"] for f in fs]),
-             mean_spread([f["last_number_final"] for f in fs]),
-             f"{statistics.fmean(f['generated'] for f in fs):.0f}",
+    rows = [[arm, mean_spread([f["eval_final"] for f in fs]), mean_spread([f["last_number_final"] for f in fs]),
+             f"{statistics.fmean(f['generated'] for f in fs):.0f}", f"{statistics.fmean(f['trained'] for f in fs):.0f}",
              mean_spread([f["tokens_per_point"] for f in fs if f["tokens_per_point"] is not None]),
              f"{statistics.fmean(f['reused'] for f in fs):.2f}", f"{statistics.fmean(f['staleness'] for f in fs):.2f}",
              f"{statistics.fmean(f['train_s'] for f in fs):.0f}", f"{statistics.fmean(f['wall_s'] for f in fs):.0f}"]
@@ -70,12 +69,12 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
                "held-out accuracy at steps 0, 5 and 10 against tokens generated, each seed a line", colours)
     return "\n".join([
         f"## {len(SEEDS)} seeds per arm, {STEPS} steps each\n",
-        table(["arm", "held-out accuracy after the last step (greedy, 128 prompts)", "gain over step 0",
-               "held-out last-number accuracy", "completion tokens generated", "tokens generated per point of "
-               "accuracy gained", "share of trained episodes reused", "staleness mean", "training time (s)",
+        table(["arm", "held-out accuracy after the last step (greedy, 128 prompts)",
+               "held-out last-number accuracy", "completion tokens generated", "episodes trained",
+               "tokens generated per point of accuracy gained", "share of trained episodes reused", "staleness mean", "training time (s)",
                "wall time (s)"], rows),
-        "\nA point of accuracy is 0.01 of held-out accuracy gained over the untrained model; a run that gained "
-        "nothing has no figure there. Training time: the steps' wall time; wall time adds the start and the evals.",
+        "\nA point of accuracy is 0.01 of held-out accuracy gained over the untrained model's (0 here); a run "
+        "that gained nothing has no figure there. Training time: the steps' wall time; wall time adds the start and the evals.",
         "\n![held-out accuracy against tokens generated](eval_vs_generated.png)"])
 
 
