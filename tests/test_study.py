@@ -113,6 +113,28 @@ def test_the_sync_vs_async_report_from_one_finished_run_shows_its_arm_alone(tmp_
     assert "left out of this report: sync_seed0, async_age2_seed0, sync_seed1," in text
 
 
+def test_the_replay_report_counts_tokens_per_point_of_accuracy_and_the_share_reused(tmp_path):
+    from meshrl.studies import STUDIES
+
+    study = STUDIES["replay"]
+    for name, reused, final in (("fifo_seed0", 0, 0.25), ("replay_reuse2_ahead0_seed0", 16, 0.5)):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        rows = [{"step": s, "tokens_generated": 1000 if reused == 0 else 500, "episodes_trained": 64,
+                 "episodes_reused": 0 if s == 1 else reused, "staleness_mean": 0.5, "step_time_s": 20.0}
+                for s in range(1, 11)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run_dir / "study_run.json").write_text(json.dumps(next(r for r in study.runs if r.name == name).recipe()))
+        (run_dir / "summary.json").write_text(json.dumps({"steps": 10, "eval_accuracy_initial": 0.0, "wall_time_s": 250,
+                                                          "eval_accuracy_final": final, "eval_last_number_final": 0.5}))
+    text = write_report(study, tmp_path).read_text()
+    fifo = next(line for line in text.splitlines() if line.startswith("| fifo |"))
+    replay = next(line for line in text.splitlines() if line.startswith("| replay_reuse2_ahead0 |"))
+    # 10,000 tokens for 25 points: 400 a point; 5,000 for 50 points: 100; 144 of 640 episodes reused
+    assert "| 10000 | 640 | 400.000 (one run) | 0.00 |" in fifo
+    assert "| 5000 | 640 | 100.000 (one run) | 0.23 |" in replay
+
+
 def test_seeded_requests_are_refused_for_multi_turn_tasks():
     from meshrl.configs import load_config
     from meshrl.launch import actor_classes
@@ -148,7 +170,7 @@ def test_the_study_command_lists_dry_runs_and_refuses_unknown_names(tmp_path, ca
     assert main(["study", "--list"]) == 0
     listed = capsys.readouterr().out
     assert [line.split()[0] for line in listed.splitlines()] == ["weight-sync-equivalence", "sync-vs-async",
-                                                                  "difficulty"]
+                                                                  "difficulty", "replay"]
     assert main(["study", "sync-vs-async", "--dry-run", "--dir", str(tmp_path)]) == 0
     commands = capsys.readouterr().out.splitlines()
     assert len(commands) == 9 and all(c.startswith("meshrl train --config sum_digits_smollm2") for c in commands)
@@ -156,7 +178,8 @@ def test_the_study_command_lists_dry_runs_and_refuses_unknown_names(tmp_path, ca
     assert {c.split("--generator.seed ")[1].split()[0] for c in commands} == {"0", "1", "2"}
     assert not any(tmp_path.iterdir())  # a dry run starts nothing
     assert main(["study", "difficult"]) == 2
-    assert "unknown study 'difficult'; known: weight-sync-equivalence, sync-vs-async, difficulty" in capsys.readouterr().err
+    assert ("unknown study 'difficult'; known: weight-sync-equivalence, sync-vs-async, difficulty, replay"
+            in capsys.readouterr().err)
 
 
 def test_mean_spread_and_time_to_reach_by_hand():
