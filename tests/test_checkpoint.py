@@ -244,26 +244,41 @@ def test_nan_losses_are_not_applied_counted_and_stop_the_run_with_the_last_good_
     assert (tmp_path / "final" / "model.safetensors").is_file()
 
 
-def test_a_replay_run_killed_after_a_checkpoint_resumes_with_the_buffer_it_had(tmp_path):
+def test_a_replay_run_whose_buffer_dies_after_a_checkpoint_stops_in_one_line_and_resumes_from_it(tmp_path):
     """`replay_buffer.impl replay` on real actors: the replay buffer is a process of its own, the trainer's
-    ranks take their micro-batches from it (their own spans say so), groups are trained again, and a
-    run SIGKILLed after a checkpoint resumes from it: every step logged once, versions continuous."""
-    args = ["--controller.steps", "4", "--checkpoint.every", "2", "--replay_buffer.impl", "replay",
-            "--controller.max_policy_age", "1"]
-    killed = tmp_path / "killed"
-    kill_after_checkpoint(killed, args, step=2)
-    assert (killed / "checkpoints" / "step-2" / "replay_buffer" / "state.pt").is_file()
-    resumed = subprocess.run(train(killed, "--resume", str(killed)), capture_output=True, text=True, timeout=600)
+    ranks take their micro-batches from it (their own spans say so), and groups are trained again. The
+    buffer SIGKILLed after checkpoint 2 ends the run with one line naming it; `--resume` goes on from
+    that checkpoint with the groups and use counts it held: every step logged once, versions continuous."""
+    run_dir = tmp_path / "run"
+    run = subprocess.Popen(train(run_dir, "--controller.steps", "4", "--checkpoint.every", "2", "--replay_buffer.impl",
+                                 "replay", "--controller.max_policy_age", "1", "--controller.generate_ahead", "0"),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / "step-2").is_dir():
+            assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-3000:]
+            time.sleep(0.05)
+        buffer = json.loads((run_dir / "processes.json").read_text())["replay_buffer"]
+        assert "replay_buffer" in json.loads((run_dir / "placement.json").read_text())
+        psutil.Process(buffer).send_signal(signal.SIGKILL)
+        _, stderr = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 1
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("meshrl: error: ") and "replay_buffer" in last and "Traceback" not in stderr, last
+    assert (run_dir / "checkpoints" / "step-2" / "replay_buffer" / "state.pt").is_file()
+    resumed = subprocess.run(train(run_dir, "--resume", str(run_dir)), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    rows = read_jsonl(killed / "metrics.jsonl")
+    assert f"resumed from {run_dir / 'checkpoints' / 'step-2'} (step 2, policy version 2)" in resumed.stdout
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["policy_version"] for r in rows] == [1, 2, 3, 4]
-    # 2 prompts a step, one of them fresh, the other (a group of 4) trained again if one is within the bound
-    assert rows[0]["episodes_reused"] == 0 and sum(r["episodes_reused"] for r in rows) >= 8
-    assert all(r["episodes_trained"] == 4 + r["episodes_reused"] and r["staleness_max"] <= 1 for r in rows)
-    processes = json.loads((killed / "processes.json").read_text())
-    placement = json.loads((killed / "placement.json").read_text())
-    assert "replay_buffer" in processes and "replay_buffer" in placement
-    spans = read_jsonl(killed / "trace.jsonl")
+    # 2 prompts a step, one of them fresh (generated in step with training), and after the first step the
+    # group of the step before (4 episodes, one version old) trained again: before and after the resume
+    assert [r["episodes_reused"] for r in rows] == [0, 4, 4, 4]
+    assert [r["episodes_by_age"] for r in rows] == [[4], [4, 4], [4, 4], [4, 4]]
+    spans = read_jsonl(run_dir / "trace.jsonl")
     taken = [s for s in spans if s["role"] == "trainer" and s["what"] == "from_buffer" and s["clock"] == "actor"]
     trained = [s for s in spans if s["role"] == "trainer" and s["what"] == "train" and s["clock"] == "actor"]
     assert len(taken) == len(trained) > 0  # every micro-batch trained was taken from the buffer by the rank

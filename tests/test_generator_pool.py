@@ -10,7 +10,6 @@ import time
 from collections import defaultdict
 
 import psutil
-import pytest
 
 TWO_REPLICAS = ["--generator.replicas", "2", "--generator.num_threads", "1", "--generator.cpus", "0;1"]
 
@@ -67,8 +66,8 @@ def test_a_killed_replica_is_replaced_and_every_group_is_trained_exactly_once(tm
     assert (tmp_path / "final" / "model.safetensors").is_file()
 
 
-@pytest.mark.parametrize("role", ["trainer", "replay_buffer"])
-def test_a_dead_trainer_or_replay_buffer_ends_the_run_with_one_line_and_keeps_what_was_written(tmp_path, role):
+def test_a_dead_trainer_ends_the_run_with_one_line_and_keeps_what_was_written(tmp_path):
+    role = "trainer"  # the replay buffer's death: tests/test_checkpoint.py
     run = train(tmp_path, "--controller.steps", "1000")
     try:
         wait_for_steps(run, tmp_path, 2)
