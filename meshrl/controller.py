@@ -25,7 +25,7 @@ import time
 from monarch.actor import ActorError
 
 from meshrl.actors import first, in_rank_order
-from meshrl.actors.replay_buffer import fresh_groups
+from meshrl.actors.replay_buffer import fresh_groups, generation_ahead
 from meshrl.checkpoint import Checkpointer, RunState, latest
 from meshrl.configs import Config
 from meshrl.episodes import batch_builder, keep_group
@@ -64,7 +64,8 @@ class Controller:
         cfg, fresh = config.controller, fresh_groups(config)
         self.work = WorkBuffer(cfg.steps, fresh, cfg.max_policy_age, batch_builder(cfg, tracer.now, task.accuracy),
                                fresh * (cfg.max_sample_rounds if cfg.drop_equal_reward_groups else 1),
-                               cfg.drop_equal_reward_groups, cfg.max_failed_fraction, self._keep, cfg.generate_ahead)
+                               cfg.drop_equal_reward_groups, cfg.max_failed_fraction, self._keep,
+                               generation_ahead(config))
         self.adding: list[asyncio.Future] = []  # groups' episodes on their way to the replay buffer
         self.collector = RolloutCollector(config, task, tokenizer, generators, graders, tracer, self.work, timeouts)
         self.trainer_version = 0  # the newest version the trainer published

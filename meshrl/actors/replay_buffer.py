@@ -193,6 +193,16 @@ def buffer_impl(impl: str) -> str:
     return IMPLEMENTATIONS.get(impl, impl)
 
 
+def generation_ahead(config) -> int:
+    """Versions generation may run ahead of the trainer: `controller.generate_ahead`, or for -1 (auto) the
+    whole bound with fifo (or a buffer of one's own), and none with replay, whose groups trained again
+    need the bound's room (generation running ahead uses it up: docs/studies.md#replay)."""
+    cfg = config.controller
+    if cfg.generate_ahead >= 0:
+        return cfg.generate_ahead
+    return 0 if config.replay_buffer.impl == "replay" else cfg.max_policy_age
+
+
 def fresh_groups(config) -> int:
     """Groups generated for each batch: prompts_per_step, or with `replay` its fresh share (at least one)."""
     prompts = config.controller.prompts_per_step

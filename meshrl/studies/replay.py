@@ -4,8 +4,9 @@ workload, against training each group once (fifo), for the same number of steps?
 Four arms, three seeds each, all on the async demo config (generation on core 0, training on core 1):
 `fifo` at max_policy_age 1 (the config as it is); `replay` with max_reuse 2 and with max_reuse 4, each
 at the max_policy_age its reuse needs (2 and 4: a group trained again n steps after it was generated is
-n versions old); and replay with max_reuse 2 at max_policy_age 2 with generation kept in step with
-training (`controller.generate_ahead 0`). A replay batch has prompts_per_step groups, half of them
+n versions old), generation free to run as far ahead (`controller.generate_ahead` 2 and 4, what
+replay did when the study ran); and replay with max_reuse 2 at max_policy_age 2 with generation kept
+in step with training (`controller.generate_ahead 0`, replay's default since). A replay batch has prompts_per_step groups, half of them
 fresh (fresh_fraction 0.5), so a replay arm generates half the completions per step of fifo's and
 trains as many. The first two replay arms also let generation run further ahead (their bound is
 wider), which uses up the bound's room for training a group again: the comparison is of the whole
@@ -22,9 +23,9 @@ STEPS, SEEDS = 10, (0, 1, 2)
 COMMON = ["--controller.steps", str(STEPS), "--controller.eval_every", "5", "--checkpoint.every", "0"]
 ARMS = {"fifo": ["--controller.max_policy_age", "1"],
         "replay_reuse2": ["--replay_buffer.impl", "replay", "--replay_buffer.max_reuse", "2",
-                          "--controller.max_policy_age", "2"],
+                          "--controller.max_policy_age", "2", "--controller.generate_ahead", "2"],
         "replay_reuse4": ["--replay_buffer.impl", "replay", "--replay_buffer.max_reuse", "4",
-                          "--controller.max_policy_age", "4"],
+                          "--controller.max_policy_age", "4", "--controller.generate_ahead", "4"],
         "replay_reuse2_ahead0": ["--replay_buffer.impl", "replay", "--replay_buffer.max_reuse", "2",
                                  "--controller.max_policy_age", "2", "--controller.generate_ahead", "0"]}
 COLOURS = {"fifo": "tab:blue", "replay_reuse2": "tab:orange", "replay_reuse4": "tab:green",
