@@ -36,6 +36,7 @@ from meshrl.replicas import Replica, ReplicaPool
 from meshrl.tasks import Sample
 from meshrl.timeouts import Timeout, Timeouts
 from meshrl.trace import ActorClock, Tracer
+from meshrl.trainer_restart import Respawner
 from meshrl.types import Completion, ScoredCompletion
 
 PROMPT_ID = 100  # FakeTokenizer: a prompt's first token is PROMPT_ID + its index, so the trainer can tell
@@ -185,6 +186,7 @@ class FakeGenerator:
                 self.book.loaded(start, self.version, in_flight=self.running > 0)
 
     async def attach_weights(self, rings: list) -> str:
+        self.weights = rings[0]  # a restarted trainer's
         return "fake"
 
     async def pull_weights(self) -> int:
@@ -247,7 +249,7 @@ class FakeTrainer:
         return {"updates": self.updates, "grad_norm": 1.0, "skipped": skip}
 
     async def weight_ring(self):
-        return "ring"
+        return self.weights  # what the generators attached to it load from
 
     @concurrent
     async def publish_weights(self) -> int:
@@ -317,7 +319,7 @@ class FakeRun:
     """What one `run_fake` did."""
 
     controller: Controller
-    trainer: FakeTrainer
+    trainer: FakeTrainer  # rank 0 of the last trainer mesh (a restarted one's)
     rows: list[dict]
     spawned: list[int]  # generator replicas started, by index (replacements too)
     graders: list[int]  # grader replicas started, likewise
@@ -325,22 +327,31 @@ class FakeRun:
 
 async def run_fake(config: Config, run_dir: Path, script: Script | None = None, resume: bool = False,
                    stop_timeout: float = 5.0, call_timeout: float = 0, costs: Costs = Costs(),
-                   progress: bool = True) -> FakeRun:
+                   progress: bool = True, restart_trainer: bool = True) -> FakeRun:
     """The real controller's loops over fake actors (`config.trainer.ranks` fake trainer ranks), from the
-    newest checkpoint in `run_dir` with `resume`; generate and grade calls bounded by `call_timeout`."""
+    newest checkpoint in `run_dir` with `resume`; generate and grade calls bounded by `call_timeout`; a
+    trainer that dies is restarted (`restart_trainer`) on fresh fake ranks."""
     script = script or Script()
     run_dir.mkdir(parents=True, exist_ok=True)
     state_dir = checkpoint.latest(run_dir) if resume else None
     state = checkpoint.load(state_dir) if state_dir else None
-    weights, spawned, graded = FakeWeights(), [], []
+    spawned, graded = [], []
     signals = script.signals = StopSignals()
-    fake_trainers = [FakeTrainer(weights, costs) for _ in range(config.trainer.ranks)]
-    trainer = FakeMesh(fake_trainers, script)
     buffer = FakeMesh([load_actor_class(buffer_impl(config.replay_buffer.impl))(
         config.replay_buffer, config.trainer, config.controller.prompts_per_step, config.controller.max_policy_age,
         FakeTokenizer.pad_id)], script)  # the real replay buffer, in this process
-    for fake in fake_trainers:
-        await fake.attach_buffer(buffer)
+    trainers: list[FakeTrainer] = []  # rank 0 of each trainer mesh started, restarts too
+
+    async def start_trainer() -> FakeMesh:
+        ring = FakeWeights()  # each mesh its own
+        ranks = [FakeTrainer(ring, costs) for _ in range(config.trainer.ranks)]
+        trainers.append(ranks[0])
+        for fake in ranks:
+            await fake.attach_buffer(buffer)
+        return FakeMesh(ranks, script)
+
+    trainer = await start_trainer()
+    weights = trainers[0].weights  # what generators started from now on load from
     timeouts = Timeouts(stop=Timeout(stop_timeout, "controller.stop_timeout_s"),
                         generate=Timeout(call_timeout, "generator.timeout_s"),
                         grade=Timeout(call_timeout, "grader.timeout_s"))
@@ -354,16 +365,27 @@ async def run_fake(config: Config, run_dir: Path, script: Script | None = None, 
         graded.append(index)
         return Replica(index, FakeProcs(), FakeMesh([FakeGrader()], script), "fake", os.getpid())
 
-    generators = ReplicaPool("generator", generator, config.generator.replicas, config.generator.max_restarts)
-    graders = ReplicaPool("grader", grader, config.grader.replicas, config.grader.max_restarts)
+    generators = ReplicaPool("generator", generator, config.generator.replicas, config.generator.max_restarts,
+                             restart_window_s=config.controller.restart_window_s)
+    graders = ReplicaPool("grader", grader, config.grader.replicas, config.grader.max_restarts,
+                          restart_window_s=config.controller.restart_window_s)
     await asyncio.gather(generators.start(), graders.start())
     tracer = Tracer(run_dir, resume=resume)
     rows = MetricRows(MetricLoggers(run_dir, config, "fake", resumed_rows=state.rows if state else ()),
                       RolloutRecorder(run_dir, config.logging.rollouts_fraction, state.step if state else None),
                       progress=progress)
+
+    async def attach(new_trainer: FakeMesh) -> None:  # as meshrl/run.py's: every generator, and those to come
+        nonlocal weights
+        rings = [r for _, r in (await new_trainer.weight_ring.call()).items()]
+        weights = rings[0]
+        for replica in generators.replicas:
+            if replica.healthy:
+                await replica.actor.attach_weights.call_one(rings)
+
     controller = Controller(config, FakeTask(), FakeTokenizer(), generators, graders, trainer, None, buffer, tracer,
                             signals, checkpoint.Checkpointer(run_dir, 0, trainer, tracer, timeouts, buffer), rows,
-                            timeouts)
+                            timeouts, Respawner(start_trainer, attach) if restart_trainer else None)
     try:
         if state:
             await controller.restore(state, state_dir)
@@ -371,7 +393,7 @@ async def run_fake(config: Config, run_dir: Path, script: Script | None = None, 
     finally:
         rows.close()
         tracer.close(plot=False)
-    return FakeRun(controller, fake_trainers[0], rows.rows, spawned, graded)
+    return FakeRun(controller, trainers[-1], rows.rows, spawned, graded)
 
 
 def read_jsonl(path: Path) -> list[dict]:

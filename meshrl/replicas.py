@@ -7,14 +7,20 @@ timed out (CallTimeout), or it says its engine is broken (an endpoint raising `R
 replaced and the call redone whole elsewhere, so each piece of work (one prompt's group) is done once
 by a healthy replica and never silently dropped. Any other error an endpoint raises is the call's own
 (vLLM rejecting a request, a tokenizer or environment error): the replica serves on and the caller
-gets `CallFailed`, with one line saying why. After `max_restarts` replacements the pool gives up: the
-call raises `RoleFailed` with one clear line.
+gets `CallFailed`, with one line saying why.
+
+Restart budgets catch crash loops, not a lifetime total (`RestartBudget`): a replica that fails within
+`controller.restart_window_s` of its start counts toward its role's `max_restarts`, one that served
+longer starts its slot's count afresh; past the bound the call raises `RoleFailed` with one clear
+line. A replacement that fails its first call with the very error its predecessor reported is a
+configuration fault, which a fresh process would only repeat: the pool gives up at once.
 """
 
 import asyncio
 import logging
 import os
 import socket
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, TypeVar
@@ -64,6 +70,34 @@ async def processes(procs, name: str) -> list[tuple[str, int]]:
     return await in_rank_order(procs.spawn(f"{name}_info", ProcessInfo).where.call())
 
 
+class RestartBudget:
+    """How many times a slot (a replica's index, or the trainer) may be restarted: failures within
+    `window_s` of the slot's last start are a streak, and a streak longer than `max_restarts` is a crash
+    loop; a process that served `window_s` or more before failing starts its slot's streak afresh."""
+
+    def __init__(self, max_restarts: int, window_s: float, clock: Callable[[], float] = time.monotonic):
+        self.max_restarts, self.window_s, self.clock = max_restarts, window_s, clock
+        self.started: dict = {}  # slot -> when its process started
+        self.streak: dict = {}  # slot -> restarts in a row, each failing within window_s of its start
+
+    def start(self, slot) -> None:
+        """The process of `slot` started now."""
+        self.started[slot] = self.clock()
+
+    def failed(self, slot) -> bool:
+        """The process of `slot` failed: True if it may be restarted (counted), False for a crash loop."""
+        if self.clock() - self.started.get(slot, -math.inf) >= self.window_s:
+            self.streak[slot] = 0
+        if self.streak.get(slot, 0) >= self.max_restarts:
+            return False
+        self.streak[slot] = self.streak.get(slot, 0) + 1
+        return True
+
+    def describe(self, slot) -> str:
+        return (f"failed {self.streak.get(slot, 0) + 1} times in a row, each within {self.window_s:g} s of its start "
+                f"(max_restarts {self.max_restarts}, controller.restart_window_s)")
+
+
 @dataclass(eq=False)  # a replica is itself: a replacement at the same index is another
 class Replica:
     index: int  # its position in the pool; a replacement takes the index of the one it replaces
@@ -76,6 +110,8 @@ class Replica:
     calls: asyncio.Lock = field(default_factory=asyncio.Lock)  # the tracer's, for actors that serve one call at a time
     busy_since: float | None = None
     busy_s: float = 0.0  # seconds with at least one call in flight
+    served: int = 0  # calls it answered
+    died_of: str = ""  # the error its predecessor at this index reported, if it was replaced for one
 
 
 def replica_name(role: str, index: int, count: int) -> str:
@@ -109,12 +145,15 @@ def monarch_replicas(name: Callable[[int], str], cls: type, make_args: Callable[
 
 class ReplicaPool:
     def __init__(self, role: str, start: Callable[[int], Awaitable[Replica]], count: int, max_restarts: int,
-                 on_change: Callable[[], None] | None = None, stop_timeout: Timeout | None = None):
+                 on_change: Callable[[], None] | None = None, stop_timeout: Timeout | None = None,
+                 restart_window_s: float = 300.0):
         """`count` replicas, replica i started by `start(i)` (`monarch_replicas`, or a test's fakes),
         replacements too; `on_change` is called when a replica leaves service and when its replacement
-        serves (the run rewrites processes.json); stopping a replica's mesh is bounded by `stop_timeout`."""
+        serves (the run rewrites processes.json); stopping a replica's mesh is bounded by `stop_timeout`;
+        `max_restarts` and `restart_window_s` make the crash-loop bound (RestartBudget)."""
         self.role, self.start_replica, self.count = role, start, count
-        self.max_restarts, self.on_change, self.stop_timeout = max_restarts, on_change, stop_timeout
+        self.on_change, self.stop_timeout = on_change, stop_timeout
+        self.budget = RestartBudget(max_restarts, restart_window_s)
         self.replicas: list[Replica] = []
         self.restarts = 0
         self.retired_busy_s = 0.0  # busy seconds of replicas since replaced
@@ -126,6 +165,8 @@ class ReplicaPool:
 
     async def start(self) -> None:
         self.replicas = list(await asyncio.gather(*(self.start_replica(i) for i in range(self.count))))
+        for replica in self.replicas:
+            self.budget.start(replica.index)
 
     def name(self, index: int) -> str:
         return replica_name(self.role, index, self.count)
@@ -137,7 +178,9 @@ class ReplicaPool:
             replica = await self._least_loaded()
             self._track(replica, +1)
             try:
-                return await fn(replica)
+                answer = await fn(replica)
+                replica.served += 1
+                return answer
             except ActorError as e:
                 if not isinstance(e.exception, ReplicaBroken):
                     raise CallFailed(error_line(e)) from None
@@ -202,19 +245,25 @@ class ReplicaPool:
             return
         replica.healthy = False
         reason = error_line(error)
-        if self.restarts >= self.max_restarts:
-            await self._give_up(f"{self.role} {replica.index} (pid {replica.pid}) failed after "
-                                f"{self.restarts} replacements (max_restarts {self.max_restarts}): {reason}")
+        reported = isinstance(error, ActorError)  # the replica said it is broken (not a death, not a timeout)
+        if reported and not replica.served and reason == replica.died_of:
+            await self._give_up(f"{self.role} {replica.index} (pid {replica.pid}), a fresh replacement, failed its "
+                                f"first call with the error its predecessor reported, which another process would "
+                                f"only repeat; check the {self.role}'s settings and model: {reason}")
+            raise self.failed
+        if not self.budget.failed(replica.index):
+            await self._give_up(f"{self.role} {replica.index} (pid {replica.pid}) "
+                                f"{self.budget.describe(replica.index)}: {reason}")
             raise self.failed
         self.restarts += 1
         logger.warning("%s %d (pid %d) failed (%s); replacing it", self.role, replica.index, replica.pid, reason)
         if self.on_change:
             self.on_change()
-        task = asyncio.create_task(self._respawn(replica))
+        task = asyncio.create_task(self._respawn(replica, reason if reported else ""))
         self.respawning.add(task)
         task.add_done_callback(self.respawning.discard)
 
-    async def _respawn(self, replica: Replica) -> None:
+    async def _respawn(self, replica: Replica, died_of: str) -> None:
         try:  # a dead mesh may refuse to stop, or never answer; its replacement does not depend on it
             await bounded(replica.procs.stop(), self.stop_timeout, f"stopping the failed {self.name(replica.index)}")
         except Exception:
@@ -224,6 +273,8 @@ class ReplicaPool:
         except Exception as e:
             await self._give_up(f"{self.role} {replica.index} could not be replaced: {error_line(e)}")
             return
+        fresh.died_of = died_of
+        self.budget.start(fresh.index)
         async with self.changed:
             self.retired_busy_s += replica.busy_s
             self.replicas[self.replicas.index(replica)] = fresh

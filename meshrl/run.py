@@ -5,8 +5,9 @@ a failure, after which everything written so far is kept and no process is left 
 Completions (generator replicas) -> ScoredCompletions (grader replicas) -> Episodes with group
 advantages (meshrl/episodes.py) in the work buffer's batches -> TrainBatches (trainer,
 meshrl/train_step.py) -> weight ring -> generators. A generator or grader replica that dies or stops
-answering is replaced (meshrl/replicas.py); the trainer or the reference dying or timing out ends the
-run with one line, after writing what there is. Each role runs on the hosts its config names
+answering is replaced (meshrl/replicas.py); so is the trainer, brought back to the state it lost
+(meshrl/trainer_restart.py); the reference or the replay buffer dying or timing out ends the run with
+one line, after writing what there is. Each role runs on the hosts its config names
 (meshrl/jobs.py).
 """
 
@@ -26,7 +27,7 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from tqdm import tqdm
 
 from meshrl import checkpoint
-from meshrl.actors import in_rank_order
+from meshrl.actors import in_rank_order, spawn_ranks
 from meshrl.configs import Config, to_dict
 from meshrl.controller import Controller
 from meshrl.gpu_plan import plan_gpus
@@ -39,8 +40,9 @@ from meshrl.model import ChatTokenizer, resolve_checkpoint
 from meshrl.plot import plot_curves
 from meshrl.replicas import ReplicaPool, RoleFailed, error_line, monarch_replicas, processes, replica_name
 from meshrl.tasks import make_task, task_config
-from meshrl.timeouts import CallTimeout, Timeouts, bounded
+from meshrl.timeouts import CallTimeout, Timeouts, bounded, deadline
 from meshrl.trace import Tracer
+from meshrl.trainer_restart import Respawner
 from meshrl.work_buffer import TooManyFailures
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class Run:
         self.transports: dict[str, str] = {}  # generator replica -> the weight transport it chose
         self.controller: Controller | None = None
         self.where: dict[str, tuple] = {}  # trainer / reference -> (host(s), pid(s))
+        self.rings: list = []  # the trainer ranks' weight rings, which generators attach to
 
     def fit_prompts(self) -> None:
         """Tasks that can (the dataset's) drop samples whose prompts could not be generated from: more
@@ -112,7 +115,8 @@ class Run:
                     self.config, self.task, self.tokenizer, *self.pools, self.actors.trainer, self.actors.reference,
                     self.actors.buffer, self.tracer, self.signals,
                     checkpoint.Checkpointer(self.run_dir, self.config.checkpoint.keep, self.actors.trainer, self.tracer,
-                                            self.timeouts, self.actors.buffer), rows, self.timeouts)
+                                            self.timeouts, self.actors.buffer), rows, self.timeouts,
+                    Respawner(self._respawn_trainer, self._attach_generators))
                 if resumed:
                     await c.restore(resumed, self.resume_from)
                     tqdm.write(f"resumed from {self.resume_from} (step {resumed.step}, "
@@ -175,22 +179,18 @@ class Run:
         weight ring; then processes.json and placement.json say where every actor runs."""
         cfg, timeouts = self.gpus.apply(self.config), self.timeouts
         async with self.tracer.span("trainer", "attach", timeout=timeouts.trainer):
-            rings = await in_rank_order(self.actors.trainer.weight_ring.call())
+            self.rings = await in_rank_order(self.actors.trainer.weight_ring.call())
         gen, grade = cfg.generator, cfg.grader
-
-        async def attach(replica) -> None:
-            async with self.tracer.span("generator", "attach", replica=replica.index, timeout=timeouts.generate):
-                name = replica_name("generator", replica.index, gen.replicas)
-                self.transports[name] = await replica.actor.attach_weights.call_one(rings)
 
         generators = ReplicaPool("generator", monarch_replicas(
             lambda i: replica_name("generator", i, gen.replicas), self.classes["generator"],
-            lambda i: generator_args(cfg, i, self.model_path), lambda i: self.hosts.host("generator", i), attach,
-            timeouts.generate), gen.replicas, gen.max_restarts, self._write_processes, timeouts.stop)
+            lambda i: generator_args(cfg, i, self.model_path), lambda i: self.hosts.host("generator", i), self._attach,
+            timeouts.generate), gen.replicas, gen.max_restarts, self._write_processes, timeouts.stop,
+            cfg.controller.restart_window_s)
         graders = ReplicaPool("grader", monarch_replicas(
             lambda i: replica_name("grader", i, grade.replicas), self.classes["grader"],
             lambda i: (cfg.task, task_config(cfg), grade), lambda i: self.hosts.host("grader", i), None, timeouts.grade),
-            grade.replicas, grade.max_restarts, self._write_processes, timeouts.stop)
+            grade.replicas, grade.max_restarts, self._write_processes, timeouts.stop, cfg.controller.restart_window_s)
         self.pools = [generators, graders]
         await asyncio.gather(generators.start(), graders.start())
         for role, procs in self.actors.procs.items():
@@ -202,6 +202,38 @@ class Run:
             tqdm.write("placement: " + ", ".join(
                 f"{name} on {p['host']}" + (f" ({p['weight_transport']})" if "weight_transport" in p else "")
                 for name, p in placed.items() if name != "job"))
+
+    async def _attach(self, replica) -> None:
+        """Generator `replica` pulls from the trainer's weight rings."""
+        async with self.tracer.span("generator", "attach", replica=replica.index, timeout=self.timeouts.generate):
+            name = replica_name("generator", replica.index, self.config.generator.replicas)
+            self.transports[name] = await replica.actor.attach_weights.call_one(self.rings)
+
+    async def _respawn_trainer(self):
+        """The dead trainer's mesh stopped (if it can be) and a new one started on the same hosts, attached
+        to the replay buffer; processes.json names its processes."""
+        try:
+            await bounded(self.actors.procs["trainer"].stop(), self.timeouts.stop, "stopping the failed trainer")
+        except Exception:  # a dead mesh may refuse to stop; the new one does not depend on it
+            pass
+        cfg = self.gpus.apply(self.config)
+        procs, trainer = await spawn_ranks("trainer", self.classes["trainer"], cfg.trainer.ranks, cfg.trainer,
+                                           cfg.weight_sync, str(self.model_path), hosts=self.hosts.of("trainer"))
+        self.actors.procs["trainer"], self.actors.trainer = procs, trainer
+        async with deadline(self.timeouts.trainer, "trainer", "attach_buffer"):
+            await trainer.attach_buffer.call(self.actors.buffer)
+        found = await processes(procs, "trainer")
+        self.where["trainer"] = ([h for h, _ in found], [p for _, p in found]) if len(found) > 1 else found[0]
+        self._write_processes()
+        return trainer
+
+    async def _attach_generators(self, trainer) -> None:
+        """Every serving generator (and each started from now on) pulls from `trainer`'s weight rings; a
+        replica that cannot attach is the pool's to replace at its next call."""
+        async with self.tracer.span("trainer", "attach", timeout=self.timeouts.trainer):
+            self.rings = await in_rank_order(trainer.weight_ring.call())
+        generators = self.pools[0]
+        await asyncio.gather(*(self._attach(r) for r in generators.replicas if r.healthy), return_exceptions=True)
 
     def _write_processes(self) -> None:
         """processes.json (each actor's pid) and placement.json (its host, and each generator's transport)."""

@@ -54,12 +54,36 @@ def test_a_publish_overlaps_the_next_steps_training_when_the_bound_allows(tmp_pa
 
 
 @pytest.mark.parametrize("age", [0, 1])
-def test_a_trainer_that_dies_while_publishing_ends_the_run_with_its_error(tmp_path, age):
+def test_a_trainer_that_dies_without_a_way_back_ends_the_run_with_its_error(tmp_path, age):
     # the loop does not wait for the publish; a batch that needs its version must not wait forever either
     script = Script(die_at={"publish_weights": 2})
     with pytest.raises(SupervisionError, match="the process exited"):  # its publish, or the next call to it
-        asyncio.run(asyncio.wait_for(run_fake(fake_config(steps=4, prompts=2, max_policy_age=age), tmp_path, script),
-                                     30))
+        asyncio.run(asyncio.wait_for(run_fake(fake_config(steps=4, prompts=2, max_policy_age=age), tmp_path, script,
+                                              restart_trainer=False), 30))
+
+
+@pytest.mark.parametrize("age", [0, 1])
+@pytest.mark.parametrize("call", ["forward_backward", "optim_step", "publish_weights", "save_state"])
+def test_a_trainer_that_dies_at_any_call_is_restarted_and_trains_what_the_whole_run_did(tmp_path, age, call):
+    """Restored from the newest checkpoint (or the initial policy), the batches logged since trained again,
+    then the failed step again: the new trainer's updates are the whole run's from that checkpoint on, every
+    step is logged once with continuous versions, and the restart is counted."""
+    config = fake_config(steps=5, prompts=2, max_policy_age=age)
+    config.checkpoint.every = 2
+    whole = run(config, tmp_path / "whole")
+    per_step = len(whole.trainer.trained) // 5
+    calls = {"forward_backward": [1, 4, 9], "optim_step": [1, 3, 5], "publish_weights": [1, 3, 5],
+             "save_state": [1, 3]}  # (the replay buffer's save_state calls come between the trainer's)
+    for k in calls[call]:
+        done = run(config, tmp_path / f"{k}", Script(die_at={call: k}))
+        assert [r["step"] for r in done.rows] == [1, 2, 3, 4, 5], k
+        assert [r["policy_version"] for r in done.rows] == [1, 2, 3, 4, 5], k
+        assert done.rows[-1]["trainer_restarts"] == 1 and done.controller.trainer_version == 5, k
+        replayed = len(done.trainer.trained)
+        assert replayed % per_step == 0 and done.trainer.trained == whole.trainer.trained[-replayed:], k
+        assert [r["tokens_trained"] for r in done.rows] == [r["tokens_trained"] for r in whole.rows], k
+        restarts = [s for s in read_jsonl(tmp_path / f"{k}" / "trace.jsonl") if s["what"] == "restart"]
+        assert len(restarts) == 1, k
 
 
 @pytest.mark.parametrize("age", [0, 1])

@@ -10,7 +10,7 @@ import pytest
 from monarch.actor import Actor, endpoint
 
 from meshrl.actors.roles import ReplicaBroken
-from meshrl.replicas import CallFailed, ReplicaPool, RoleFailed, monarch_replicas
+from meshrl.replicas import CallFailed, ReplicaPool, RestartBudget, RoleFailed, monarch_replicas
 
 
 class Echo(Actor):
@@ -28,6 +28,8 @@ class Echo(Actor):
             raise ReplicaBroken(f"{self.name}'s engine failed")
         if fail == "die":
             os._exit(1)
+        if fail == "config":  # what any process of this configuration reports
+            raise ReplicaBroken("vLLM's engine failed: RuntimeError('Unsupported CPU attention configuration')")
         return self.name, value
 
 
@@ -75,11 +77,52 @@ def test_calls_spread_over_replicas_and_failures_are_handled_by_kind():
                 assert spawned.count(tries[0]) >= 2 and all(r.healthy for r in pool.replicas)
             assert pool.restarts == 2 and pool.retried == 2
 
-            # with the restarts used up, the next failure is one clear error
-            with pytest.raises(RoleFailed, match=r"echo \d \(pid \d+\) failed after 2 replacements "
-                                                 r"\(max_restarts 2\): .*engine failed"):
-                await pool.call(lambda r: r.actor.echo.call_one(0, fail="broken"))
+            # failing again and again right after their starts, the replicas are in a crash loop: one clear
+            # error once a slot has failed more than max_restarts times in a row (each slot has 1 or 2 so far)
+            with pytest.raises(RoleFailed, match=r"echo \d \(pid \d+\) failed 3 times in a row, each within 300 s "
+                                                 r"of its start \(max_restarts 2, .*\): .*engine failed"):
+                for _ in range(4):
+                    await pool.call(lambda r: r.actor.echo.call_one(0, fail="broken"))
+                    await asyncio.wait_for(asyncio.gather(*pool.respawning), 60)
+            assert pool.restarts <= 4
         finally:
             await pool.stop()
 
     asyncio.run(run())
+
+
+def test_a_replacement_failing_its_first_call_as_its_predecessor_did_is_a_configuration_fault():
+    """A fresh process that fails the same way on its first call is the configuration, not a death: the
+    pool stops after one replacement per replica, with one line, instead of using up max_restarts."""
+    async def run():
+        spawned = []
+        pool = ReplicaPool("echo", None, count=1, max_restarts=5)
+        pool.start_replica = monarch_replicas(pool.name, Echo, lambda i: (spawned.append(i) or f"echo{i}",))
+        await pool.start()
+        try:
+            with pytest.raises(RoleFailed, match=r"echo 0 \(pid \d+\), a fresh replacement, failed its first call with "
+                                                 r"the error its predecessor reported.*Unsupported CPU attention"):
+                await pool.call(lambda r: r.actor.echo.call_one(0, fail="config"))
+            assert spawned == [0, 0] and pool.restarts == 1
+        finally:
+            await pool.stop()
+
+    asyncio.run(run())
+
+
+def test_the_restart_budget_counts_failures_soon_after_a_start_and_forgets_a_slot_that_served_a_while():
+    now = [0.0]
+    budget = RestartBudget(max_restarts=2, window_s=60, clock=lambda: now[0])
+    budget.start("a"), budget.start("b")
+    now[0] = 10
+    assert budget.failed("a")  # 10 s after its start: 1 in a row
+    budget.start("a")
+    now[0] = 20
+    assert budget.failed("a")  # 2 in a row
+    budget.start("a")
+    assert budget.failed("b")  # another slot has its own streak
+    now[0] = 30
+    assert not budget.failed("a")  # a third failure within 60 s of its start: a crash loop
+    budget.start("a")
+    now[0] = 100  # 70 s of service: the next failure starts afresh, and so do the ones after it
+    assert budget.failed("a") and budget.streak["a"] == 1

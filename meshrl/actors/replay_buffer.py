@@ -61,6 +61,7 @@ class Handed:
     episodes: list[Episode] = field(default_factory=list)
     reused: int = 0  # episodes trained before
     groups_reused: int = 0
+    trained: bool = False  # its step was logged (handed out again, to a restarted trainer, it counts no new use)
 
 
 class FifoBuffer(Actor):
@@ -126,9 +127,14 @@ class FifoBuffer(Actor):
 
     @endpoint
     async def trained(self, batch: int) -> None:
-        """Batch `batch` is trained and its step logged: its micro-batches go, its groups count a use."""
+        """Batch `batch` is trained and its step logged: its micro-batches go, its groups count a use (the
+        first time only: a restarted trainer trains logged batches again)."""
         self.micro.pop(batch, None)
-        for g in self.log[batch].groups:
+        handed = self.log[batch]
+        if handed.trained:
+            return
+        handed.trained = True
+        for g in handed.groups:
             self.groups[g].uses += 1
         self.evict(batch + 1)
 

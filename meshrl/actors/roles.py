@@ -145,7 +145,8 @@ class ReplayBuffer(Protocol):
         """Set `ref.into` of the micro-batch `ref` names."""
 
     async def trained(self, batch: int) -> None:
-        """Batch `batch` is trained and its step logged."""
+        """Batch `batch` is trained and its step logged (again, for a batch a restarted trainer trained
+        again: no new use is counted)."""
 
     async def checkpointed(self, step: int) -> None:
         """A checkpoint of every step up to `step` is written: drop the log of the batches they trained."""

@@ -124,6 +124,7 @@ class TrainerConfig:
     hosts: str = ""  # the job.hosts group the ranks go on, spread evenly over its hosts; "": the controller's host
     timeout_s: float = 1800.0  # one trainer call (a micro-batch, an optimizer step, a publish, the save): past it the run stops
     max_bad_steps: int = 3  # steps in a row with a NaN or infinite loss or gradient norm (not applied) before the run stops
+    max_restarts: int = 3  # a dead or hung trainer is restarted from the newest checkpoint and the batches trained since (meshrl/trainer_restart.py); more failures than this in a row, each within controller.restart_window_s of its start, stop the run
 
 
 @dataclass
@@ -182,6 +183,7 @@ class ControllerConfig:
     staleness: str = "oldest_token"  # the token a sequence's staleness is counted from: oldest_token | newest_token (weights may change while it is generated)
     max_failed_fraction: float = 0.5  # the run stops once more than this share of a batch's prompts_per_step groups failed (a call of theirs raised)
     stop_timeout_s: float = 120.0  # each call made while stopping (the stop's checkpoint, the save, stopping meshes): past it the stop goes on without it
+    restart_window_s: float = 300.0  # a process that fails within this many seconds of its start counts toward its role's max_restarts (a crash loop); one that served longer starts its count afresh
     advantage: str = "grpo"  # grpo | dr_grpo | rloo (meshrl/advantages.py); step_wise_<one of them>: an Episode per turn
     divide_by_turns: bool = False  # step_wise_*: each turn's advantage divided by its trajectory's turns
     max_turns: int = 4  # multi-turn tasks (environments): model turns per conversation at most
@@ -350,7 +352,7 @@ def to_dict(config: Config) -> dict:
 # what it computes (the model, the task, the losses, the batch shapes, the staleness bound, ...).
 RESUMABLE = ("controller.steps", "controller.eval_every", "checkpoint.", "logging.", "job.", "weight_sync.transport",
              "weight_sync.checksums", "weight_sync.chunk_mb", "weight_sync.poll_s", "weight_sync.verify", ".hosts", ".cpus", ".num_threads", ".timeout_s",
-             ".max_restarts", "trainer.max_bad_steps", "generator.replicas", "grader.replicas", "controller.stop_timeout_s",
+             ".max_restarts", "trainer.max_bad_steps", "generator.replicas", "grader.replicas", "controller.stop_timeout_s", "controller.restart_window_s",
              "controller.max_failed_fraction", "trainer.ranks", "reference.ranks")
 
 
