@@ -32,12 +32,15 @@ async def stall(*args, **kwargs):
 
 
 class StallingTrainer(TitanTrainer):
-    """The second optimizer step never answers."""
+    """The first trainer's second optimizer step never answers; a restarted trainer's do (a marker file
+    in $MESHRL_TEST_STALL_DIR says the stall has happened)."""
 
     @endpoint
     async def optim_step(self, skip: bool = False) -> dict:
         self.stall_count = getattr(self, "stall_count", 0) + 1
-        if self.stall_count == 2:
+        marker = Path(os.environ["MESHRL_TEST_STALL_DIR"]) / "trainer-stalled"
+        if self.stall_count == 2 and not marker.exists():
+            marker.touch()
             await asyncio.sleep(3600)
         return await TitanTrainer.optim_step._method(self, skip)
 

@@ -178,17 +178,29 @@ def samples_by_step(run_dir) -> dict[int, list[tuple]]:
     return {step: sorted(samples) for step, samples in sorted(steps.items())}
 
 
-def test_a_run_killed_after_a_checkpoint_resumes_where_it_stopped_and_samples_what_the_whole_run_did(tmp_path):
+EXACT = ["--controller.steps", "4", "--checkpoint.every", "2", "--checkpoint.keep", "0",
+         "--generator.request_seeds", "true", "--task", "user_task:LongerReplies"]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """A run of EXACT never interrupted: what the killed runs below must equal."""
+    run_dir = tmp_path_factory.mktemp("whole")
+    result = subprocess.run(train(run_dir, *EXACT), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def test_a_run_killed_after_a_checkpoint_resumes_where_it_stopped_and_samples_what_the_whole_run_did(tmp_path,
+                                                                                                    whole):
     """SIGKILL, real processes, synchronous training, request seeds, a task whose rewards differ (so every
     step changes the policy): the resumed run trains the same prompts in the same steps as a run never
     interrupted, samples the same completions for them, though it generates on two replicas where the
     whole run had one (a request's seed does not depend on the replica serving it), and trains alike.
     What a checkpoint holds when groups are in flight, at every await point and for max_policy_age 0 to
     2, is tested with fake actors (test_controller.py)."""
-    args = ["--controller.steps", "4", "--checkpoint.every", "2", "--checkpoint.keep", "0",
-            "--generator.request_seeds", "true", "--task", "user_task:LongerReplies"]
     killed = tmp_path / "killed"
-    kill_after_checkpoint(killed, args, step=2)
+    kill_after_checkpoint(killed, EXACT, step=2)
     at_checkpoint = json.loads((killed / "checkpoints" / "step-2" / "checkpoint.json").read_text())
     assert at_checkpoint["step"] == 2 and at_checkpoint["policy_version"] == 2
     # synchronous: written before step 3's groups start; whatever was started is to be redone
@@ -209,9 +221,6 @@ def test_a_run_killed_after_a_checkpoint_resumes_where_it_stopped_and_samples_wh
     assert all(versions[(step, p)] == step - 1 for step, prompts in trained.items() for p in prompts)
     assert json.loads((killed / "summary.json").read_text())["steps"] == 4
     # the same prompts in the same steps as a run never interrupted
-    whole = tmp_path / "whole"
-    result = subprocess.run(train(whole, *args), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
     assert prompts_by_step(whole) == trained == {1: [0, 1], 2: [2, 3], 3: [4, 5], 4: [6, 7]}
     # and the same completions: sampled from the same versions with the same seeds after the resume too
     # (the resumed part generated on both replicas)
@@ -226,6 +235,40 @@ def test_a_run_killed_after_a_checkpoint_resumes_where_it_stopped_and_samples_wh
     for resumed_row, whole_row in zip(rows[2:], read_jsonl(whole / "metrics.jsonl")[2:]):
         assert resumed_row["loss"] == pytest.approx(whole_row["loss"], rel=1e-5, abs=1e-9)
         assert resumed_row["grad_norm"] == pytest.approx(whole_row["grad_norm"], rel=1e-5)
+
+
+def test_a_trainer_killed_between_checkpoints_comes_back_and_the_run_ends_as_if_it_had_never_died(tmp_path, whole):
+    """The trainer's process SIGKILLed after step 3 (checkpoints at 2 and 4): the run restarts it from
+    step 2's checkpoint, trains step 3's batch again and goes on by itself; its final weights are those of
+    the run never interrupted bit for bit, and so is every metric but the timings and the restart's."""
+    killed = tmp_path / "killed"
+    run = subprocess.Popen(train(killed, *EXACT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (killed / "metrics.jsonl").is_file() or len(read_jsonl(killed / "metrics.jsonl")) < 3:
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
+            time.sleep(0.05)
+        dead = json.loads((killed / "processes.json").read_text())["trainer"]
+        psutil.Process(dead).send_signal(signal.SIGKILL)
+        _, stderr = run.communicate(timeout=600)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, stderr[-3000:]
+    assert "the trainer failed (" in stderr and "restarting it from step-2 and training again the 1 step(s)" in stderr
+    assert json.loads((killed / "processes.json").read_text())["trainer"] != dead
+    rows, once = read_jsonl(killed / "metrics.jsonl"), read_jsonl(whole / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["policy_version"] for r in rows] == [1, 2, 3, 4]
+    assert [r["trainer_restarts"] for r in rows] == [0, 0, 0, 1] and rows[3]["trainer_restart_seconds"] > 0
+    timing = ("_s", "_time", "busy", "idle", "trainer_restart", "weight_swaps", "prefix_cache")
+    for again, first in zip(rows, once):
+        assert {k: v for k, v in again.items() if not any(t in k for t in timing)} == \
+               {k: v for k, v in first.items() if not any(t in k for t in timing)}, again["step"]
+    from safetensors.torch import load_file
+
+    assert_identical(load_file(killed / "final" / "model.safetensors"), load_file(whole / "final" / "model.safetensors"))
+    restarts = [s for s in read_jsonl(killed / "trace.jsonl") if s["what"] == "restart"]
+    assert len(restarts) == 1 and restarts[0]["role"] == "trainer"
 
 
 def test_nan_losses_are_not_applied_counted_and_stop_the_run_with_the_last_good_checkpoint_kept(tmp_path):

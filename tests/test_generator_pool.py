@@ -66,9 +66,11 @@ def test_a_killed_replica_is_replaced_and_every_group_is_trained_exactly_once(tm
     assert (tmp_path / "final" / "model.safetensors").is_file()
 
 
-def test_a_dead_trainer_ends_the_run_with_one_line_and_keeps_what_was_written(tmp_path):
-    role = "trainer"  # the replay buffer's death: tests/test_checkpoint.py
-    run = train(tmp_path, "--controller.steps", "1000")
+def test_a_dead_trainer_out_of_restarts_ends_the_run_with_one_line_and_keeps_what_was_written(tmp_path):
+    """With trainer.max_restarts 0 (a restarted trainer: tests/test_checkpoint.py; the replay buffer's death
+    there too)."""
+    role = "trainer"
+    run = train(tmp_path, "--controller.steps", "1000", "--trainer.max_restarts", "0")
     try:
         wait_for_steps(run, tmp_path, 2)
         actors = psutil.Process(run.pid).children(recursive=True)
@@ -79,7 +81,8 @@ def test_a_dead_trainer_ends_the_run_with_one_line_and_keeps_what_was_written(tm
             run.kill()
     assert run.returncode == 1
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("meshrl: error: ") and role in last and f"are in {tmp_path}" in last, last
+    assert last.startswith("meshrl: error: the trainer failed 1 times in a row") and "max_restarts 0" in last, last
+    assert f"are in {tmp_path}" in last and "Killed(sig=9)" in last, last
     assert "Traceback" not in stderr
     steps = len(read_jsonl(tmp_path / "metrics.jsonl"))
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -1,7 +1,7 @@
 """`meshrl train` across hosts (real Monarch workers over mutual TLS, vLLM, torchtitan, tiny model):
 the trainer on one host and the generator on another pull weights over RDMA (the TCP fallback here)
 to the last step; a controller whose key the workers' CA did not sign spawns nothing on them; and
-calls that stall end as timeouts (a replica replaced, or one line for the trainer), never as a hang,
+calls that stall end as timeouts (a replica replaced, the trainer restarted), never as a hang,
 with no process left behind."""
 
 import json
@@ -72,7 +72,7 @@ def test_a_controller_the_workers_ca_did_not_sign_spawns_nothing_on_them(tmp_pat
     assert not leftovers(hosts), leftovers(hosts)
 
 
-def test_a_stalled_pull_replaces_the_replica_and_a_stalled_trainer_ends_the_run(tmp_path):
+def test_a_stalled_pull_replaces_the_replica_and_a_stalled_trainer_is_restarted(tmp_path):
     """On Monarch's local process job (trainer and generator on worker processes of their own)."""
     stall_dir = tmp_path / "stall"
     stall_dir.mkdir()
@@ -102,14 +102,15 @@ def test_a_stalled_pull_replaces_the_replica_and_a_stalled_trainer_ends_the_run(
     assert any(5 <= s["end"] - s["start"] < 8 for s in spans if s["what"] == "generate")
     pulls = [s for s in spans if s["what"] == "pull"]
     assert pulls and pulls[0]["policy_version"] == 1, pulls
-    # the trainer's stalled optimizer step ended the run with one line naming the call
-    assert run.returncode == 1
-    last = stderr.strip().splitlines()[-1]
-    assert last.startswith("meshrl: error: trainer did not answer its optim_step call within 15 s "
-                           "(trainer.timeout_s) (after 1 steps; metrics, rollouts, trace are in"), last
+    # the trainer's stalled optimizer step (step 2's) was a failure named in one line; the trainer was
+    # restarted on its host from the initial policy, trained step 1's batch again, and the run went on
+    assert run.returncode == 0, stderr[-3000:]
+    assert ("the trainer failed (trainer did not answer its optim_step call within 15 s (trainer.timeout_s)); "
+            "restarting it from the initial policy and training again the 1 step(s) since") in stderr
     assert "Traceback" not in stderr
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 1 and "optim_step" in summary["failed"]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["policy_version"] for r in rows] == [1, 2, 3, 4]
+    assert [r["trainer_restarts"] for r in rows] == [0, 1, 1, 1]
     assert json.loads((run_dir / "placement.json").read_text())["generator"]["weight_transport"] == "shm"
     time.sleep(1)
     assert actors and not [p for p in actors if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

@@ -9,7 +9,10 @@ from meshrl.actors import has_bf16_math, pin_cpus, resolve_device
 
 def start_vllm(checkpoint: str, *, dtype: str, max_model_len: int, memory_fraction: float, seed: int,
                num_threads: int, cpus: str, kv_cache_gib: int, devices: str = "", **options):
-    """A `vllm.LLM` of `checkpoint` in this process (eager: no graph capture); `options` go to `LLM`."""
+    """A `vllm.LLM` of `checkpoint` in this process (eager: no graph capture); `options` go to `LLM`. It
+    answers one greedy token before it is returned, so that a model this engine cannot run here (vLLM's CPU
+    attention refuses some head sizes only at the first request) fails the start with one line, not every
+    replica's first call."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
     os.environ["OMP_NUM_THREADS"] = str(num_threads)  # the count we pin, rather than vLLM lowering it to 1
@@ -22,8 +25,16 @@ def start_vllm(checkpoint: str, *, dtype: str, max_model_len: int, memory_fracti
     pin_cpus(cpus, num_threads)
     from vllm import LLM
 
-    return LLM(checkpoint, dtype=vllm_dtype(dtype), max_model_len=max_model_len, gpu_memory_utilization=memory_fraction,
-               seed=seed, enforce_eager=True, **options)
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(checkpoint, dtype=vllm_dtype(dtype), max_model_len=max_model_len, gpu_memory_utilization=memory_fraction,
+              seed=seed, enforce_eager=True, **options)
+    try:  # greedy: draws nothing from the engine's random generator
+        llm.generate([TokensPrompt(prompt_token_ids=[0])], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    except Exception as e:
+        raise RuntimeError(f"vLLM cannot run {checkpoint} here: {e}") from None
+    return llm
 
 
 def vllm_dtype(dtype: str) -> str:
