@@ -46,6 +46,10 @@ def check_config(config: Config) -> None:
         raise ValueError(f"unknown logging.wandb_mode {config.logging.wandb_mode!r}; known: auto, online, offline")
     if cfg.max_policy_age < 0:
         raise ValueError("controller.max_policy_age must be at least 0")
+    if min(config.generator.max_restarts, config.grader.max_restarts, config.trainer.max_restarts,
+           cfg.restart_window_s) < 0:
+        raise ValueError("generator.max_restarts, grader.max_restarts, trainer.max_restarts and "
+                         "controller.restart_window_s must be at least 0")
     if cfg.generate_ahead > cfg.max_policy_age:
         raise ValueError(f"controller.generate_ahead ({cfg.generate_ahead}) cannot be more than "
                          f"controller.max_policy_age ({cfg.max_policy_age}): its groups would be stale when trained")
