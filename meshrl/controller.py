@@ -12,8 +12,8 @@ waits for it), and the version counts as published, for the gate and the generat
 trainer says it is readable. An evaluation or a checkpoint waits for it. `controller.max_policy_age` is the one switch
 between synchronous (0: the two loops alternate) and asynchronous training.
 
-A trainer that dies or hangs is restarted in the state it lost (meshrl/trainer_restart.py), and the
-step that failed is trained again; the generators serve on meanwhile.
+A trainer that dies or hangs is restarted in the state it lost, a reference afresh (meshrl/restarts.py),
+and the step that failed is trained again; the generators serve on meanwhile.
 
 A stop (Ctrl-C, SIGTERM) cancels the loops between steps (a step training or a checkpoint being
 written finishes first); the groups in flight are stopped and their prompts kept, and a checkpoint
@@ -34,11 +34,11 @@ from meshrl.configs import Config
 from meshrl.episodes import batch_builder, keep_group
 from meshrl.launch import StopSignals, Stopped
 from meshrl.metric_rows import MetricRows, step_row
-from meshrl.replicas import ReplicaPool, RestartBudget, RoleFailed
+from meshrl.replicas import ReplicaPool, RoleFailed
 from meshrl.rollout import RolloutCollector
 from meshrl.timeouts import Timeouts, bounded, deadline
 from meshrl.train_step import train_updates
-from meshrl.trainer_restart import FAULTS, Respawner, TrainerRestarts, is_dead
+from meshrl.restarts import FAULTS, Respawner, Restarts
 from meshrl.types import BatchRef, GroupEpisodes
 from meshrl.work_buffer import Batch, Group, WorkBuffer
 
@@ -62,7 +62,7 @@ class Controller:
                  timeouts: Timeouts = Timeouts(), respawner: Respawner | None = None):
         """`trainer`, `reference` (or None) and `buffer`: actor meshes following roles.Trainer,
         roles.Reference and roles.ReplayBuffer (the trainer's and reference's ranks attached to it);
-        `respawner`: how a dead trainer is replaced (None: its death ends the run)."""
+        `respawner`: how a dead trainer or reference is replaced (None: its death ends the run)."""
         self.config, self.task, self.tokenizer, self.tracer, self.timeouts = config, task, tokenizer, tracer, timeouts
         self.trainer, self.reference, self.buffer, self.signals = trainer, reference, buffer, signals
         self.generators, self.graders, self.checkpointer, self.rows = generators, graders, checkpointer, rows
@@ -78,8 +78,7 @@ class Controller:
         self.initial: dict = {}  # the eval before training
         self.trainer_busy = 0.0  # seconds the trainer has spent working
         self.updates = {"weight_swaps_in_flight": 0, "prefix_cache_resets_refused": 0}  # the generators', so far
-        self.trainer_restarts = TrainerRestarts(respawner, RestartBudget(config.trainer.max_restarts,
-                                                                         cfg.restart_window_s))
+        self.restarts = Restarts(respawner, config)
 
     async def restore(self, state: RunState, checkpoint) -> None:
         """Go on from a checkpoint: the trainer's state (published again), the work buffer's position,
@@ -92,8 +91,8 @@ class Controller:
         (self.generators.restarts, self.generators.retried), (self.graders.restarts, self.graders.retried) = (
             state.counters["generator"], state.counters["grader"])
         self.updates = dict(state.counters["updates"])
-        restarts = self.trainer_restarts
-        restarts.count, restarts.seconds_lost = state.counters.get("trainer", (0, 0.0))
+        restarts = self.restarts
+        restarts.count, restarts.seconds_lost = state.counters.get("restarts", (restarts.count, 0.0))
 
     async def run(self) -> None:
         """Train up to `controller.steps` (evaluating first, unless resumed), then checkpoint. A stop
@@ -142,7 +141,7 @@ class Controller:
         await self._added()
         counters = {"generator": (self.generators.restarts, self.generators.retried),
                     "grader": (self.graders.restarts, self.graders.retried), "updates": dict(self.updates),
-                    "trainer": (self.trainer_restarts.count, self.trainer_restarts.seconds_lost)}
+                    "restarts": (dict(self.restarts.count), self.restarts.seconds_lost)}
         await self.checkpointer.write(RunState(self.rows.done, self.trainer_version, self.work.snapshot(),
                                                list(self.rows.rows), self.initial, counters))
 
@@ -175,7 +174,8 @@ class Controller:
 
     async def _train(self, rollouts: asyncio.Task) -> None:
         """Steps after the last one done up to `controller.steps`, a checkpoint every `checkpoint.every`.
-        A trainer that dies or hangs meanwhile is restarted in the state it lost, and the step goes on."""
+        A trainer that dies or hangs meanwhile is restarted in the state it lost (a reference afresh), and
+        the step goes on."""
         for step in self.rows.progress(self.config.controller.steps):
             while True:
                 try:
@@ -183,9 +183,7 @@ class Controller:
                     break
                 except FAULTS as e:
                     with self.signals.holding():  # a stop waits for the trainer to be whole again
-                        if not await is_dead(self.trainer, e, self.timeouts):
-                            raise
-                        await self.trainer_restarts.restart(self, e)
+                        await self.restarts.after(self, e)
 
     async def _train_step(self, step: int, rollouts: asyncio.Task) -> None:
         """Step `step`, unless logged already (a restart after its row), and its checkpoint if one is due.
@@ -265,8 +263,8 @@ class Controller:
         await self._trainer_spans()
         counters = {"generator_restarts": self.generators.restarts, "generator_calls_retried": self.generators.retried,
                     "grader_restarts": self.graders.restarts, "grader_calls_retried": self.graders.retried,
-                    "trainer_restarts": self.trainer_restarts.count,
-                    "trainer_restart_seconds": self.trainer_restarts.seconds_lost,
+                    "trainer_restarts": self.restarts.count["trainer"],
+                    "reference_restarts": self.restarts.count["reference"], "restart_seconds": self.restarts.seconds_lost,
                     **self.updates, "batches_ready": len(self.work.ready) - 1}
         row = step_row(step, version, batch, train,
                        {"wait": t1 - start, "train": t2 - t1, "publish": t3 - t2, "pull": pull}, counters)

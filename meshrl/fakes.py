@@ -36,7 +36,7 @@ from meshrl.replicas import Replica, ReplicaPool
 from meshrl.tasks import Sample
 from meshrl.timeouts import Timeout, Timeouts
 from meshrl.trace import ActorClock, Tracer
-from meshrl.trainer_restart import Respawner
+from meshrl.restarts import Respawner
 from meshrl.types import Completion, ScoredCompletion
 
 PROMPT_ID = 100  # FakeTokenizer: a prompt's first token is PROMPT_ID + its index, so the trainer can tell
@@ -385,7 +385,7 @@ async def run_fake(config: Config, run_dir: Path, script: Script | None = None, 
 
     controller = Controller(config, FakeTask(), FakeTokenizer(), generators, graders, trainer, None, buffer, tracer,
                             signals, checkpoint.Checkpointer(run_dir, 0, trainer, tracer, timeouts, buffer), rows,
-                            timeouts, Respawner(start_trainer, attach) if restart_trainer else None)
+                            timeouts, Respawner(lambda role: start_trainer(), attach) if restart_trainer else None)
     try:
         if state:
             await controller.restore(state, state_dir)

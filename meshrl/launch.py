@@ -139,13 +139,10 @@ async def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Pat
     """One proc mesh per role besides the pools, on the hosts each role's config names: the trainer's
     (`trainer.ranks` processes), the reference's (`reference.ranks`) and the replay buffer's (one,
     which the others take their micro-batches from)."""
-    procs, trainer = await spawn_ranks("trainer", classes["trainer"], config.trainer.ranks, config.trainer,
-                                       config.weight_sync, str(checkpoint), hosts=hosts.of("trainer"))
-    actors, meshes = {"trainer": trainer}, {"trainer": procs}
-    if "reference" in classes:
-        meshes["reference"], actors["reference"] = await spawn_ranks(
-            "reference", classes["reference"], config.reference.ranks, config.reference, str(checkpoint),
-            hosts=hosts.of("reference"))
+    actors, meshes = {}, {}
+    for role in ("trainer", "reference"):
+        if role in classes:
+            meshes[role], actors[role] = await spawn_ranked(role, config, classes, checkpoint, hosts)
     meshes["replay_buffer"], buffer = spawn("replay_buffer", classes["replay_buffer"], config.replay_buffer, config.trainer,
                           config.controller.prompts_per_step, config.controller.max_policy_age, pad_id,
                           host=hosts.host("replay_buffer", 0))
@@ -153,6 +150,16 @@ async def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Pat
         if role in actors:
             await actors[role].attach_buffer.call(buffer)
     return Actors(**actors, buffer=buffer, procs=meshes)
+
+
+async def spawn_ranked(role: str, config: Config, classes: dict[str, type], checkpoint: Path, hosts: Hosts):
+    """The trainer's or the reference's proc mesh and actor mesh (`ranks` processes on its hosts), at the
+    start or in a dead one's place."""
+    if role == "trainer":
+        args = (config.trainer, config.weight_sync, str(checkpoint))
+    else:
+        args = (config.reference, str(checkpoint))
+    return await spawn_ranks(role, classes[role], args[0].ranks, *args, hosts=hosts.of(role))
 
 
 def generator_args(config: Config, index: int, checkpoint: Path) -> tuple:

@@ -5,9 +5,9 @@ a failure, after which everything written so far is kept and no process is left 
 Completions (generator replicas) -> ScoredCompletions (grader replicas) -> Episodes with group
 advantages (meshrl/episodes.py) in the work buffer's batches -> TrainBatches (trainer,
 meshrl/train_step.py) -> weight ring -> generators. A generator or grader replica that dies or stops
-answering is replaced (meshrl/replicas.py); so is the trainer, brought back to the state it lost
-(meshrl/trainer_restart.py); the reference or the replay buffer dying or timing out ends the run with
-one line, after writing what there is. Each role runs on the hosts its config names
+answering is replaced (meshrl/replicas.py); so are the trainer, brought back to the state it lost,
+and the reference (meshrl/restarts.py); the replay buffer dying or timing out ends the run with one
+line, after writing what there is. Each role runs on the hosts its config names
 (meshrl/jobs.py).
 """
 
@@ -27,13 +27,13 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from tqdm import tqdm
 
 from meshrl import checkpoint
-from meshrl.actors import in_rank_order, spawn_ranks
+from meshrl.actors import in_rank_order
 from meshrl.configs import Config, to_dict
 from meshrl.controller import Controller
 from meshrl.gpu_plan import plan_gpus
 from meshrl.jobs import Hosts, gpus_per_host, make_job, plan
 from meshrl.launch import (Actors, StopSignals, actor_classes, check_config, generator_args, note_fault,
-                           spawn_actors, weight_dtype)
+                           spawn_actors, spawn_ranked, weight_dtype)
 from meshrl.loggers import MetricLoggers, RolloutRecorder
 from meshrl.metric_rows import MetricRows
 from meshrl.model import ChatTokenizer, resolve_checkpoint
@@ -42,7 +42,7 @@ from meshrl.replicas import ReplicaPool, RoleFailed, error_line, monarch_replica
 from meshrl.tasks import make_task, task_config
 from meshrl.timeouts import CallTimeout, Timeouts, bounded, deadline
 from meshrl.trace import Tracer
-from meshrl.trainer_restart import Respawner
+from meshrl.restarts import Respawner
 from meshrl.work_buffer import TooManyFailures
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class Run:
                     self.actors.buffer, self.tracer, self.signals,
                     checkpoint.Checkpointer(self.run_dir, self.config.checkpoint.keep, self.actors.trainer, self.tracer,
                                             self.timeouts, self.actors.buffer), rows, self.timeouts,
-                    Respawner(self._respawn_trainer, self._attach_generators))
+                    Respawner(self._respawn, self._attach_generators))
                 if resumed:
                     await c.restore(resumed, self.resume_from)
                     tqdm.write(f"resumed from {self.resume_from} (step {resumed.step}, "
@@ -209,23 +209,22 @@ class Run:
             name = replica_name("generator", replica.index, self.config.generator.replicas)
             self.transports[name] = await replica.actor.attach_weights.call_one(self.rings)
 
-    async def _respawn_trainer(self):
-        """The dead trainer's mesh stopped (if it can be) and a new one started on the same hosts, attached
-        to the replay buffer; processes.json names its processes."""
+    async def _respawn(self, role: str):
+        """The dead trainer's or reference's mesh stopped (if it can be) and a new one started on the same
+        hosts, attached to the replay buffer; processes.json names its processes."""
         try:
-            await bounded(self.actors.procs["trainer"].stop(), self.timeouts.stop, "stopping the failed trainer")
+            await bounded(self.actors.procs[role].stop(), self.timeouts.stop, f"stopping the failed {role}")
         except Exception:  # a dead mesh may refuse to stop; the new one does not depend on it
             pass
-        cfg = self.gpus.apply(self.config)
-        procs, trainer = await spawn_ranks("trainer", self.classes["trainer"], cfg.trainer.ranks, cfg.trainer,
-                                           cfg.weight_sync, str(self.model_path), hosts=self.hosts.of("trainer"))
-        self.actors.procs["trainer"], self.actors.trainer = procs, trainer
-        async with deadline(self.timeouts.trainer, "trainer", "attach_buffer"):
-            await trainer.attach_buffer.call(self.actors.buffer)
-        found = await processes(procs, "trainer")
-        self.where["trainer"] = ([h for h, _ in found], [p for _, p in found]) if len(found) > 1 else found[0]
+        procs, mesh = await spawn_ranked(role, self.gpus.apply(self.config), self.classes, self.model_path, self.hosts)
+        self.actors.procs[role] = procs
+        setattr(self.actors, role, mesh)
+        async with deadline(getattr(self.timeouts, role), role, "attach_buffer"):
+            await mesh.attach_buffer.call(self.actors.buffer)
+        found = await processes(procs, role)
+        self.where[role] = ([h for h, _ in found], [p for _, p in found]) if len(found) > 1 else found[0]
         self._write_processes()
-        return trainer
+        return mesh
 
     async def _attach_generators(self, trainer) -> None:
         """Every serving generator (and each started from now on) pulls from `trainer`'s weight rings; a

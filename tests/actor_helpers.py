@@ -35,3 +35,26 @@ def vllm_generates(checkpoint) -> str:
     """)
     loaded = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=300)
     return "" if "GENERATED 4" in loaded.stdout else loaded.stderr[-3000:]
+
+
+def kill_role_after_steps(run: subprocess.Popen, run_dir, role: str, steps: int) -> tuple[str, int]:
+    """SIGKILL `role`'s process (as processes.json names it) once the running `meshrl train` has logged
+    `steps` steps, then wait for the run to end: (its stderr, the pid killed)."""
+    import json
+    import signal
+    import time
+
+    import psutil
+
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while not metrics.is_file() or len(metrics.read_text().splitlines()) < steps:
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
+            time.sleep(0.05)
+        dead = json.loads((run_dir / "processes.json").read_text())[role]
+        psutil.Process(dead).send_signal(signal.SIGKILL)
+        return run.communicate(timeout=600)[1], dead
+    finally:
+        if run.poll() is None:
+            run.kill()

@@ -1,0 +1,151 @@
+"""Bringing a dead trainer (or reference) back, the trainer in the exact state it lost, while the run goes on.
+
+A trainer rank's process that dies, or a trainer call that does not answer within `trainer.timeout_s`,
+takes the whole trainer mesh with it (a sharded model needs all its ranks). The run starts a new mesh
+on the same hosts (`respawn`, meshrl/run.py), restores the newest checkpoint into it (before the first
+checkpoint: the initial policy, seeded as the first trainer was), then trains again, in order, the
+batches the replay buffer logged since that checkpoint: the same micro-batches, the same optimizer
+updates, each version published again into the new trainer's weight ring. The trainer then holds the
+weights, optimizer state, RNG state and version count it had; the generators, which served the newest
+version meanwhile, are attached to the new ring (`attach`), and the step that failed is trained again.
+
+The reference holds no state: a dead or hung one is replaced by a fresh mesh of the initial policy,
+attached to the replay buffer, and the step is trained again (the reference answers first in a step,
+before the trainer changes anything: meshrl/train_step.py).
+
+`trainer.max_restarts` and `reference.max_restarts` bound the restarts that follow each other within
+`controller.restart_window_s` of the last (meshrl/replicas.py's RestartBudget): a process that keeps
+dying is a crash loop.
+"""
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+from monarch.actor import ActorError
+
+from meshrl.actors import first
+from meshrl.checkpoint import checkpoints
+from meshrl.replicas import RestartBudget, RoleFailed, error_line
+from meshrl.timeouts import CallTimeout, deadline
+from meshrl.train_step import train_updates
+from meshrl.types import BatchRef
+
+logger = logging.getLogger(__name__)
+FAULTS = (SupervisionError, ActorError, CallTimeout)  # what a trainer call raises when its process is gone or hangs
+
+
+@dataclass
+class Respawner:
+    """What the run does for a restart: `respawn(role)` stops the dead mesh of "trainer" or "reference" and
+    returns a new one on the same hosts, attached to the replay buffer; `attach(trainer)` points the
+    generators (and the replicas started later) at a new trainer's weight rings."""
+
+    respawn: Callable[[str], Awaitable[object]]
+    attach: Callable[[object], Awaitable[None]]
+
+
+async def is_dead(mesh, role: str, error: BaseException, buffer, timeout) -> bool:
+    """Whether `error`, raised while the controller used `role`'s `mesh`, means that role is gone: its own
+    call timed out, or it no longer answers (asked to attach to the replay buffer it already has; another
+    role's failure leaves it answering)."""
+    if isinstance(error, CallTimeout):
+        return error.role == role
+    if not isinstance(error, (SupervisionError, ActorError)):
+        return False
+    try:
+        async with deadline(timeout, role, "attach_buffer"):
+            await mesh.attach_buffer.call(buffer)
+        return False
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        return True
+
+
+async def replay(trainer, reference, buffer, batches: range, config, span, timeouts) -> None:
+    """Train `batches` again, as logged by the replay buffer, each followed by its publish."""
+    logged = set(await buffer.logged.call_one())
+    if missing := [b for b in batches if b not in logged]:
+        raise RoleFailed(f"the replay buffer no longer holds batches {missing} trained since the newest checkpoint")
+    for b in batches:
+        async with span("replay_buffer", "sample", b, timeout=timeouts.buffer):
+            plan = await buffer.sample.call_one(b, [])
+        updates = [[BatchRef(b, u, m) for m in range(count)] for u, count in enumerate(plan["micro_batches"])]
+        await train_updates(trainer, reference, updates, config.trainer, span, b, config.reference.ranks, timeouts)
+        async with span("trainer", "publish", b + 1, timeout=timeouts.trainer):
+            version = await first(trainer.publish_weights.call())
+        if version != b + 1:
+            raise RoleFailed(f"the restarted trainer published version {version} for batch {b}, expected {b + 1}")
+        async with deadline(timeouts.buffer, "replay_buffer", "trained"):
+            await buffer.trained.call_one(b)  # a batch trained again counts no new use
+
+
+class Restarts:
+    """The controller's restarts of its trainer and reference: how many, and the seconds they cost."""
+
+    def __init__(self, respawner: Respawner | None, config):
+        self.respawner = respawner
+        window = config.controller.restart_window_s
+        self.budgets = {"trainer": RestartBudget(config.trainer.max_restarts, window),
+                        "reference": RestartBudget(config.reference.max_restarts, window)}
+        self.count = {"trainer": 0, "reference": 0}
+        self.seconds_lost = 0.0
+        for role, budget in self.budgets.items():
+            budget.start(role)
+
+    async def after(self, controller, error: BaseException) -> None:
+        """`error` ended a step: restart the trainer or the reference if it is the one that died (re-raise
+        it otherwise, or when there is no way back)."""
+        if self.respawner is not None:
+            timeouts = controller.timeouts
+            if await is_dead(controller.trainer, "trainer", error, controller.buffer, timeouts.trainer):
+                return await self._timed(controller, "trainer", error, self._trainer)
+            if controller.reference is not None and await is_dead(controller.reference, "reference", error,
+                                                                  controller.buffer, timeouts.reference):
+                return await self._timed(controller, "reference", error, self._reference)
+        raise error
+
+    async def _timed(self, controller, role: str, error: BaseException, restart) -> None:
+        start = time.perf_counter()
+        cause = error_line(error)
+        if not self.budgets[role].failed(role):
+            raise RoleFailed(f"the {role} {self.budgets[role].describe(role)}: {cause}")
+        async with controller.tracer.span(role, "restart", controller.rows.done):
+            await restart(controller, cause)
+            self.budgets[role].start(role)
+        lost = time.perf_counter() - start
+        self.count[role] += 1
+        self.seconds_lost += lost
+        logger.warning("the %s is back at policy version %d after %.1f s", role, controller.rows.done, lost)
+
+    async def _reference(self, controller, cause: str) -> None:
+        """A fresh reference: the initial policy, as the dead one held."""
+        logger.warning("the reference failed (%s); restarting it", cause)
+        controller.reference = await self.respawner.respawn("reference")
+
+    async def _trainer(self, controller, cause: str) -> None:
+        """A new trainer mesh in `controller.trainer`'s place, in the state the dead one had after the steps
+        logged (`controller.rows.done`)."""
+        done = controller.rows.done
+        saved = [(step, path) for step, path in checkpoints(controller.checkpointer.run_dir) if step <= done]
+        since, newest = saved[-1] if saved else (0, None)
+        logger.warning("the trainer failed (%s); restarting it from %s and training again the %d step(s) since",
+                       cause, newest.name if newest else "the initial policy", done - since)
+        if controller.publishing is not None:  # it failed, or will: the replay publishes its version again
+            controller.publishing.cancel()
+            controller.publishing.add_done_callback(lambda f: f.cancelled() or f.exception())
+            controller.publishing = None
+        trainer = await self.respawner.respawn("trainer")
+        controller.trainer = controller.checkpointer.trainer = trainer
+        if newest is not None:
+            await controller.checkpointer.restore_trainer(newest)
+        await replay(trainer, controller.reference, controller.buffer, range(since, done), controller.config,
+                     controller.tracer.span, controller.timeouts)
+        await self.respawner.attach(trainer)
+        if controller.trainer_version < done:  # the dead trainer's last publish never said it was readable
+            controller.trainer_version = done
+            controller.collector.published(done)
