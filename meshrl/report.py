@@ -27,9 +27,13 @@ def read_summary(run_dir: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+RESTARTS = ("generator_restarts", "grader_restarts", "trainer_restarts", "reference_restarts", "restart_seconds")
+
+
 def summarize(rows: list[dict], summary: dict) -> dict:
     """A run's headline figures: throughput over the steps' wall time, first and last reward, the
-    eval rates before and after (from summary.json), staleness and weight-sync time."""
+    eval rates before and after (from summary.json), staleness, weight-sync time, and the processes
+    restarted per role (the run's totals, where its rows count them)."""
     wall = sum(r["step_time_s"] for r in rows)
     return {
         "steps": len(rows),
@@ -42,6 +46,7 @@ def summarize(rows: list[dict], summary: dict) -> dict:
         "staleness_mean": statistics.fmean(r["staleness_mean"] for r in rows),
         "staleness_max": max(r["staleness_max"] for r in rows),
         "weight_sync_s": statistics.fmean(r["weight_sync_s"] for r in rows),
+        **{k: rows[-1][k] for k in RESTARTS if k in rows[-1]},
     }
 
 

@@ -34,6 +34,16 @@ def test_summarize_by_hand(tmp_path):
         "staleness_mean": 0.5, "staleness_max": 1, "weight_sync_s": 0.5})
 
 
+def test_restarts_per_role_are_the_runs_totals_from_its_last_row(tmp_path):
+    rows = write_fake_run(tmp_path / "a", [0.1, 0.3], tokens_trained=100, step_time=1.0)
+    rows[0] |= {"generator_restarts": 1, "grader_restarts": 0, "trainer_restarts": 0, "restart_seconds": 0.0}
+    rows[1] |= {"generator_restarts": 2, "grader_restarts": 0, "trainer_restarts": 1, "restart_seconds": 3.5}
+    figures = summarize(rows, {})
+    assert {k: figures[k] for k in ("generator_restarts", "grader_restarts", "trainer_restarts", "restart_seconds")} == {
+        "generator_restarts": 2, "grader_restarts": 0, "trainer_restarts": 1, "restart_seconds": 3.5}
+    assert "reference_restarts" not in figures  # a run from before the reference was restarted: no blank figure
+
+
 def test_report_puts_runs_side_by_side_and_redraws_their_plots(tmp_path):
     write_fake_run(tmp_path / "sync", [0.1, 0.5], tokens_trained=100, step_time=1.0,
                    summary={"eval_accuracy_initial": 0.2, "eval_accuracy_final": 0.6})
