@@ -12,8 +12,9 @@ waits for it), and the version counts as published, for the gate and the generat
 trainer says it is readable. An evaluation or a checkpoint waits for it. `controller.max_policy_age` is the one switch
 between synchronous (0: the two loops alternate) and asynchronous training.
 
-A trainer that dies or hangs is restarted in the state it lost, a reference afresh (meshrl/restarts.py),
-and the step that failed is trained again; the generators serve on meanwhile.
+A trainer that dies or hangs is restarted in the state it lost, a reference afresh, a replay buffer
+empty with its untrained groups generated again (meshrl/restarts.py), and the step that failed is
+trained again; the generators serve on meanwhile.
 
 A stop (Ctrl-C, SIGTERM) cancels the loops between steps (a step training or a checkpoint being
 written finishes first); the groups in flight are stopped and their prompts kept, and a checkpoint
@@ -72,6 +73,7 @@ class Controller:
                                cfg.drop_equal_reward_groups, cfg.max_failed_fraction, self._keep,
                                generation_ahead(config))
         self.adding: list[asyncio.Future] = []  # groups' episodes on their way to the replay buffer
+        self.rollouts: asyncio.Task | None = None  # the rollout loop, while it runs
         self.collector = RolloutCollector(config, task, tokenizer, generators, graders, tracer, self.work, timeouts)
         self.trainer_version = 0  # the newest version the trainer published
         self.publishing: asyncio.Future | None = None  # the newest publish, maybe still copying
@@ -91,8 +93,8 @@ class Controller:
         (self.generators.restarts, self.generators.retried), (self.graders.restarts, self.graders.retried) = (
             state.counters["generator"], state.counters["grader"])
         self.updates = dict(state.counters["updates"])
-        restarts = self.restarts
-        restarts.count, restarts.seconds_lost = state.counters.get("restarts", (restarts.count, 0.0))
+        count, self.restarts.seconds_lost = state.counters.get("restarts", ({}, 0.0))
+        self.restarts.count.update(count)
 
     async def run(self) -> None:
         """Train up to `controller.steps` (evaluating first, unless resumed), then checkpoint. A stop
@@ -100,14 +102,13 @@ class Controller:
         its error (RoleFailed, TooManyFailures, ...), with no checkpoint: the newest is from before."""
         self.signals.task = asyncio.current_task()
         quiet_gc()
-        rollouts = None
         try:
             if self.signals.stopped_by:  # stopped while the actors started
                 return
             if not self.rows.done:
                 self.initial = await self.collector.evaluate(step=0)
-            rollouts = asyncio.create_task(self._rollout_loop())
-            await self._train(rollouts)
+            self.rollouts = asyncio.create_task(self._rollout_loop())
+            await self._train()
         except Stopped:  # asked for while a step trained: it is whole
             pass
         except asyncio.CancelledError:
@@ -120,9 +121,9 @@ class Controller:
                 # cancelled past the bound: the checkpoint below waits for it again
                 await bounded(asyncio.gather(asyncio.shield(self.publishing), return_exceptions=True),
                               self.timeouts.stop, "the last publish")
-            if rollouts:
-                rollouts.cancel()
-                await asyncio.gather(rollouts, return_exceptions=True)
+            if self.rollouts:
+                self.rollouts.cancel()
+                await asyncio.gather(self.rollouts, return_exceptions=True)
             await bounded(self.collector.stop(), self.timeouts.stop, "stopping the groups in flight")
             await bounded(self._weight_updates(), self.timeouts.stop, "the generators' last loads (for the trace)")
             await bounded(asyncio.gather(self._trainer_spans(), return_exceptions=True), self.timeouts.stop,
@@ -172,20 +173,20 @@ class Controller:
             if c.error:
                 raise c.error
 
-    async def _train(self, rollouts: asyncio.Task) -> None:
+    async def _train(self) -> None:
         """Steps after the last one done up to `controller.steps`, a checkpoint every `checkpoint.every`.
-        A trainer that dies or hangs meanwhile is restarted in the state it lost (a reference afresh), and
-        the step goes on."""
+        A trainer, reference or replay buffer that dies or hangs meanwhile is restarted (meshrl/restarts.py),
+        and the step goes on."""
         for step in self.rows.progress(self.config.controller.steps):
             while True:
                 try:
-                    await self._train_step(step, rollouts)
+                    await self._train_step(step)
                     break
                 except FAULTS as e:
                     with self.signals.holding():  # a stop waits for the trainer to be whole again
                         await self.restarts.after(self, e)
 
-    async def _train_step(self, step: int, rollouts: asyncio.Task) -> None:
+    async def _train_step(self, step: int) -> None:
         """Step `step`, unless logged already (a restart after its row), and its checkpoint if one is due.
         A step whose update was not applied (NaN or infinite) is counted; `trainer.max_bad_steps` of them
         in a row stop the run."""
@@ -193,7 +194,7 @@ class Controller:
         batch = None
         if self.rows.done < step:
             start, busy = time.perf_counter(), self._busy()
-            batch = await self._next_batch(step - 1, rollouts)
+            batch = await self._next_batch(step - 1)
         with self.signals.holding():  # a stop waits for the step: a checkpoint now would hold half of it
             if batch is not None:
                 row = await self._step(step, batch, start)
@@ -217,7 +218,7 @@ class Controller:
             if every and step % every == 0 and step < cfg.steps:
                 await self.checkpoint()
 
-    async def _next_batch(self, index: int, rollouts: asyncio.Task) -> Batch:
+    async def _next_batch(self, index: int) -> Batch:
         """Batch `index` once complete; re-raises if the rollout loop or the last publish (whose version
         the batch may be waiting for) failed, instead of waiting forever."""
         while (batch := self.work.batch(index)) is None:
@@ -228,13 +229,13 @@ class Controller:
             # a publish still running may fail: wake up for it too (not for one already done, which would spin)
             publishing = {self.publishing} if self.publishing and not self.publishing.done() else set()
             try:
-                await asyncio.wait({ready, rollouts, *publishing}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({ready, self.rollouts, *publishing}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 ready.cancel()
             if self.publishing and self.publishing.done():
                 self.publishing.result()
-            if rollouts.done():
-                rollouts.result()  # raises the rollout loop's error
+            if self.rollouts.done():
+                self.rollouts.result()  # raises the rollout loop's error
                 if self.work.batch(index) is None:
                     raise RuntimeError(f"the rollout loop ended without batch {index}")
         return batch
@@ -251,7 +252,7 @@ class Controller:
                                                self.tracer.span, batch.index, self.config.reference.ranks, self.timeouts)
         except ActorError:  # the ranks take their micro-batches from the buffer: its death fails their calls
             async with deadline(self.timeouts.buffer, "replay_buffer", "logged"):
-                await self.buffer.logged.call_one()  # raises the buffer's own failure, one line naming it
+                await self.buffer.logged.call_one()  # raises the buffer's own failure: restarted by _train
             raise
         t2 = time.perf_counter()
         await self._published()  # the last step's: done, since this step's optimizer update waited for it
@@ -264,7 +265,9 @@ class Controller:
         counters = {"generator_restarts": self.generators.restarts, "generator_calls_retried": self.generators.retried,
                     "grader_restarts": self.graders.restarts, "grader_calls_retried": self.graders.retried,
                     "trainer_restarts": self.restarts.count["trainer"],
-                    "reference_restarts": self.restarts.count["reference"], "restart_seconds": self.restarts.seconds_lost,
+                    "reference_restarts": self.restarts.count["reference"],
+                    "replay_buffer_restarts": self.restarts.count["replay_buffer"],
+                    "restart_seconds": self.restarts.seconds_lost,
                     **self.updates, "batches_ready": len(self.work.ready) - 1}
         row = step_row(step, version, batch, train,
                        {"wait": t1 - start, "train": t2 - t1, "publish": t3 - t2, "pull": pull}, counters)

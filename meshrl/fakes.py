@@ -327,19 +327,23 @@ class FakeRun:
 
 async def run_fake(config: Config, run_dir: Path, script: Script | None = None, resume: bool = False,
                    stop_timeout: float = 5.0, call_timeout: float = 0, costs: Costs = Costs(),
-                   progress: bool = True, restart_trainer: bool = True) -> FakeRun:
+                   progress: bool = True, restart: bool = True) -> FakeRun:
     """The real controller's loops over fake actors (`config.trainer.ranks` fake trainer ranks), from the
     newest checkpoint in `run_dir` with `resume`; generate and grade calls bounded by `call_timeout`; a
-    trainer that dies is restarted (`restart_trainer`) on fresh fake ranks."""
+    trainer or replay buffer that dies is restarted (`restart`), on fresh fakes."""
     script = script or Script()
     run_dir.mkdir(parents=True, exist_ok=True)
     state_dir = checkpoint.latest(run_dir) if resume else None
     state = checkpoint.load(state_dir) if state_dir else None
     spawned, graded = [], []
     signals = script.signals = StopSignals()
-    buffer = FakeMesh([load_actor_class(buffer_impl(config.replay_buffer.impl))(
-        config.replay_buffer, config.trainer, config.controller.prompts_per_step, config.controller.max_policy_age,
-        FakeTokenizer.pad_id)], script)  # the real replay buffer, in this process
+
+    def start_buffer() -> FakeMesh:  # the real replay buffer, in this process
+        return FakeMesh([load_actor_class(buffer_impl(config.replay_buffer.impl))(
+            config.replay_buffer, config.trainer, config.controller.prompts_per_step, config.controller.max_policy_age,
+            FakeTokenizer.pad_id)], script)
+
+    buffer = start_buffer()
     trainers: list[FakeTrainer] = []  # rank 0 of each trainer mesh started, restarts too
 
     async def start_trainer() -> FakeMesh:
@@ -349,6 +353,13 @@ async def run_fake(config: Config, run_dir: Path, script: Script | None = None, 
         for fake in ranks:
             await fake.attach_buffer(buffer)
         return FakeMesh(ranks, script)
+
+    async def respawn(role: str) -> FakeMesh:  # as meshrl/run.py's
+        nonlocal buffer
+        if role == "replay_buffer":
+            buffer = start_buffer()
+            return buffer
+        return await start_trainer()
 
     trainer = await start_trainer()
     weights = trainers[0].weights  # what generators started from now on load from
@@ -385,7 +396,7 @@ async def run_fake(config: Config, run_dir: Path, script: Script | None = None, 
 
     controller = Controller(config, FakeTask(), FakeTokenizer(), generators, graders, trainer, None, buffer, tracer,
                             signals, checkpoint.Checkpointer(run_dir, 0, trainer, tracer, timeouts, buffer), rows,
-                            timeouts, Respawner(lambda role: start_trainer(), attach) if restart_trainer else None)
+                            timeouts, Respawner(respawn, attach) if restart else None)
     try:
         if state:
             await controller.restore(state, state_dir)

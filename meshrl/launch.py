@@ -47,9 +47,9 @@ def check_config(config: Config) -> None:
     if cfg.max_policy_age < 0:
         raise ValueError("controller.max_policy_age must be at least 0")
     if min(config.generator.max_restarts, config.grader.max_restarts, config.trainer.max_restarts,
-           cfg.restart_window_s) < 0:
-        raise ValueError("generator.max_restarts, grader.max_restarts, trainer.max_restarts and "
-                         "controller.restart_window_s must be at least 0")
+           config.reference.max_restarts, config.replay_buffer.max_restarts, cfg.restart_window_s) < 0:
+        raise ValueError("generator.max_restarts, grader.max_restarts, trainer.max_restarts, reference.max_restarts, "
+                         "replay_buffer.max_restarts and controller.restart_window_s must be at least 0")
     if cfg.generate_ahead > cfg.max_policy_age:
         raise ValueError(f"controller.generate_ahead ({cfg.generate_ahead}) cannot be more than "
                          f"controller.max_policy_age ({cfg.max_policy_age}): its groups would be stale when trained")
@@ -143,9 +143,7 @@ async def spawn_actors(config: Config, classes: dict[str, type], checkpoint: Pat
     for role in ("trainer", "reference"):
         if role in classes:
             meshes[role], actors[role] = await spawn_ranked(role, config, classes, checkpoint, hosts)
-    meshes["replay_buffer"], buffer = spawn("replay_buffer", classes["replay_buffer"], config.replay_buffer, config.trainer,
-                          config.controller.prompts_per_step, config.controller.max_policy_age, pad_id,
-                          host=hosts.host("replay_buffer", 0))
+    meshes["replay_buffer"], buffer = spawn_buffer(config, classes, hosts, pad_id)
     for role in ("trainer", "reference"):
         if role in actors:
             await actors[role].attach_buffer.call(buffer)
@@ -160,6 +158,13 @@ async def spawn_ranked(role: str, config: Config, classes: dict[str, type], chec
     else:
         args = (config.reference, str(checkpoint))
     return await spawn_ranks(role, classes[role], args[0].ranks, *args, hosts=hosts.of(role))
+
+
+def spawn_buffer(config: Config, classes: dict[str, type], hosts: Hosts, pad_id: int):
+    """The replay buffer's proc mesh and actor (one process), at the start or in a dead one's place."""
+    return spawn("replay_buffer", classes["replay_buffer"], config.replay_buffer, config.trainer,
+                 config.controller.prompts_per_step, config.controller.max_policy_age, pad_id,
+                 host=hosts.host("replay_buffer", 0))
 
 
 def generator_args(config: Config, index: int, checkpoint: Path) -> tuple:

@@ -27,7 +27,8 @@ def read_summary(run_dir: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-RESTARTS = ("generator_restarts", "grader_restarts", "trainer_restarts", "reference_restarts", "restart_seconds")
+RESTARTS = ("generator_restarts", "grader_restarts", "trainer_restarts", "reference_restarts", "replay_buffer_restarts",
+            "restart_seconds")
 
 
 def summarize(rows: list[dict], summary: dict) -> dict:

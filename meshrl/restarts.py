@@ -13,7 +13,12 @@ The reference holds no state: a dead or hung one is replaced by a fresh mesh of 
 attached to the replay buffer, and the step is trained again (the reference answers first in a step,
 before the trainer changes anything: meshrl/train_step.py).
 
-`trainer.max_restarts` and `reference.max_restarts` bound the restarts that follow each other within
+A dead or hung replay buffer is replaced by an empty one: the groups it held for batches not yet
+trained are generated again (the work buffer's `lose`), groups trained before and kept for replay are
+gone (fewer are reused), and so is its log of the batches trained since the newest checkpoint, so a
+checkpoint is written at once, before a trainer restart could need that log.
+
+`trainer.max_restarts`, `reference.max_restarts` and `replay_buffer.max_restarts` bound the restarts that follow each other within
 `controller.restart_window_s` of the last (meshrl/replicas.py's RestartBudget): a process that keeps
 dying is a crash loop.
 """
@@ -40,8 +45,8 @@ FAULTS = (SupervisionError, ActorError, CallTimeout)  # what a trainer call rais
 
 @dataclass
 class Respawner:
-    """What the run does for a restart: `respawn(role)` stops the dead mesh of "trainer" or "reference" and
-    returns a new one on the same hosts, attached to the replay buffer; `attach(trainer)` points the
+    """What the run does for a restart: `respawn(role)` stops the dead mesh of "trainer", "reference" or
+    "replay_buffer" and returns a new one on the same hosts (the first two attached to the replay buffer); `attach(trainer)` points the
     generators (and the replicas started later) at a new trainer's weight rings."""
 
     respawn: Callable[[str], Awaitable[object]]
@@ -59,6 +64,23 @@ async def is_dead(mesh, role: str, error: BaseException, buffer, timeout) -> boo
     try:
         async with deadline(timeout, role, "attach_buffer"):
             await mesh.attach_buffer.call(buffer)
+        return False
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        return True
+
+
+async def buffer_is_dead(buffer, error: BaseException, timeout) -> bool:
+    """Whether `error` means the replay buffer is gone: its own call timed out, or it no longer answers
+    (the trainer's calls fail too when it dies: they take their micro-batches from it)."""
+    if isinstance(error, CallTimeout):
+        return error.role == "replay_buffer"
+    if not isinstance(error, (SupervisionError, ActorError)):
+        return False
+    try:
+        async with deadline(timeout, "replay_buffer", "logged"):
+            await buffer.logged.call_one()
         return False
     except asyncio.CancelledError:
         raise
@@ -91,15 +113,16 @@ class Restarts:
         self.respawner = respawner
         window = config.controller.restart_window_s
         self.budgets = {"trainer": RestartBudget(config.trainer.max_restarts, window),
-                        "reference": RestartBudget(config.reference.max_restarts, window)}
-        self.count = {"trainer": 0, "reference": 0}
+                        "reference": RestartBudget(config.reference.max_restarts, window),
+                        "replay_buffer": RestartBudget(config.replay_buffer.max_restarts, window)}
+        self.count = {"trainer": 0, "reference": 0, "replay_buffer": 0}
         self.seconds_lost = 0.0
         for role, budget in self.budgets.items():
             budget.start(role)
 
     async def after(self, controller, error: BaseException) -> None:
-        """`error` ended a step: restart the trainer or the reference if it is the one that died (re-raise
-        it otherwise, or when there is no way back)."""
+        """`error` ended a step: restart the trainer, the reference or the replay buffer if it is the one that
+        died (re-raise it otherwise, or when there is no way back)."""
         if self.respawner is not None:
             timeouts = controller.timeouts
             if await is_dead(controller.trainer, "trainer", error, controller.buffer, timeouts.trainer):
@@ -107,6 +130,8 @@ class Restarts:
             if controller.reference is not None and await is_dead(controller.reference, "reference", error,
                                                                   controller.buffer, timeouts.reference):
                 return await self._timed(controller, "reference", error, self._reference)
+            if await buffer_is_dead(controller.buffer, error, timeouts.buffer):
+                return await self._timed(controller, "replay_buffer", error, self._buffer)
         raise error
 
     async def _timed(self, controller, role: str, error: BaseException, restart) -> None:
@@ -126,6 +151,30 @@ class Restarts:
         """A fresh reference: the initial policy, as the dead one held."""
         logger.warning("the reference failed (%s); restarting it", cause)
         controller.reference = await self.respawner.respawn("reference")
+
+    async def _buffer(self, controller, cause: str) -> None:
+        """An empty replay buffer; the groups the dead one held for untrained batches generated again."""
+        buffer = await self.respawner.respawn("replay_buffer")
+        # nothing awaited between the swap and the loss: every group kept so far is generated again, each
+        # kept from now on goes to the new buffer
+        controller.buffer = controller.checkpointer.buffer = buffer
+        lost = controller.work.lose()
+        for adding in controller.adding:  # on their way to the dead buffer
+            adding.cancel()
+            adding.add_done_callback(lambda f: f.cancelled() or f.exception())
+        controller.adding = []
+        logger.warning("the replay buffer failed (%s); restarted empty: the %d groups it held for batches not yet "
+                       "trained are generated again", cause, lost)
+        for mesh in (controller.trainer, controller.reference):
+            if mesh is not None:
+                await mesh.attach_buffer.call(buffer)
+        if controller.rollouts is not None and controller.rollouts.done():  # it ended with every batch complete
+            controller.rollouts.result()
+            controller.rollouts = asyncio.create_task(controller._rollout_loop())
+        controller.collector.changed.set()  # prompts to start again
+        done = controller.rows.done
+        if done and done not in [step for step, _ in checkpoints(controller.checkpointer.run_dir)]:
+            await controller.checkpoint()  # the log of the batches trained since the newest one died with it
 
     async def _trainer(self, controller, cause: str) -> None:
         """A new trainer mesh in `controller.trainer`'s place, in the state the dead one had after the steps

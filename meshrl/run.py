@@ -6,8 +6,7 @@ Completions (generator replicas) -> ScoredCompletions (grader replicas) -> Episo
 advantages (meshrl/episodes.py) in the work buffer's batches -> TrainBatches (trainer,
 meshrl/train_step.py) -> weight ring -> generators. A generator or grader replica that dies or stops
 answering is replaced (meshrl/replicas.py); so are the trainer, brought back to the state it lost,
-and the reference (meshrl/restarts.py); the replay buffer dying or timing out ends the run with one
-line, after writing what there is. Each role runs on the hosts its config names
+the reference and the replay buffer (meshrl/restarts.py). Each role runs on the hosts its config names
 (meshrl/jobs.py).
 """
 
@@ -33,7 +32,7 @@ from meshrl.controller import Controller
 from meshrl.gpu_plan import plan_gpus
 from meshrl.jobs import Hosts, gpus_per_host, make_job, plan
 from meshrl.launch import (Actors, StopSignals, actor_classes, check_config, generator_args, note_fault,
-                           spawn_actors, spawn_ranked, weight_dtype)
+                           spawn_actors, spawn_buffer, spawn_ranked, weight_dtype)
 from meshrl.loggers import MetricLoggers, RolloutRecorder
 from meshrl.metric_rows import MetricRows
 from meshrl.model import ChatTokenizer, resolve_checkpoint
@@ -210,17 +209,22 @@ class Run:
             self.transports[name] = await replica.actor.attach_weights.call_one(self.rings)
 
     async def _respawn(self, role: str):
-        """The dead trainer's or reference's mesh stopped (if it can be) and a new one started on the same
-        hosts, attached to the replay buffer; processes.json names its processes."""
+        """The dead trainer's, reference's or replay buffer's mesh stopped (if it can be) and a new one started
+        on the same hosts (the first two attached to the replay buffer); processes.json names its processes."""
         try:
             await bounded(self.actors.procs[role].stop(), self.timeouts.stop, f"stopping the failed {role}")
         except Exception:  # a dead mesh may refuse to stop; the new one does not depend on it
             pass
-        procs, mesh = await spawn_ranked(role, self.gpus.apply(self.config), self.classes, self.model_path, self.hosts)
+        config = self.gpus.apply(self.config)
+        if role == "replay_buffer":
+            procs, mesh = spawn_buffer(config, self.classes, self.hosts, self.tokenizer.pad_id)
+            self.actors.buffer = mesh
+        else:
+            procs, mesh = await spawn_ranked(role, config, self.classes, self.model_path, self.hosts)
+            setattr(self.actors, role, mesh)
+            async with deadline(getattr(self.timeouts, role), role, "attach_buffer"):
+                await mesh.attach_buffer.call(self.actors.buffer)
         self.actors.procs[role] = procs
-        setattr(self.actors, role, mesh)
-        async with deadline(getattr(self.timeouts, role), role, "attach_buffer"):
-            await mesh.attach_buffer.call(self.actors.buffer)
         found = await processes(procs, role)
         self.where[role] = ([h for h, _ in found], [p for _, p in found]) if len(found) > 1 else found[0]
         self._write_processes()

@@ -170,6 +170,26 @@ class WorkBuffer:
         self._end(prompt_index)
         bisect.insort(self.redo, prompt_index)
 
+    def lose(self) -> int:
+        """The episodes of every kept group not yet trained are lost (the replay buffer holding them died):
+        their prompts start again, first, into the same batches, which are no longer complete. Returns the
+        number of groups lost."""
+        lost = 0
+        for index, batch in sorted(self.ready.items()):
+            lost += len(batch.groups)
+            for prompt in batch.groups:
+                bisect.insort(self.redo, prompt)
+            self.filling[index] = Filling(index)
+        self.ready = {}
+        for f in self.filling.values():
+            lost += len(f.kept)
+            for prompt in f.kept:
+                bisect.insort(self.redo, prompt)
+            f.groups = [g for g in f.groups if g.prompt_index not in f.kept]
+            f.kept = {}
+        self.complete_below = min([self.complete_below, *self.filling])
+        return lost
+
     def batch(self, index: int) -> Batch | None:
         """Batch `index` once complete. Handing it over checks the bound: every episode of batch b was
         sampled from a version in [b - max_policy_age, b]."""

@@ -278,15 +278,17 @@ def test_nan_losses_are_not_applied_counted_and_stop_the_run_with_the_last_good_
     assert (tmp_path / "final" / "model.safetensors").is_file()
 
 
-def test_a_replay_run_whose_buffer_dies_after_a_checkpoint_stops_in_one_line_and_resumes_from_it(tmp_path):
+def test_a_replay_runs_buffer_killed_mid_run_is_restarted_and_a_resume_goes_on_with_the_groups_it_held(tmp_path):
     """`replay_buffer.impl replay` on real actors: the replay buffer is a process of its own, the trainer's
     ranks take their micro-batches from it (their own spans say so), and groups are trained again. The
-    buffer SIGKILLed after checkpoint 2 ends the run with one line naming it; `--resume` goes on from
-    that checkpoint with the groups and use counts it held: every step logged once, versions continuous."""
+    buffer SIGKILLed after checkpoint 2 is restarted empty, its untrained groups generated again, and the
+    run ends by itself; `--resume` for two more steps goes on from the final checkpoint with the groups and
+    use counts its buffer held: every step logged once, versions continuous."""
     run_dir = tmp_path / "run"
-    run = subprocess.Popen(train(run_dir, "--controller.steps", "4", "--checkpoint.every", "2", "--replay_buffer.impl",
-                                 "replay", "--controller.max_policy_age", "1", "--controller.generate_ahead", "0"),
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    args = ["--checkpoint.every", "2", "--replay_buffer.impl", "replay", "--controller.max_policy_age", "1",
+            "--controller.generate_ahead", "0"]
+    run = subprocess.Popen(train(run_dir, "--controller.steps", "4", *args), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
         while not (run_dir / "checkpoints" / "step-2").is_dir():
@@ -295,23 +297,27 @@ def test_a_replay_run_whose_buffer_dies_after_a_checkpoint_stops_in_one_line_and
         buffer = json.loads((run_dir / "processes.json").read_text())["replay_buffer"]
         assert "replay_buffer" in json.loads((run_dir / "placement.json").read_text())
         psutil.Process(buffer).send_signal(signal.SIGKILL)
-        _, stderr = run.communicate(timeout=120)
+        _, stderr = run.communicate(timeout=300)
     finally:
         if run.poll() is None:
             run.kill()
-    assert run.returncode == 1
-    last = stderr.strip().splitlines()[-1]
-    assert last.startswith("meshrl: error: ") and "replay_buffer" in last and "Traceback" not in stderr, last
-    assert (run_dir / "checkpoints" / "step-2" / "replay_buffer" / "state.pt").is_file()
-    resumed = subprocess.run(train(run_dir, "--resume", str(run_dir)), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, stderr[-3000:]
+    assert "the replay buffer failed (" in stderr and "restarted empty" in stderr and "Traceback" not in stderr
+    assert json.loads((run_dir / "processes.json").read_text())["replay_buffer"] != buffer
+    assert read_jsonl(run_dir / "metrics.jsonl")[-1]["replay_buffer_restarts"] == 1
+    assert (run_dir / "checkpoints" / "step-4" / "replay_buffer" / "state.pt").is_file()
+    resumed = subprocess.run(train(run_dir, "--resume", str(run_dir), "--controller.steps", "6"),
+                             capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {run_dir / 'checkpoints' / 'step-2'} (step 2, policy version 2)" in resumed.stdout
+    assert f"resumed from {run_dir / 'checkpoints' / 'step-4'} (step 4, policy version 4)" in resumed.stdout
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["policy_version"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and [r["policy_version"] for r in rows] == [1, 2, 3, 4, 5, 6]
     # 2 prompts a step, one of them fresh (generated in step with training), and after the first step the
-    # group of the step before (4 episodes, one version old) trained again: before and after the resume
-    assert [r["episodes_reused"] for r in rows] == [0, 4, 4, 4]
-    assert [r["episodes_by_age"] for r in rows] == [[4], [4, 4], [4, 4], [4, 4]]
+    # group of the step before (4 episodes, one version old) trained again; after the resume too, from the
+    # groups the checkpoint's buffer held (what the kill lost around step 3 is not asserted)
+    reused = [r["episodes_reused"] for r in rows]
+    assert reused[:2] == [0, 4] and reused[4:] == [4, 4], reused
+    assert [r["episodes_by_age"] for r in rows][4:] == [[4, 4], [4, 4]]
     spans = read_jsonl(run_dir / "trace.jsonl")
     taken = [s for s in spans if s["role"] == "trainer" and s["what"] == "from_buffer" and s["clock"] == "actor"]
     trained = [s for s in spans if s["role"] == "trainer" and s["what"] == "train" and s["clock"] == "actor"]

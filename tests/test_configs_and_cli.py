@@ -44,8 +44,8 @@ def test_bad_overrides_are_clear_errors(overrides, message):
     (["--generator.top_p", "0.9"], "generator.top_p 0.9: training samples must come from the whole distribution"),
     (["--controller.max_failed_fraction", "2"], "controller.max_failed_fraction must be between 0 and 1"),
     (["--weight_sync.dtype", "int8"], "unknown weight_sync.dtype 'int8'"),
-    (["--trainer.max_restarts", "-1"], "trainer.max_restarts and controller.restart_window_s must be at least 0"),
-    (["--controller.restart_window_s", "-5"], "trainer.max_restarts and controller.restart_window_s must be at least 0"),
+    (["--trainer.max_restarts", "-1"], "replay_buffer.max_restarts and controller.restart_window_s must be at least 0"),
+    (["--controller.restart_window_s", "-5"], "replay_buffer.max_restarts and controller.restart_window_s must be at least 0"),
 ])
 def test_values_that_cannot_work_together_are_refused_before_anything_starts(overrides, message):
     from meshrl.launch import check_config

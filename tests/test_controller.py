@@ -59,7 +59,7 @@ def test_a_trainer_that_dies_without_a_way_back_ends_the_run_with_its_error(tmp_
     script = Script(die_at={"publish_weights": 2})
     with pytest.raises(SupervisionError, match="the process exited"):  # its publish, or the next call to it
         asyncio.run(asyncio.wait_for(run_fake(fake_config(steps=4, prompts=2, max_policy_age=age), tmp_path, script,
-                                              restart_trainer=False), 30))
+                                              restart=False), 30))
 
 
 @pytest.mark.parametrize("age", [0, 1])
@@ -298,3 +298,24 @@ def test_the_fake_trainer_answers_with_the_real_loss_metrics():
     fake = asyncio.run(FakeTrainer(FakeWeights()).forward_backward(batch))
     assert fake.keys() == real.keys() and fake["tokens"] == real["tokens"] == 2
     assert fake["behaviour_weight"] == real["behaviour_weight"] and fake["ratio"] == real["ratio"]
+
+
+@pytest.mark.parametrize("age", [0, 1])
+@pytest.mark.parametrize("call", ["add", "sample", "micro_batch", "trained"])
+def test_a_replay_buffer_that_dies_is_restarted_empty_and_its_groups_are_generated_again(tmp_path, age, call):
+    """The groups the dead buffer held for untrained batches start again and are trained in their batches:
+    every prompt is trained exactly once, every step logged once, and a checkpoint is written at once (the
+    log of the batches trained since the newest one died with the buffer)."""
+    config = fake_config(steps=5, prompts=2, max_policy_age=age)
+    for k in (1, 3, 4):
+        run_dir = tmp_path / f"{k}"
+        done = run(config, run_dir, Script(die_at={call: k}))
+        assert [r["step"] for r in done.rows] == [1, 2, 3, 4, 5], k
+        assert [r["policy_version"] for r in done.rows] == [1, 2, 3, 4, 5], k
+        assert done.rows[-1]["replay_buffer_restarts"] == 1 and done.rows[-1]["trainer_restarts"] == 0, k
+        assert sorted(trained_prompts(done.trainer)) == list(range(10)), k  # each once, none lost
+        assert max(r["staleness_max"] for r in done.rows) <= age, k
+        restarted_at = [s["policy_version"] for s in read_jsonl(run_dir / "trace.jsonl") if s["what"] == "restart"]
+        assert len(restarted_at) == 1, k
+        steps_saved = [p.name for p in (run_dir / "checkpoints").iterdir()]
+        assert (f"step-{restarted_at[0]}" in steps_saved) == (restarted_at[0] > 0), (k, steps_saved)

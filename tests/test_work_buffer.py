@@ -173,3 +173,22 @@ def test_a_group_finishing_after_the_last_batch_is_kept_for_a_longer_run():
     assert work.done() and starts(work, 1) == []
     with pytest.raises(RuntimeError, match="was not running"):
         work.finish(group(0))
+
+
+def test_groups_lost_with_the_replay_buffer_start_again_first_into_the_batches_they_left():
+    """Batch 0 trained, batch 1 complete, batch 2 half kept with a group running: the replay buffer that held
+    the untrained groups' episodes died. Their prompts start again first; batches 1 and 2 fill again, and
+    the running group still finishes into batch 2."""
+    work = buffer(steps=4, size=2, age=2)
+    assert starts(work, 0) == [0, 1, 2, 3, 4, 5]
+    for i in (0, 1, 2, 3, 4):
+        work.finish(group(i))
+    assert sorted(work.ready) == [0, 1] and work.complete_below == 2
+    work.trained(0)
+    assert work.lose() == 3  # batch 1's two groups and batch 2's kept one
+    assert work.redo == [2, 3, 4] and not work.ready and work.complete_below == 1 and work.batch(1) is None
+    assert starts(work, 1) == [2, 3, 4, 6, 7]  # batch 1's slots, batch 2's free one, then batch 3's
+    assert work.running == {5: 2, 2: 1, 3: 1, 4: 2, 6: 3, 7: 3}
+    for i in (2, 3, 4, 5):
+        work.finish(group(i, version=1))
+    assert work.batch(1).groups == [2, 3] and work.batch(2).groups == [4, 5] and work.totals["groups_stale"] == 0

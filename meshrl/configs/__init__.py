@@ -49,7 +49,7 @@ class GeneratorConfig:
     seed: int = 0  # vLLM's engine seed (replica i uses seed + i; with request_seeds every replica uses seed)
     request_seeds: bool = False  # seed each request from `seed`, its prompt and the policy version: the same samples whatever else is batched with it (reproducible runs; single-turn tasks only: a multi-turn group's conversations would all sample alike); off by default because vLLM on the CPU fails on a seeded request whose prompt it prefills in parts (more prompt tokens waiting than one engine step takes)
     replicas: int = 1  # generator actors, each on its own proc mesh; groups go to the least loaded
-    max_restarts: int = 3  # failed replicas replaced before the run stops
+    max_restarts: int = 3  # a replica failing more than this many times in a row, each within controller.restart_window_s of its start, stops the run (a crash loop)
     hosts: str = ""  # the job.hosts group the replicas go on, round-robin over its hosts; "": the controller's host
     timeout_s: float = 600.0  # a replica's start, and one group's generation: past it the replica is replaced
     weight_update: str = "auto"  # how a replica loads a new version: drain (waits for its running requests) | in_flight (between engine steps, requests go on) | recompute (in flight, running prefixes recomputed); auto: drain when controller.max_policy_age is 0, else in_flight
@@ -78,7 +78,7 @@ class GraderConfig:
 
     impl: str = "meshrl.actors.grader:Grader"  # the actor class, module:Class
     replicas: int = 1  # grader actors; groups go to the least loaded
-    max_restarts: int = 3  # failed replicas replaced before the run stops
+    max_restarts: int = 3  # a replica failing more than this many times in a row, each within controller.restart_window_s of its start, stops the run (a crash loop)
     hosts: str = ""  # the job.hosts group the replicas go on, round-robin over its hosts; "": the controller's host
     timeout_s: float = 300.0  # one group's grading: past it the replica is replaced
     judge: JudgeConfig = field(default_factory=JudgeConfig)
@@ -169,7 +169,8 @@ class ReplayBufferConfig:
     priority: str = "reward_std"  # replay: which old groups first: reward_std (the widest spread of rewards: the most to learn) | newest
     cpus: str = ""  # pin its process to these cores; "" leaves placement to the OS
     hosts: str = ""  # the job.hosts group its process goes on; "": the controller's host
-    timeout_s: float = 600.0  # one call (adding a group, a step's plan, a micro-batch): past it the run stops
+    timeout_s: float = 600.0  # one call (adding a group, a step's plan, a micro-batch): past it the buffer is restarted
+    max_restarts: int = 3  # a dead or hung buffer is restarted empty, the groups it held for untrained batches generated again (meshrl/restarts.py); more failures than this in a row, each within controller.restart_window_s of its start, stop the run
 
 
 @dataclass
