@@ -39,6 +39,14 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("configs", help="list the named configs")
     report = sub.add_parser("report", help="summarize runs side by side and redraw their plots")
     report.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    chaos = sub.add_parser("chaos", help="SIGKILL the actor processes of a running train, every role in turn, to "
+                                         "see that it survives each (processes on this machine)")
+    chaos.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the running train's --run-dir")
+    chaos.add_argument("--every-s", type=float, help="seconds after the previous victim's replacement served "
+                                                     "(default 25, or 0 with --every-steps)")
+    chaos.add_argument("--every-steps", type=int, default=0, help="or this many steps logged after it")
+    chaos.add_argument("--kills", type=int, default=0, help="stop after this many kills (0: when the run ends)")
+    chaos.add_argument("--seed", type=int, default=0, help="the order of the roles and the processes picked")
     study = sub.add_parser("study", help="run a named study (several training runs) and write its report.md")
     study.add_argument("name", nargs="?", help="the study (--list names them)")
     study.add_argument("--list", action="store_true", help="name the studies and what each answers")
@@ -150,6 +158,14 @@ def main(argv: list[str] | None = None) -> int:
             return _worker(args)
         elif args.command == "study":
             return _study(args)
+        elif args.command == "chaos":
+            from meshrl.chaos import chaos
+
+            summary, start = args.run_dir / "summary.json", time.time()
+            ended = lambda: summary.is_file() and summary.stat().st_mtime >= start  # noqa: E731 (this run's end)
+            every_s = args.every_s if args.every_s is not None else 0.0 if args.every_steps else 25.0
+            made = chaos(args.run_dir, every_s, args.every_steps, args.kills, args.seed, ended)
+            print(f"{len(made)} processes killed; the run's restarts are in {args.run_dir / 'metrics.jsonl'}")
         elif args.command == "bench" and args.bench == "weight-sync":
             _bench_weight_sync(args)
         elif args.command == "bench" and args.bench == "generation":

@@ -183,8 +183,20 @@ class Controller:
                     await self._train_step(step)
                     break
                 except FAULTS as e:
-                    with self.signals.holding():  # a stop waits for the trainer to be whole again
-                        await self.restarts.after(self, e)
+                    await self._recover(e)
+
+    async def _recover(self, error: BaseException) -> None:
+        """Restart what `error` says died; a failure during that restart is handled the same way (the
+        restart budgets bound them). A stop waits for the roles to be whole again."""
+        while True:
+            try:
+                with self.signals.holding():
+                    await self.restarts.after(self, error)
+                return
+            except FAULTS as again:
+                if again is error:  # not a death the restarts can undo
+                    raise
+                error = again
 
     async def _train_step(self, step: int) -> None:
         """Step `step`, unless logged already (a restart after its row), and its checkpoint if one is due.

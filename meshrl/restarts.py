@@ -117,6 +117,7 @@ class Restarts:
                         "replay_buffer": RestartBudget(config.replay_buffer.max_restarts, window)}
         self.count = {"trainer": 0, "reference": 0, "replay_buffer": 0}
         self.seconds_lost = 0.0
+        self.trainer_behind = False  # a trainer restart has begun and not ended: its state is not the run's
         for role, budget in self.budgets.items():
             budget.start(role)
 
@@ -154,6 +155,9 @@ class Restarts:
 
     async def _buffer(self, controller, cause: str) -> None:
         """An empty replay buffer; the groups the dead one held for untrained batches generated again."""
+        if self.trainer_behind:
+            raise RoleFailed(f"the replay buffer failed ({cause}) while the trainer was being brought back from the "
+                             "batches it logged, which died with it; go on from the newest checkpoint with --resume")
         buffer = await self.respawner.respawn("replay_buffer")
         # nothing awaited between the swap and the loss: every group kept so far is generated again, each
         # kept from now on goes to the new buffer
@@ -188,6 +192,7 @@ class Restarts:
             controller.publishing.cancel()
             controller.publishing.add_done_callback(lambda f: f.cancelled() or f.exception())
             controller.publishing = None
+        self.trainer_behind = True
         trainer = await self.respawner.respawn("trainer")
         controller.trainer = controller.checkpointer.trainer = trainer
         if newest is not None:
@@ -195,6 +200,7 @@ class Restarts:
         await replay(trainer, controller.reference, controller.buffer, range(since, done), controller.config,
                      controller.tracer.span, controller.timeouts)
         await self.respawner.attach(trainer)
+        self.trainer_behind = False
         if controller.trainer_version < done:  # the dead trainer's last publish never said it was readable
             controller.trainer_version = done
             controller.collector.published(done)
