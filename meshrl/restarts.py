@@ -138,15 +138,16 @@ class Restarts:
     async def _timed(self, controller, role: str, error: BaseException, restart) -> None:
         start = time.perf_counter()
         cause = error_line(error)
+        name = role.replace("_", " ")
         if not self.budgets[role].failed(role):
-            raise RoleFailed(f"the {role} {self.budgets[role].describe(role)}: {cause}")
+            raise RoleFailed(f"the {name} {self.budgets[role].describe(role)}: {cause}")
         async with controller.tracer.span(role, "restart", controller.rows.done):
             await restart(controller, cause)
             self.budgets[role].start(role)
         lost = time.perf_counter() - start
         self.count[role] += 1
         self.seconds_lost += lost
-        logger.warning("the %s is back at policy version %d after %.1f s", role, controller.rows.done, lost)
+        logger.warning("the %s is back at policy version %d after %.1f s", name, controller.rows.done, lost)
 
     async def _reference(self, controller, cause: str) -> None:
         """A fresh reference: the initial policy, as the dead one held."""

@@ -32,13 +32,16 @@ def test_a_run_survives_a_kill_of_every_role_in_turn(tmp_path):
         if run.poll() is None:
             run.kill()
     assert run.returncode == 0, stderr[-3000:]
+    for role in ("trainer", "reference", "replay buffer"):  # one line for each failure, one when it is back
+        assert stderr.count(f"the {role} failed (") == 1 and "Killed(sig=9)" in stderr, role
+    assert [stderr.count(f"the {role} is back") for role in ("trainer", "reference", "replay buffer")] == [1, 1, 1]
     assert sorted(role_of(k["name"]) for k in made) == ["generator", "grader", "reference", "replay_buffer", "trainer"]
     assert all(k["replaced_s"] is not None for k in made), made
     assert [k["step"] for k in made] == sorted(k["step"] for k in made) and made[-1]["step"] < STEPS, made
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1))
-    assert "eval_accuracy" in rows[-1]
+    assert "eval_accuracy" in rows[-1] and all("kl" in r for r in rows)  # the reference answered every step
     last = rows[-1]
     assert [last[f"{role}_restarts"] for role in ("generator", "grader", "trainer", "reference", "replay_buffer")] \
         == [1, 1, 1, 1, 1], last

@@ -11,8 +11,6 @@ from collections import defaultdict
 
 import psutil
 
-from actor_helpers import kill_role_after_steps
-
 TWO_REPLICAS = ["--generator.replicas", "2", "--generator.num_threads", "1", "--generator.cpus", "0;1"]
 
 
@@ -93,16 +91,3 @@ def test_a_dead_trainer_out_of_restarts_ends_the_run_with_one_line_and_keeps_wha
     time.sleep(1)
     assert not [p for p in actors if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
-
-def test_a_killed_reference_is_restarted_and_the_kl_penalty_goes_on(tmp_path):
-    """The reference holds no state: a fresh one of the initial policy takes the dead one's place, and the
-    step it failed in is trained again."""
-    run = train(tmp_path, "--controller.steps", "4", "--trainer.loss.kl_coef", "0.05")
-    stderr, dead = kill_role_after_steps(run, tmp_path, "reference", 2)
-    assert run.returncode == 0, stderr[-3000:]
-    assert "the reference failed (" in stderr and "Killed(sig=9)" in stderr and "the reference is back" in stderr
-    assert json.loads((tmp_path / "processes.json").read_text())["reference"] != dead
-    rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["policy_version"] for r in rows] == [1, 2, 3, 4]
-    assert rows[-1]["reference_restarts"] == 1 and rows[-1]["trainer_restarts"] == 0
-    assert all("kl" in r for r in rows)
