@@ -76,13 +76,19 @@ def test_a_round_short_of_micro_batches_gets_an_idle_copy_that_trains_nothing():
     run(go())
 
 
+async def one_trained_one_waiting():
+    """A replay buffer (2 prompts a batch, half fresh) whose batch 0 (group 0) is trained and group 1 added."""
+    buf = buffer(ReplayBuffer, prompts=2, age=2, fresh_fraction=0.5)
+    await buf.add.call_one(0, episodes(0, 0, (1.0, 0.0)))
+    await buf.sample.call_one(0, [0])
+    await buf.trained.call_one(0)
+    await buf.add.call_one(1, episodes(1, 1, (1.0, 0.0)))
+    return buf
+
+
 def test_a_logged_batch_is_handed_out_again_exactly_until_a_checkpoint_holds_its_step():
     async def go():
-        buf = buffer(ReplayBuffer, prompts=2, age=2, fresh_fraction=0.5)
-        await buf.add.call_one(0, episodes(0, 0, (1.0, 0.0)))
-        await buf.sample.call_one(0, [0])
-        await buf.trained.call_one(0)
-        await buf.add.call_one(1, episodes(1, 1, (1.0, 0.0)))
+        buf = await one_trained_one_waiting()
         first = await buf.sample.call_one(1, [1])
         micro = [await buf.micro_batch.call_one(BatchRef(1, 0, m)) for m in range(first["micro_batches"][0])]
         await buf.attach.call_one(BatchRef(1, 0, 0, into="old_logprobs"), torch.zeros(2, 2))
@@ -125,11 +131,7 @@ def test_replay_fills_a_batch_with_old_groups_by_reward_spread_within_the_bound_
 
 def test_the_state_a_checkpoint_holds_brings_back_the_same_groups_and_use_counts(tmp_path):
     async def go():
-        buf = buffer(ReplayBuffer, prompts=2, age=2, fresh_fraction=0.5)
-        await buf.add.call_one(0, episodes(0, 0, (1.0, 0.0)))
-        await buf.sample.call_one(0, [0])
-        await buf.trained.call_one(0)
-        await buf.add.call_one(1, episodes(1, 1, (1.0, 0.0)))
+        buf = await one_trained_one_waiting()
         await buf.save_state.call_one(str(tmp_path / "replay_buffer"))
         restored = buffer(ReplayBuffer, prompts=2, age=2, fresh_fraction=0.5)
         assert await restored.load_state.call_one(str(tmp_path / "replay_buffer")) == 2
