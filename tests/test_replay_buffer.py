@@ -100,6 +100,9 @@ def test_a_logged_batch_is_handed_out_again_exactly_until_a_checkpoint_holds_its
             after = await buf.micro_batch.call_one(BatchRef(1, 0, m))
             for name in ("input_ids", "target_ids", "loss_mask", "behaviour_logprobs", "advantages"):
                 assert torch.equal(getattr(before, name), getattr(after, name)), name
+        uses = {g: stored.uses for g, stored in buf.actors[0].groups.items()}
+        await buf.trained.call_one(1)  # trained again by a restarted trainer: no new use is counted
+        assert {g: stored.uses for g, stored in buf.actors[0].groups.items()} == uses
         await buf.checkpointed.call_one(2)  # steps 1 and 2 (batches 0 and 1) are in a checkpoint
         assert await buf.logged.call_one() == []
     run(go())
