@@ -1,5 +1,5 @@
 import sys
 
-from meshrl.cli import main
+from meshrl.tools.cli import main
 
 sys.exit(main())

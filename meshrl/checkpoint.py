@@ -38,7 +38,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from meshrl.actors import first, in_rank_order
-from meshrl.timeouts import deadline
+from meshrl.actors.timeouts import deadline
 
 DIR = "checkpoints"
 _STEP = re.compile(r"^step-(\d+)$")

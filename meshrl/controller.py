@@ -1,4 +1,4 @@
-"""The controller's two loops, over actors that are already running (meshrl/run.py starts them).
+"""The controller's two loops, over actors that are already running (meshrl/runtime/run.py starts them).
 
 The rollout loop keeps groups in flight across the generator replicas: it starts every group the
 work buffer's staleness gate lets start (meshrl/work_buffer.py), and wakes whenever a group ends or
@@ -33,11 +33,10 @@ from meshrl.actors.replay_buffer import fresh_groups, generation_ahead
 from meshrl.checkpoint import Checkpointer, RunState, latest
 from meshrl.configs import Config
 from meshrl.episodes import batch_builder, keep_group
-from meshrl.launch import StopSignals, Stopped
-from meshrl.metric_rows import MetricRows, step_row
-from meshrl.replicas import ReplicaPool, RoleFailed
+from meshrl.actors.timeouts import StopSignals, Stopped
+from meshrl.actors.replicas import ReplicaPool, RoleFailed
 from meshrl.rollout import RolloutCollector
-from meshrl.timeouts import Timeouts, bounded, deadline
+from meshrl.actors.timeouts import Timeouts, bounded, deadline
 from meshrl.train_step import train_updates
 from meshrl.restarts import FAULTS, Respawner, Restarts
 from meshrl.types import BatchRef, GroupEpisodes
@@ -59,11 +58,12 @@ class Controller:
     """The loops over one run's actors, the work buffer between them, and the checkpoints they take."""
 
     def __init__(self, config: Config, task, tokenizer, generators: ReplicaPool, graders: ReplicaPool, trainer,
-                 reference, buffer, tracer, signals: StopSignals, checkpointer: Checkpointer, rows: MetricRows,
+                 reference, buffer, tracer, signals: StopSignals, checkpointer: Checkpointer, rows,
                  timeouts: Timeouts = Timeouts(), respawner: Respawner | None = None):
         """`trainer`, `reference` (or None) and `buffer`: actor meshes following roles.Trainer,
         roles.Reference and roles.ReplayBuffer (the trainer's and reference's ranks attached to it);
-        `respawner`: how a dead trainer or reference is replaced (None: its death ends the run)."""
+        `respawner`: how a dead trainer or reference is replaced (None: its death ends the run); `rows`:
+        where each step's row goes (meshrl/runtime/metric_rows.py)."""
         self.config, self.task, self.tokenizer, self.tracer, self.timeouts = config, task, tokenizer, tracer, timeouts
         self.trainer, self.reference, self.buffer, self.signals = trainer, reference, buffer, signals
         self.generators, self.graders, self.checkpointer, self.rows = generators, graders, checkpointer, rows
@@ -77,6 +77,7 @@ class Controller:
         self.collector = RolloutCollector(config, task, tokenizer, generators, graders, tracer, self.work, timeouts)
         self.trainer_version = 0  # the newest version the trainer published
         self.publishing: asyncio.Future | None = None  # the newest publish, maybe still copying
+        self.training: dict | None = None  # while a step trains: {"updates": its updates applied so far}
         self.initial: dict = {}  # the eval before training
         self.trainer_busy = 0.0  # seconds the trainer has spent working
         self.updates = {"weight_swaps_in_flight": 0, "prefix_cache_resets_refused": 0}  # the generators', so far
@@ -259,13 +260,16 @@ class Controller:
         async with self.tracer.span("replay_buffer", "sample", batch.index, timeout=self.timeouts.buffer):
             plan = await self.buffer.sample.call_one(batch.index, batch.groups)
         updates = [[BatchRef(batch.index, u, m) for m in range(count)] for u, count in enumerate(plan.pop("micro_batches"))]
+        self.training = {"updates": 0}  # while the step trains: how many of its updates are applied
         try:
             train = plan | await train_updates(self.trainer, self.reference, updates, self.config.trainer,
-                                               self.tracer.span, batch.index, self.config.reference.ranks, self.timeouts)
+                                               self.tracer.span, batch.index, self.config.reference.ranks, self.timeouts,
+                                               self.training)
         except ActorError:  # the ranks take their micro-batches from the buffer: its death fails their calls
             async with deadline(self.timeouts.buffer, "replay_buffer", "logged"):
                 await self.buffer.logged.call_one()  # raises the buffer's own failure: restarted by _train
             raise
+        self.training = None
         t2 = time.perf_counter()
         await self._published()  # the last step's: done, since this step's optimizer update waited for it
         version = self.trainer_version + 1
@@ -281,8 +285,9 @@ class Controller:
                     "replay_buffer_restarts": self.restarts.count["replay_buffer"],
                     "restart_seconds": self.restarts.seconds_lost,
                     **self.updates, "batches_ready": len(self.work.ready) - 1}
-        row = step_row(step, version, batch, train,
-                       {"wait": t1 - start, "train": t2 - t1, "publish": t3 - t2, "pull": pull}, counters)
+        # what the batch held, the replicas' counters, what training did (the plan's staleness among it)
+        row = {"step": step, "policy_version": version, **batch.stats, **counters, **train,
+               "train_time_s": t2 - t1, "weight_sync_s": t3 - t2 + pull, "wait_time_s": t1 - start}
         row["generator_idle"] = max(0.0, 1 - engines_busy / self.config.generator.replicas
                                     / (time.perf_counter() - start))
         return row

@@ -2,7 +2,7 @@
 
 A trainer rank's process that dies, or a trainer call that does not answer within `trainer.timeout_s`,
 takes the whole trainer mesh with it (a sharded model needs all its ranks). The run starts a new mesh
-on the same hosts (`respawn`, meshrl/run.py), restores the newest checkpoint into it (before the first
+on the same hosts (`respawn`, meshrl/runtime/run.py), restores the newest checkpoint into it (before the first
 checkpoint: the initial policy, seeded as the first trainer was), then trains again, in order, the
 batches the replay buffer logged since that checkpoint: the same micro-batches, the same optimizer
 updates, each version published again into the new trainer's weight ring. The trainer then holds the
@@ -19,7 +19,7 @@ gone (fewer are reused), and so is its log of the batches trained since the newe
 checkpoint is written at once, before a trainer restart could need that log.
 
 `trainer.max_restarts`, `reference.max_restarts` and `replay_buffer.max_restarts` bound the restarts that follow each other within
-`controller.restart_window_s` of the last (meshrl/replicas.py's RestartBudget): a process that keeps
+`controller.restart_window_s` of the last (meshrl/actors/replicas.py's RestartBudget): a process that keeps
 dying is a crash loop.
 """
 
@@ -34,8 +34,8 @@ from monarch.actor import ActorError
 
 from meshrl.actors import first
 from meshrl.checkpoint import checkpoints
-from meshrl.replicas import RestartBudget, RoleFailed, error_line
-from meshrl.timeouts import CallTimeout, deadline
+from meshrl.actors.replicas import RestartBudget, RoleFailed, error_line
+from meshrl.actors.timeouts import CallTimeout, deadline
 from meshrl.train_step import train_updates
 from meshrl.types import BatchRef
 
@@ -159,6 +159,11 @@ class Restarts:
         if self.trainer_behind:
             raise RoleFailed(f"the replay buffer failed ({cause}) while the trainer was being brought back from the "
                              "batches it logged, which died with it; go on from the newest checkpoint with --resume")
+        training, controller.training = controller.training, None
+        if training and training["updates"]:  # its batch is lost with the buffer: those updates cannot be redone
+            raise RoleFailed(f"the replay buffer failed ({cause}) after {training['updates']} of step "
+                             f"{controller.rows.done + 1}'s updates were applied, which cannot be undone; go on from "
+                             "the newest checkpoint with --resume")
         buffer = await self.respawner.respawn("replay_buffer")
         # nothing awaited between the swap and the loss: every group kept so far is generated again, each
         # kept from now on goes to the new buffer
@@ -173,6 +178,8 @@ class Restarts:
         for mesh in (controller.trainer, controller.reference):
             if mesh is not None:
                 await mesh.attach_buffer.call(buffer)
+        if training is not None:  # the failed step's micro-batches trained so far: it is trained again whole
+            await controller.trainer.drop_gradients.call()
         if controller.rollouts is not None and controller.rollouts.done():  # it ended with every batch complete
             controller.rollouts.result()
             controller.rollouts = asyncio.create_task(controller._rollout_loop())
@@ -193,7 +200,7 @@ class Restarts:
             controller.publishing.cancel()
             controller.publishing.add_done_callback(lambda f: f.cancelled() or f.exception())
             controller.publishing = None
-        self.trainer_behind = True
+        self.trainer_behind, controller.training = True, None  # restored and replayed: none of the step is left
         trainer = await self.respawner.respawn("trainer")
         controller.trainer = controller.checkpointer.trainer = trainer
         if newest is not None:

@@ -22,8 +22,8 @@ import torch
 
 from meshrl.actors import first
 from meshrl.configs import TrainerConfig
-from meshrl.timeouts import Timeouts
-from meshrl.trace import no_span
+from meshrl.actors.timeouts import Timeouts
+from meshrl.actors.trace import no_span
 from meshrl.types import BatchRef, Episode, TrainBatch
 
 
@@ -113,7 +113,7 @@ async def computed(actor, group: list, into: str) -> None:
 
 async def train_updates(trainer, reference, updates: list[list[TrainBatch | BatchRef]], config: TrainerConfig,
                         span=no_span, version: int | None = None, reference_ranks: int = 1,
-                        timeouts: Timeouts = Timeouts()) -> dict:
+                        timeouts: Timeouts = Timeouts(), applied: dict | None = None) -> dict:
     """One optimizer update per list of micro-batches (TrainBatches, or `BatchRef`s the ranks take from
     the replay buffer) on the trainer's `config.ranks` ranks (the reference, if any, on its
     `reference_ranks`); return the step's metrics.
@@ -121,7 +121,8 @@ async def train_updates(trainer, reference, updates: list[list[TrainBatch | Batc
     Ratio, clip, behaviour-weight and KL figures are means over all loss tokens of the step;
     `clip_fraction_by_update` gives each update's clipped share, `loss` and `grad_norm` the mean
     over updates. Each actor call is timed by `span` (a `Tracer.span`) with the trained `version`,
-    and bounded by `timeouts.trainer` (the reference's by `timeouts.reference`)."""
+    and bounded by `timeouts.trainer` (the reference's by `timeouts.reference`). `applied["updates"]`
+    counts the updates applied so far, for a step that fails part-way."""
     if reference:
         for group in rounds([b for batches in updates for b in batches], reference_ranks):
             async with span("reference", "reference", version, timeout=timeouts.reference):
@@ -143,6 +144,8 @@ async def train_updates(trainer, reference, updates: list[list[TrainBatch | Batc
         losses.append(update.pop("loss", 0.0))
         async with span("trainer", "optim_step", version, timeout=timeouts.trainer):
             result = await first(trainer.optim_step.call(skip=not math.isfinite(losses[-1])))
+        if applied is not None:
+            applied["updates"] += 1
         grad_norms.append(result["grad_norm"])
         skipped += result["skipped"]
         clip_by_update.append((update["clip_low"] + update["clip_high"]) / max(update["tokens"], 1))

@@ -12,7 +12,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).pare
 @pytest.fixture(scope="session")
 def tiny_checkpoint():
     """The tiny random Llama with SmolLM2's tokenizer (built once, cached)."""
-    from meshrl.model import resolve_checkpoint
+    from meshrl.models.model import resolve_checkpoint
 
     return resolve_checkpoint("tiny")
 
@@ -24,7 +24,7 @@ def saved_by_transformers(out: Path, config_class: str, model_class: str) -> Pat
     import torch
     import transformers
 
-    from meshrl.model import read_hf_config, resolve_checkpoint
+    from meshrl.models.model import read_hf_config, resolve_checkpoint
 
     smollm2 = resolve_checkpoint("smollm2")
     ids = {k: v for k, v in read_hf_config(smollm2).items() if k in ("vocab_size", "bos_token_id", "eos_token_id",

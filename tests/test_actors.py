@@ -11,7 +11,7 @@ from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.grader import Grader
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
-from meshrl.model import ChatTokenizer, resolve_checkpoint
+from meshrl.models.model import ChatTokenizer, resolve_checkpoint
 from meshrl.tasks import Sample
 from meshrl.tasks.sum_digits import SumDigitsConfig
 from meshrl.types import Completion, Prompt, Sampling, TrainBatch
@@ -99,7 +99,7 @@ def test_the_trainer_scores_sampled_tokens_as_vllm_sampled_them_at_any_temperatu
     """vLLM returns the logprobs of the distribution it sampled from (logits / temperature), and the
     trainer takes its own from logits / the episode's temperature: at 0.7 they agree as closely as at 1.
     A trainer that ignored the temperature would score the same tokens very differently."""
-    from meshrl.model import resolve_checkpoint
+    from meshrl.models.model import resolve_checkpoint
 
     smollm2 = resolve_checkpoint("smollm2")  # a real model: a random one's logits are too flat to tell
 

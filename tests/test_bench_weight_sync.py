@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from meshrl.model import load_hf_weights
+from meshrl.models.model import load_hf_weights
 from meshrl.weight_sync import WeightLayout
 
 PER_RANKS = {"ring_rdma_gbps", "ring_shm_gbps", "publish_to_loaded_s", "ring_rdma_vs_raw", "ring_shm_vs_memcpy", "generator_transport", "publish_s", "generator_read_s",

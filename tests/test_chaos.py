@@ -8,7 +8,7 @@ import subprocess
 import sys
 from collections import defaultdict
 
-from meshrl.chaos import chaos, role_of
+from meshrl.tools.chaos import chaos, role_of
 
 STEPS = 100
 

@@ -48,7 +48,7 @@ def test_bad_overrides_are_clear_errors(overrides, message):
     (["--controller.restart_window_s", "-5"], "replay_buffer.max_restarts and controller.restart_window_s must be at least 0"),
 ])
 def test_values_that_cannot_work_together_are_refused_before_anything_starts(overrides, message):
-    from meshrl.launch import check_config
+    from meshrl.runtime.launch import check_config
 
     with pytest.raises(ValueError, match=re.escape(message)):
         check_config(load_config("smoke", overrides))
@@ -104,7 +104,7 @@ def run_cli(*args):
     (["train", "--config", "smoke", "--trainer.loss.tis_level", "batch"], "unknown trainer.loss.tis_level 'batch'"),
 ])
 def test_cli_bad_input_is_one_error_line_and_nonzero_exit(args, message, tmp_path, capsys):
-    from meshrl.cli import main
+    from meshrl.tools.cli import main
 
     code = main([*args, "--run-dir", str(tmp_path / "run")])  # in this process: main() is the whole command
     stderr = capsys.readouterr().err

@@ -1,5 +1,5 @@
 """The controller's loops, collector, work buffer, replica pools and checkpoints, driven by fake actors
-that follow the role contracts (tests/fakes.py): the staleness gate, batch counting, failures by kind,
+that follow the role contracts (meshrl/tools/simulation.py): the staleness gate, batch counting, failures by kind,
 and a stop at every await point of the loops followed by a resume. Milliseconds per run."""
 
 import asyncio
@@ -9,18 +9,15 @@ from collections import Counter
 
 import pytest
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
-from meshrl.fakes import Costs, FakeTrainer, Script, fake_config, read_jsonl, run_fake
-
+from assertions import assert_each_group_trained_once, assert_staleness_bound, read_jsonl
 from meshrl import checkpoint
+from meshrl.tools.simulation import Costs, FakeTrainer, Script, fake_config, run_fake
+from meshrl.actors.replicas import RoleFailed
 from meshrl.work_buffer import TooManyFailures, WorkBuffer
 
 
 def run(config, run_dir, script=None, **kw):
     return asyncio.run(run_fake(config, run_dir, script, **kw))
-
-
-def trained_prompts(trainer: FakeTrainer) -> list[int]:
-    return [p for update in trainer.trained for p in set(update)]
 
 
 @pytest.mark.parametrize("age", [0, 1, 2])
@@ -29,10 +26,9 @@ def test_episodes_are_never_older_than_max_policy_age_and_async_runs_ahead(tmp_p
     script = Script(yields={"forward_backward": 20, "generate": 2})
     done = run(fake_config(steps=6, prompts=3, max_policy_age=age), tmp_path, script)
     assert [r["step"] for r in done.rows] == list(range(1, 7))
-    records = read_jsonl(tmp_path / "rollouts.jsonl")
-    assert max(r["staleness"] for r in records) == age  # reaches the bound (async overlaps), never passes it
-    assert max(r["staleness_max"] for r in done.rows) == age
-    assert sorted(trained_prompts(done.trainer)) == list(range(18))  # every prompt once, none skipped
+    # reaches the bound (async overlaps), never passes it
+    assert_staleness_bound(done.rows, read_jsonl(tmp_path / "rollouts.jsonl"), age, reached=age > 0)
+    assert_each_group_trained_once(done.trainer.trained, range(18), 2)  # every prompt once, none skipped
 
 
 @pytest.mark.parametrize("age", [0, 1])
@@ -49,7 +45,7 @@ def test_a_publish_overlaps_the_next_steps_training_when_the_bound_allows(tmp_pa
     # async: the next step trains on the actor while the publish copies; sync: its batch needs the new version first
     assert bool(overlapping) == (age > 0)
     assert [r["policy_version"] for r in done.rows] == [1, 2, 3, 4] and done.controller.trainer_version == 4
-    assert max(r["staleness_max"] for r in done.rows) <= age
+    assert_staleness_bound(done.rows, read_jsonl(tmp_path / "rollouts.jsonl"), age)
     assert all(r["weight_sync_s"] < 0.05 for r in done.rows[:-1])  # the loop did not wait for the copies
 
 
@@ -123,15 +119,16 @@ def test_equal_reward_groups_are_counted_and_with_dynamic_sampling_replaced_by_n
     config = fake_config(steps=3, prompts=2, drop_equal_reward_groups=drop, max_sample_rounds=4)
     done = run(config, tmp_path, Script(equal={1, 2, 5}))
     assert sum(r["equal_reward_groups"] for r in done.rows) == 3
-    trained = sorted(trained_prompts(done.trainer))
     if drop:  # not trained; other prompts fill their places, every batch full
-        assert trained == [0, 3, 4, 6, 7, 8] and all(r["episodes"] == 4 for r in done.rows)
+        assert_each_group_trained_once(done.trainer.trained, [0, 3, 4, 6, 7, 8], 2)
+        assert all(r["episodes"] == 4 for r in done.rows)
         assert [r["groups_dropped"] for r in done.rows] == [r["equal_reward_groups"] for r in done.rows]
         # generated, not trained: 2 completions of 3 tokens a dropped group
         assert [r["tokens_discarded"] for r in done.rows] == [6 * r["groups_dropped"] for r in done.rows]
         assert sum(r["tokens_discarded_dropped"] for r in done.rows) == 18
     else:  # trained with zero advantage
-        assert trained == list(range(6)) and all(r["groups_dropped"] == 0 for r in done.rows)
+        assert_each_group_trained_once(done.trainer.trained, range(6), 2)
+        assert all(r["groups_dropped"] == 0 for r in done.rows)
         assert all(r["tokens_discarded"] == 0 for r in done.rows)
 
 
@@ -141,7 +138,8 @@ def test_a_group_that_finishes_late_is_trained_in_its_own_batch_not_generated_ag
     # generated again; in the slot it was admitted into it trains with batch 1, one version old
     done = run(fake_config(steps=5, prompts=2, max_policy_age=1), tmp_path, Script(late={2: 1}))
     assert all(r["groups_stale"] == 0 and r["tokens_discarded"] == 0 for r in done.rows)
-    assert sorted(set(done.trainer.trained[1])) == [2, 3] and sorted(trained_prompts(done.trainer)) == list(range(10))
+    assert done.trainer.trained[1] == [2, 2, 3, 3]
+    assert_each_group_trained_once(done.trainer.trained, range(10), 2)
     records = read_jsonl(tmp_path / "rollouts.jsonl")
     assert [(r["step"], r["staleness"]) for r in records if r["prompt_index"] == 2] == [(2, 1), (2, 1)]
 
@@ -171,8 +169,7 @@ def test_a_group_whose_call_raises_fails_alone_and_the_run_goes_on(tmp_path, cap
     assert [r["step"] for r in done.rows] == [1, 2, 3, 4]
     assert sum(r["groups_failed"] for r in done.rows) == 1
     assert done.rows[-1]["generator_restarts"] == 0 and done.spawned == [0, 1]  # no replica replaced
-    assert 4 not in trained_prompts(done.trainer) and sorted(trained_prompts(done.trainer)) == [
-        p for p in range(13) if p != 4]
+    assert_each_group_trained_once(done.trainer.trained, [p for p in range(13) if p != 4], 2)
     assert "the group of prompt 4 failed and is not trained" in caplog.text and "longer than" in caplog.text
 
 
@@ -185,7 +182,7 @@ def test_a_dead_replica_is_replaced_and_its_group_redone_elsewhere(tmp_path):
     done = run(fake_config(steps=4, prompts=3, max_policy_age=1), tmp_path, Script(die_at={"generate": 5}))
     assert done.rows[-1]["generator_restarts"] == 1 and done.rows[-1]["generator_calls_retried"] >= 1
     assert len(done.spawned) == 3  # two, and one replacement
-    assert sorted(trained_prompts(done.trainer)) == list(range(12))  # none lost, none twice
+    assert_each_group_trained_once(done.trainer.trained, range(12), 2)  # none lost, none twice
     assert all(r["groups_failed"] == 0 for r in done.rows)
 
 
@@ -195,7 +192,7 @@ def test_a_call_that_hangs_is_timed_out_and_its_replica_replaced(tmp_path, endpo
     done = run(fake_config(steps=3, prompts=2), tmp_path, Script(hang_at={endpoint: 3}), call_timeout=0.2)
     assert done.rows[-1][f"{role}_restarts"] == 1
     assert (done.spawned if role == "generator" else done.graders) == ([0, 1, 0] if role == "generator" else [0, 0])
-    assert sorted(trained_prompts(done.trainer)) == list(range(6))
+    assert_each_group_trained_once(done.trainer.trained, range(6), 2)
 
 
 def full_run_calls(config, tmp_path) -> list[str]:
@@ -220,14 +217,11 @@ def test_a_stop_at_every_await_point_then_a_resume_trains_every_prompt_exactly_o
         assert steps == [1, 2, 3, 4], (k, steps)  # every step logged once
         # every prompt trained once across the two halves, and none lost: the rest are still to do
         halves = first.trainer.trained[:len(first.rows)] + second.trainer.trained
-        trained = Counter(p for update in halves for p in set(update))
-        assert set(trained.values()) == {1}, (k, trained)
-        left = second.controller.work.snapshot()
-        assert set(trained) | set(left["redo"]) == set(range(left["next_prompt"])), k
-        assert not set(trained) & set(left["redo"]), k
+        left = second.controller.work.snapshot()  # the prompts started and not trained: still to do
+        assert_each_group_trained_once(halves, set(range(left["next_prompt"])) - set(left["redo"]), 2)
         records = read_jsonl(run_dir / "rollouts.jsonl")
-        assert sorted({r["prompt_index"] for r in records}) == sorted(trained), k
-        assert max(r["staleness"] for r in records) <= age
+        assert sorted({r["prompt_index"] for r in records}) == sorted({p for u in halves for p in u}), k
+        assert_staleness_bound(read_jsonl(run_dir / "metrics.jsonl"), records, age)
         if age == 0:  # synchronous: each step trains the prompts it would have trained uninterrupted
             assert [sorted(set(u)) for u in halves] == uninterrupted, k
 
@@ -249,7 +243,8 @@ def test_replay_stopped_at_every_await_point_and_resumed_trains_no_group_more_th
         halves = first.trainer.trained[:len(first.rows)] + second.trainer.trained
         uses = Counter(p for update in halves for p in set(update))
         assert max(uses.values()) <= 2, (k, uses)  # once fresh, once again at most
-        assert sum(r["episodes_reused"] for r in rows) > 0 and all(r["staleness_max"] <= 1 for r in rows)
+        assert sum(r["episodes_reused"] for r in rows) > 0
+        assert_staleness_bound(rows, read_jsonl(run_dir / "rollouts.jsonl"), 1, fifo=False)
 
 
 def test_a_stop_whose_checkpoint_hangs_goes_on_without_it_after_stop_timeout(tmp_path, caplog):
@@ -289,7 +284,7 @@ def test_the_fake_trainer_answers_with_the_real_loss_metrics():
     import torch
 
     from meshrl.configs import LossConfig
-    from meshrl.fakes import FakeWeights
+    from meshrl.tools.simulation import FakeWeights
     from meshrl.losses import policy_loss
     from meshrl.types import Episode, TrainBatch
 
@@ -313,9 +308,18 @@ def test_a_replay_buffer_that_dies_is_restarted_empty_and_its_groups_are_generat
         assert [r["step"] for r in done.rows] == [1, 2, 3, 4, 5], k
         assert [r["policy_version"] for r in done.rows] == [1, 2, 3, 4, 5], k
         assert done.rows[-1]["replay_buffer_restarts"] == 1 and done.rows[-1]["trainer_restarts"] == 0, k
-        assert sorted(trained_prompts(done.trainer)) == list(range(10)), k  # each once, none lost
-        assert max(r["staleness_max"] for r in done.rows) <= age, k
+        assert_each_group_trained_once(done.trainer.trained, range(10), 2)  # each once, none lost
+        assert_staleness_bound(done.rows, read_jsonl(run_dir / "rollouts.jsonl"), age)
         restarted_at = [s["policy_version"] for s in read_jsonl(run_dir / "trace.jsonl") if s["what"] == "restart"]
         assert len(restarted_at) == 1, k
         steps_saved = [p.name for p in (run_dir / "checkpoints").iterdir()]
         assert (f"step-{restarted_at[0]}" in steps_saved) == (restarted_at[0] > 0), (k, steps_saved)
+
+
+def test_a_replay_buffer_that_dies_after_part_of_a_step_was_applied_ends_the_run_with_one_line(tmp_path):
+    """Two updates a step: the buffer dies while the second fetches its micro-batch. The first update is
+    applied and its batch died with the buffer, so the step cannot be trained again exactly."""
+    config = fake_config(steps=3, prompts=2)
+    config.trainer.mini_batches, config.trainer.micro_batch_size = 2, 2
+    with pytest.raises(RoleFailed, match=r"after 1 of step 1's updates were applied, which cannot be undone.*--resume"):
+        run(config, tmp_path, Script(die_at={"micro_batch": 3}))  # 1: pi_old of update 2; 2: update 1

@@ -15,7 +15,7 @@ from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import GeneratorConfig, LossConfig, TrainerConfig, WeightSyncConfig
 from meshrl.episodes import build_episodes
 from meshrl.losses import LOSSES
-from meshrl.model import ChatTokenizer
+from meshrl.models.model import ChatTokenizer
 from meshrl.train_step import train_step
 from meshrl.types import Prompt, Sampling, ScoredCompletion
 

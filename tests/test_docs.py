@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrl.cli import main
+from meshrl.tools.cli import main
 from meshrl.configs import load_config
 
 ROOT = Path(__file__).resolve().parent.parent

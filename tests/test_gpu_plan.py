@@ -8,8 +8,8 @@ import torch
 
 from meshrl.actors.distributed import join
 from meshrl.configs import load_config
-from meshrl.gpu_plan import plan_gpus
-from meshrl.jobs import plan
+from meshrl.runtime.gpu_plan import plan_gpus
+from meshrl.runtime.jobs import plan
 
 
 def gpus(gpus_per_host: int, **overrides):

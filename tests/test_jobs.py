@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from meshrl.configs import load_config
-from meshrl.jobs import RolePlacement, host_groups, plan
+from meshrl.runtime.jobs import RolePlacement, host_groups, plan
 from meshrl.weight_sync.ring import host_id, same_host
 from netns_hosts import usable
 

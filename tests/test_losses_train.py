@@ -9,7 +9,7 @@ from meshrl.actors import spawn
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import LossConfig, TrainerConfig, WeightSyncConfig
 from meshrl.losses import LOSSES
-from meshrl.model import ChatTokenizer
+from meshrl.models.model import ChatTokenizer
 from meshrl.types import Episode, TrainBatch
 
 

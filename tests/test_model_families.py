@@ -1,4 +1,4 @@
-"""Model families (meshrl/families.py): the torchtitan model a checkpoint's config.json picks, checked
+"""Model families (meshrl/models/families.py): the torchtitan model a checkpoint's config.json picks, checked
 against Hugging Face transformers' own model of the same weights, in process and in milliseconds to
 seconds. What vLLM makes of the same weights is in test_actors.py."""
 
@@ -8,8 +8,9 @@ import shutil
 import pytest
 import torch
 
-from meshrl.families import FAMILIES, family_of, tiny_sources
-from meshrl.model import ModelError, load_hf_weights, load_policy, published_weights, read_hf_config, resolve_checkpoint
+from meshrl.models.families import FAMILIES, family_of, tiny_sources
+from meshrl.models.model import ModelError, load_hf_weights, load_policy, read_hf_config, resolve_checkpoint
+from meshrl.weight_sync import published_weights
 
 # max |logit difference| against transformers in fp32, measured on these tiny models (2026-11-23): Llama
 # 1.2e-6, Qwen3 0, Qwen3-MoE 1.2e-3 (the router's top-k and the grouped expert matmuls sum in another order)
@@ -63,7 +64,7 @@ def test_a_llama_checkpoint_saved_by_transformers_loads_by_its_path(llama_checkp
 def test_a_qwen2_checkpoint_trains_through_the_transformers_backend(qwen2_checkpoint):
     """No native family: torchtitan's transformers backend, corrected to compute what transformers does
     (biased q/k/v projections, tied head, positions of the batch's own length)."""
-    from meshrl.families import TRANSFORMERS
+    from meshrl.models.families import TRANSFORMERS
 
     assert family_of(read_hf_config(qwen2_checkpoint)) is TRANSFORMERS
     for length in (12, 17):
@@ -126,7 +127,7 @@ def test_only_the_registry_knows_the_families():
 
 def test_a_chat_template_kept_in_tokenizer_config_is_used_as_the_file_would_be(tmp_path):
     """Published checkpoints (Qwen3's among them) keep the template in tokenizer_config.json."""
-    from meshrl.model import ChatTokenizer
+    from meshrl.models.model import ChatTokenizer
 
     tiny = resolve_checkpoint("tiny")
     shutil.copytree(tiny, tmp_path / "ckpt", ignore=shutil.ignore_patterns("chat_template.jinja"))

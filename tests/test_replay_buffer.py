@@ -1,5 +1,5 @@
 """The replay buffer's rules, on the real actor classes run in this process behind the fakes' Monarch
-handles (meshrl/fake_monarch.py): what each batch trains (fifo, replay), the staleness bound, the log of
+handles (meshrl/tools/fake_monarch.py): what each batch trains (fifo, replay), the staleness bound, the log of
 batches handed out since the last checkpoint, and its state across a checkpoint."""
 
 import asyncio
@@ -9,8 +9,8 @@ import torch
 
 from meshrl.actors.replay_buffer import FifoBuffer, ReplayBuffer
 from meshrl.configs import ReplayBufferConfig, TrainerConfig
-from meshrl.fake_monarch import FakeMesh
-from meshrl.fakes import Script, fake_config, run_fake
+from meshrl.tools.fake_monarch import FakeMesh
+from meshrl.tools.simulation import Script, fake_config, run_fake
 from meshrl.types import BatchRef, Completion, GroupEpisodes
 
 TRAINER = TrainerConfig(micro_batch_size=2)

@@ -10,7 +10,7 @@ import pytest
 from monarch.actor import Actor, endpoint
 
 from meshrl.actors.roles import ReplicaBroken
-from meshrl.replicas import CallFailed, ReplicaPool, RestartBudget, RoleFailed, monarch_replicas
+from meshrl.actors.replicas import CallFailed, ReplicaPool, RestartBudget, RoleFailed, monarch_replicas
 
 
 class Echo(Actor):

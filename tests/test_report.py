@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from meshrl.report import report, summarize
+from meshrl.tools.report import report, summarize
 
 
 def write_fake_run(run_dir, rewards, tokens_trained, step_time, staleness_max=0, summary=None, trace=True):

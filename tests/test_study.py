@@ -8,10 +8,10 @@ import statistics
 import pytest
 import torch
 
-from meshrl.cli import main
-from meshrl.study import Study, StudyFailed, StudyRun, finished, run_study, write_report
-from meshrl.studies import mean_spread, time_to_reach
-from meshrl.studies.weight_sync_equivalence import publish_to_served, same_samples
+from meshrl.tools.cli import main
+from meshrl.tools.study import Study, StudyFailed, StudyRun, finished, run_study, write_report
+from meshrl.tools.studies import mean_spread, time_to_reach
+from meshrl.tools.studies.weight_sync_equivalence import publish_to_served, same_samples
 from meshrl.tasks.zorplex import Zorplex, ZorplexConfig
 from meshrl.weight_sync.disk import DiskHandle, DiskReader, read_version, versions, write_version
 from meshrl.weight_sync.verify import bitwise_differences
@@ -89,7 +89,7 @@ def test_a_report_only_from_the_runs_finished_so_far_names_the_others_and_needs_
 
 
 def test_the_sync_vs_async_report_from_one_finished_run_shows_its_arm_alone(tmp_path):
-    from meshrl.studies import STUDIES
+    from meshrl.tools.studies import STUDIES
 
     run_dir = tmp_path / "async_age1_seed0"
     run_dir.mkdir()
@@ -114,7 +114,7 @@ def test_the_sync_vs_async_report_from_one_finished_run_shows_its_arm_alone(tmp_
 
 
 def test_the_replay_report_counts_tokens_per_point_of_accuracy_and_the_share_reused(tmp_path):
-    from meshrl.studies import STUDIES
+    from meshrl.tools.studies import STUDIES
 
     study = STUDIES["replay"]
     for name, reused, final in (("fifo_seed0", 0, 0.25), ("replay_reuse2_ahead0_seed0", 16, 0.5)):
@@ -137,7 +137,7 @@ def test_the_replay_report_counts_tokens_per_point_of_accuracy_and_the_share_reu
 
 def test_seeded_requests_are_refused_for_multi_turn_tasks():
     from meshrl.configs import load_config
-    from meshrl.launch import actor_classes
+    from meshrl.runtime.launch import actor_classes
 
     with pytest.raises(ValueError, match="generator.request_seeds is for single-turn tasks"):
         actor_classes(load_config("zorplex_smollm2", ["--generator.request_seeds", "true"]))
@@ -259,7 +259,7 @@ def test_the_zorplex_curriculum_moves_from_level_1_to_the_configured_level_by_pr
 
 def test_disk_and_verify_are_checked_before_anything_starts():
     from meshrl.configs import load_config
-    from meshrl.launch import check_config
+    from meshrl.runtime.launch import check_config
 
     for overrides, message in ((["--weight_sync.transport", "nfs"], "unknown weight_sync.transport 'nfs'"),
                                (["--weight_sync.transport", "disk", "--weight_sync.verify", "true"],
@@ -271,7 +271,7 @@ def test_disk_and_verify_are_checked_before_anything_starts():
 
 def test_level2_steps_reads_only_the_runs_level_2_prompts_by_its_own_config(tmp_path):
     from meshrl.configs import load_config, to_dict
-    from meshrl.studies.difficulty import level2_steps
+    from meshrl.tools.studies.difficulty import level2_steps
 
     config = load_config("zorplex_smollm2", ["--zorplex.level", "2", "--zorplex.curriculum", "2-3"])
     (tmp_path / "config.json").write_text(json.dumps(to_dict(config)))

@@ -52,7 +52,7 @@ def test_bench_runs_sync_and_both_async_arms_with_bounded_staleness(tmp_path):
 
     # the timeline: every role's calls, one at a time per actor except the generator's groups (batched
     # together by vLLM); async overlaps generation with training, sync never does
-    from meshrl.trace import lane, read_spans
+    from meshrl.actors.trace import lane, read_spans
 
     def overlap(a, b):
         return a["start"] < b["end"] and b["start"] < a["end"]

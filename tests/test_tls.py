@@ -9,7 +9,7 @@ import sys
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from meshrl.certs import make_certs, tls_environment
+from meshrl.runtime.certs import make_certs, tls_environment
 
 
 def test_certs_are_signed_by_their_ca_for_the_hosts_named_and_readable_by_their_owner_only(tmp_path):

@@ -9,7 +9,7 @@ import sys
 import pytest
 from actor_helpers import vllm_generates
 
-from meshrl.model import cache_dir, load_hf_weights
+from meshrl.models.model import cache_dir, load_hf_weights
 from meshrl.weight_sync.disk import versions
 
 KEYS = {"step", "policy_version", "reward_mean", "reward_std", "accuracy", "format", "last_number", "loss",
@@ -50,7 +50,7 @@ def test_smoke_run_writes_metrics_plot_and_a_final_policy_vllm_loads(tmp_path, t
     # TensorBoard reads back what metrics.jsonl says, key for key, step for step (lists as key/i)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from meshrl.loggers import scalars
+    from meshrl.runtime.loggers import scalars
 
     events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     events.Reload()
@@ -137,7 +137,7 @@ def trained_and_served(run_dir, source: str) -> None:
     """A family's end-to-end checks on a finished 2-step run: trained, the trainer scoring vLLM's samples
     as vLLM did (the step's logprob mismatch), the final policy an HF checkpoint of the same architecture
     that vLLM serves."""
-    from meshrl.model import resolve_checkpoint
+    from meshrl.models.model import resolve_checkpoint
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in rows] == [1, 2] and all(r["tokens_trained"] > 0 for r in rows)

@@ -57,7 +57,7 @@ def test_token_budget_micro_batches_give_the_same_loss_and_gradient_as_fixed_cou
     """The real model and loss (as the trainer's forward_backward computes them), in process."""
     from meshrl.configs import LossConfig
     from meshrl.losses import on_positions, policy_loss, response_logits, token_entropy, token_logprobs
-    from meshrl.model import load_policy, resolve_checkpoint
+    from meshrl.models.model import load_policy, resolve_checkpoint
 
     model, _ = load_policy(resolve_checkpoint("tiny"))
     config = LossConfig(aggregation=aggregation)

@@ -16,7 +16,7 @@ from meshrl.actors import first, spawn_ranks
 from meshrl.actors.reference import ReferenceModel
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import LossConfig, ReferenceConfig, TrainerConfig, WeightSyncConfig
-from meshrl.model import ChatTokenizer, load_hf_weights, resolve_checkpoint
+from meshrl.models.model import ChatTokenizer, load_hf_weights, resolve_checkpoint
 from meshrl.train_step import train_step
 from meshrl.types import Episode
 

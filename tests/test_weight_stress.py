@@ -16,7 +16,7 @@ from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
-from meshrl.model import ChatTokenizer
+from meshrl.models.model import ChatTokenizer
 from meshrl.types import Prompt, Sampling
 from meshrl.weight_sync.stress import stress_ring
 

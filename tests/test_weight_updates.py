@@ -14,7 +14,7 @@ from meshrl.actors import spawn
 from meshrl.actors.reference import ReferenceModel
 from meshrl.configs import GeneratorConfig, ReferenceConfig, TrainerConfig, WeightSyncConfig
 from meshrl.episodes import build_episodes
-from meshrl.model import ChatTokenizer
+from meshrl.models.model import ChatTokenizer
 from meshrl.types import Completion, Prompt, Sampling, ScoredCompletion, TrainBatch
 
 FINAL_NORM = r"norm\.weight"  # changes the logits only: the KV cache of a prefix stays right

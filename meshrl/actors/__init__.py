@@ -5,7 +5,7 @@ import os
 import torch
 from monarch.actor import this_host
 
-from meshrl.plugins import load_object
+from meshrl.configs.plugins import load_object
 
 
 def load_actor_class(impl: str):

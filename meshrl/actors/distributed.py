@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshrl.actors import pin_cpus, placement, resolve_device
-from meshrl.families import family_of
-from meshrl.model import build_policy, load_policy, read_hf_config
+from meshrl.models.families import family_of
+from meshrl.models.model import build_policy, load_policy, read_hf_config
 from meshrl.types import BatchRef, TrainBatch
 
 
@@ -31,7 +31,7 @@ class Rank:
 
 def join(device: str, cpus: str, num_threads: int) -> Rank:
     """This process's rank: pinned to its cores (`cpus` as "0;1", one set per rank, or one set for all),
-    on its device (one for all, or one per local rank: "cuda:4;cuda:5", as meshrl/gpu_plan.py plans them;
+    on its device (one for all, or one per local rank: "cuda:4;cuda:5", as meshrl/runtime/gpu_plan.py plans them;
     `auto`: CUDA if there is a GPU, rank r of a host taking cuda:LOCAL_RANK), and in the process group
     when there are several ranks."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

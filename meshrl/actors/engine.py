@@ -20,7 +20,7 @@ def start_vllm(checkpoint: str, *, dtype: str, max_model_len: int, memory_fracti
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpus
     # vLLM's per-call CPU notices would drown the progress bar; VLLM_LOGGING_LEVEL=INFO brings them back.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    if devices:  # this replica's GPUs (meshrl/gpu_plan.py), before anything starts CUDA
+    if devices:  # this replica's GPUs (meshrl/runtime/gpu_plan.py), before anything starts CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = devices
     pin_cpus(cpus, num_threads)
     from vllm import LLM

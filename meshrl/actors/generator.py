@@ -23,7 +23,7 @@ controller replaces it. So does a call asking for a version the replica cannot l
 newer than its rings hold): a call is served from `min_version` or newer, or fails.
 
 With `generator.tensor_parallel_size` > 1 vLLM runs a worker process per GPU of the replica (its GPUs
-come from meshrl/gpu_plan.py): a version is then written once to shared memory and each worker loads
+come from meshrl/runtime/gpu_plan.py): a version is then written once to shared memory and each worker loads
 its part of it.
 """
 
@@ -45,7 +45,7 @@ from meshrl.actors.engine import start_vllm
 from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.weight_updates import WeightUpdates
 from meshrl.configs import GeneratorConfig, WeightSyncConfig
-from meshrl.model import published_weights
+from meshrl.weight_sync import published_weights
 from meshrl.types import Completion, Prompt, Sampling
 from meshrl.weight_sync.disk import DiskHandle, DiskReader
 from meshrl.weight_sync.ring import RingHandle
@@ -93,7 +93,7 @@ class VLLMGenerator(Actor):
         # what the trainer's ranks publish, together
         self.layout, self.adapter = published_weights(checkpoint, weight_sync.dtype)
         self.transport, self.pull_timeout, self.poll_s = weight_sync.transport, weight_sync.timeout_s, weight_sync.poll_s
-        # a run resolves `auto` for its replicas (meshrl.launch.weight_update); on its own a replica drains
+        # a run resolves `auto` for its replicas (meshrl.runtime.launch.weight_update); on its own a replica drains
         self.update = "drain" if config.weight_update == "auto" else config.weight_update
         if self.update not in WEIGHT_UPDATES:
             raise ValueError(f"unknown generator.weight_update {config.weight_update!r}; known: auto, "

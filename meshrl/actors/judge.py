@@ -19,7 +19,7 @@ from monarch.actor import endpoint
 from meshrl.actors.engine import start_vllm
 from meshrl.actors.grader import Grader
 from meshrl.configs import GraderConfig
-from meshrl.model import ChatTokenizer, resolve_checkpoint
+from meshrl.models.model import ChatTokenizer, resolve_checkpoint
 from meshrl.tasks import Sample
 from meshrl.types import Completion, ScoredCompletion
 

@@ -3,7 +3,7 @@
 A second implementation of a role (`--generator.impl mypkg.gen:MyGenerator`) is a Monarch `Actor`
 whose endpoints (all `async`, decorated with `@endpoint`) match its role's Protocol here; the
 controller checks the names before it spawns anything. The constructor takes the arguments that
-`meshrl.launch.spawn_actors` passes to that role.
+`meshrl.runtime.launch.spawn_actors` passes to that role.
 
 Errors are work's, not replicas': an exception a generator's or grader's endpoint raises fails that
 call's group (counted in `groups_failed`, the run goes on). A replica is replaced only when its
@@ -87,6 +87,10 @@ class Trainer(Protocol):
         """One optimizer update: {"updates", "grad_norm", "skipped"}. Not applied (the gradients dropped,
         `skipped` true) when `skip` says the loss was NaN or infinite, or the gradient norm is."""
 
+    async def drop_gradients(self) -> None:
+        """Forget the gradients accumulated since the last optim_step (a step that failed part-way is
+        trained again from its start)."""
+
     async def weight_ring(self):
         """The `RingHandle` of the ring this rank's rows are published in, which generators pull from (None
         from a rank whose rows are in another rank's ring); with weight_sync.transport disk, rank 0's
@@ -98,7 +102,7 @@ class Trainer(Protocol):
         comes meanwhile waits for the copy to end before it changes or saves the weights."""
 
     async def spans(self) -> list[dict]:
-        """What this rank did since the last call, timed on the actor (meshrl/trace.py's ActorClock):
+        """What this rank did since the last call, timed on the actor (meshrl/actors/trace.py's ActorClock):
         [{"what", "start", "end" (wall clock, `time.time()`), "policy_version"}]."""
 
     async def save(self, path: str) -> None:

@@ -13,7 +13,7 @@ A publish copies the weights into the ring in a thread of its own, and `publish_
 concurrent endpoint: Monarch runs an actor's plain endpoints one at a time, so the next step's
 `logprobs` and `forward_backward` calls (plain, they leave the weights as they are) run on the actor
 while the copy goes on. What changes or reads the weights as a whole waits for the copy: an
-optimizer update, a checkpoint, a restore. Each endpoint times itself (`spans`, meshrl/trace.py), so
+optimizer update, a checkpoint, a restore. Each endpoint times itself (`spans`, meshrl/actors/trace.py), so
 the trace shows what overlapped on the actor.
 """
 
@@ -31,8 +31,9 @@ from meshrl.checkpoint import SafeReader, load_safely
 from meshrl.configs import TrainerConfig, WeightSyncConfig
 from meshrl.losses import (autocast, check, on_positions, policy_logprobs, policy_loss, response_logits,
                            token_entropy, token_logprobs)
-from meshrl.model import published_weights, save_checkpoint
-from meshrl.trace import ActorClock
+from meshrl.models.model import save_checkpoint
+from meshrl.weight_sync import published_weights
+from meshrl.actors.trace import ActorClock
 from meshrl.types import BatchRef, TrainBatch
 from meshrl.weight_sync.disk import DiskHandle, write_version
 from meshrl.weight_sync.ring import RingHandle
@@ -117,6 +118,12 @@ class TitanTrainer(Actor):
         gradients are dropped and `skipped` is true (every rank decides alike: the norm is global)."""
         with self.clock.span("optim_step", self.policy_version):
             return await self._optim_step(skip)
+
+    @endpoint
+    async def drop_gradients(self) -> None:
+        """Forget the gradients accumulated since the last optim_step: a step that failed part-way (its
+        replay buffer died) is trained again from its start."""
+        self.optimizer.zero_grad(set_to_none=True)
 
     async def _optim_step(self, skip: bool) -> dict:
         await self._published()  # the ring's copy of the weights this update changes

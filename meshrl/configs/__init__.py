@@ -45,7 +45,7 @@ class GeneratorConfig:
     num_threads: int = 2  # torch/OpenMP threads of each replica
     cpus: str = ""  # pin to these cores ("0", "0-1", "0,2"; per replica: "0;1"); "" leaves placement to the OS
     tensor_parallel_size: int = 1  # GPUs of each replica (vLLM's tensor parallelism)
-    devices: str = ""  # each replica's CUDA_VISIBLE_DEVICES ("0,1;2,3": per replica); "": planned from tensor_parallel_size and job.gpus_per_host (meshrl/gpu_plan.py)
+    devices: str = ""  # each replica's CUDA_VISIBLE_DEVICES ("0,1;2,3": per replica); "": planned from tensor_parallel_size and job.gpus_per_host (meshrl/runtime/gpu_plan.py)
     seed: int = 0  # vLLM's engine seed (replica i uses seed + i; with request_seeds every replica uses seed)
     request_seeds: bool = False  # seed each request from `seed`, its prompt and the policy version: the same samples whatever else is batched with it (reproducible runs; single-turn tasks only: a multi-turn group's conversations would all sample alike); off by default because vLLM on the CPU fails on a seeded request whose prompt it prefills in parts (more prompt tokens waiting than one engine step takes)
     replicas: int = 1  # generator actors, each on its own proc mesh; groups go to the least loaded
@@ -208,7 +208,7 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    """Where metrics go besides metrics.jsonl (meshrl/loggers.py)."""
+    """Where metrics go besides metrics.jsonl (meshrl/runtime/loggers.py)."""
 
     tensorboard: bool = True  # event files in the run directory: tensorboard --logdir runs
     wandb: bool = False  # Weights & Biases, opt-in

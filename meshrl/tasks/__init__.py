@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from meshrl.plugins import load_object
+from meshrl.configs.plugins import load_object
 
 
 @dataclass

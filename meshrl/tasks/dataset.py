@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from meshrl.plugins import load_object
+from meshrl.configs.plugins import load_object
 from meshrl.tasks import Sample
 
 logger = logging.getLogger(__name__)

