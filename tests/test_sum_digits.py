@@ -46,9 +46,9 @@ def test_samples_are_deterministic_phrased_several_ways_and_answers_are_sums(tas
 
 def test_difficulty_is_configurable():
     task = make_task("sum_digits", SumDigitsConfig(num_terms=4, digits=2))
-    for i in range(10):
-        terms = terms_of(task.train_sample(i).prompt)
-        assert len(terms) == 4 and all(0 <= t <= 99 for t in terms)
+    terms = [terms_of(task.train_sample(i).prompt) for i in range(10)]
+    assert all(len(t) == 4 and all(0 <= x <= 99 for x in t) for t in terms)
+    assert any(x >= 10 for t in terms for x in t)  # two digits asked for: one digit would be <= 9
 
 
 def test_unknown_task_and_bad_difficulty_are_errors():

@@ -75,6 +75,8 @@ def test_no_group_is_born_stale_whatever_order_groups_finish_in(age, seed):
     work, version, sampled_from, trained = buffer(steps=8, size=2, age=age), 0, {}, []
     while not work.done():
         sampled_from |= {i: version for i in starts(work, version)}
+        # the slot budget: at most age + 1 batches' groups running, none for a batch beyond the bound
+        assert len(work.running) <= (age + 1) * 2 and all(b <= version + age for b in work.running.values())
         if (batch := work.batch(version)) is not None and rng.random() < 0.5:
             work.trained(version)
             trained.append(batch.index)
@@ -83,7 +85,6 @@ def test_no_group_is_born_stale_whatever_order_groups_finish_in(age, seed):
             index = rng.choice(sorted(work.running))
             work.finish(group(index, version=sampled_from[index]))
     assert work.totals["groups_stale"] == 0
-    assert len(work.running) <= (age + 1) * 2  # the slot budget
 
 
 def test_a_group_sampled_from_a_version_its_batch_does_not_allow_is_stale_and_starts_again_first():

@@ -11,7 +11,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from meshrl.configs.plugins import load_object
 
 
 @dataclass
@@ -80,6 +79,8 @@ def task_class(name: str) -> type:
     target = BUILT_IN.get(name, name)
     if ":" not in target:
         raise ValueError(f"unknown task {name!r}; built in: {', '.join(sorted(BUILT_IN))}, or module:Class")
+    from meshrl.configs.plugins import load_object  # here: meshrl.configs imports the tasks' configs
+
     return load_object(target, "task")
 
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from meshrl.configs.plugins import load_object
 from meshrl.tasks import Sample
 
 logger = logging.getLogger(__name__)
@@ -105,6 +104,8 @@ def reward_function(name: str):
         return REWARDS[name]
     if ":" not in name:
         raise ValueError(f"unknown dataset.reward {name!r}; built in: {', '.join(REWARDS)}, or module:function")
+    from meshrl.configs.plugins import load_object  # here: meshrl.configs imports DatasetConfig from this module
+
     user = load_object(name, "dataset.reward")
 
     def scored(text: str, answer: str) -> tuple[float, dict[str, float]]:
