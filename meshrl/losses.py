@@ -97,7 +97,8 @@ TIS_LEVELS = ("token", "sequence")
 
 def check(cfg: LossConfig) -> None:
     """Unknown names fail before any actor starts."""
-    for what, value, known in (("loss", cfg.name, LOSSES), ("loss aggregation", cfg.aggregation, AGGREGATIONS),
+    for what, value, known in (("trainer.loss.name", cfg.name, LOSSES),
+                               ("trainer.loss.aggregation", cfg.aggregation, AGGREGATIONS),
                                ("trainer.loss.tis_level", cfg.tis_level, TIS_LEVELS)):
         if value not in known:
             raise ValueError(f"unknown {what} {value!r}; known: {', '.join(known)}")

@@ -16,7 +16,11 @@ def test_controller_bench_writes_its_curve_and_a_prediction_that_follows_the_cos
     figures = json.loads(out.read_text())
     assert [c["replicas"] for c in figures["cost"]] == [1, 16]
     for c in figures["cost"]:
-        assert c["groups"] >= 128 and c["groups_per_s"] == c["groups"] / c["wall_s"] and c["cpu_ms_per_group"] > 0
+        # at least 128 groups: whole steps of one group per replica, and the two evals' two prompts each
+        assert c["steps"] == max(3, -(-128 // c["replicas"])) and c["groups"] == c["steps"] * c["replicas"] + 4
+        assert c["groups_per_s"] == c["groups"] / c["wall_s"]
+        # the controller's own CPU, on the one core the bench pins it to, fits in the wall time it took
+        assert 0 < c["cpu_ms_per_group"] * c["groups"] / 1000 <= 1.05 * c["wall_s"], c
     # 4 groups of 8 x 32 tokens on 2 replicas: generation 32 x 0.01 s; training 1024 tokens x 0.0003 s
     p, generate, train = figures["placement"], 32 * 0.01, 4 * 8 * 32 * 0.0003
     assert generate + train <= p["sync_step_s"] < 1.5 * (generate + train), p  # the phases one after the other

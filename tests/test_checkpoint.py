@@ -19,12 +19,14 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from actor_helpers import kill_role_after_steps
+from assertions import assert_each_prompt_trained_once, read_jsonl
 from meshrl.actors import spawn
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.checkpoint import load_safely, rng_states, set_rng_states
 from meshrl.configs import TrainerConfig, WeightSyncConfig
 from meshrl.train_step import train_step
 from meshrl.types import Episode
+from meshrl.weight_sync.disk import read_version
 
 
 def batch_of_episodes(seed: int, vocab: int = 1000) -> list[Episode]:
@@ -134,10 +136,6 @@ def test_rng_states_round_trip_through_a_rank_file_and_take_the_cuda_generator_o
         assert torch.equal(torch.rand(4, device=gpu), expected)
 
 
-def read_jsonl(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def train(run_dir, *args) -> list[str]:
     return [sys.executable, "-m", "meshrl", "train", *(["--config", "smoke", "--run-dir", str(run_dir)]
                                                        if "--resume" not in args else []), *args]
@@ -216,8 +214,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_where_it_stopped_and_samples_wh
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["policy_version"] for r in rows] == [1, 2, 3, 4]
     assert all(r["grad_norm"] > 0 for r in rows)  # every step changed the policy the next one samples from
     trained = prompts_by_step(killed)
-    every = [p for step in trained.values() for p in step]
-    assert len(every) == len(set(every)) == 8  # no prompt lost, none trained twice
+    assert_each_prompt_trained_once(read_jsonl(killed / "rollouts.jsonl"), range(8), 4)  # none lost, none twice
     versions = {(r["step"], r["prompt_index"]): r["policy_version"] for r in read_jsonl(killed / "rollouts.jsonl")}
     assert all(versions[(step, p)] == step - 1 for step, prompts in trained.items() for p in prompts)
     assert json.loads((killed / "summary.json").read_text())["steps"] == 4
@@ -263,8 +260,10 @@ def test_a_trainer_killed_between_checkpoints_comes_back_and_the_run_ends_as_if_
 
 
 def test_nan_losses_are_not_applied_counted_and_stop_the_run_with_the_last_good_checkpoint_kept(tmp_path):
+    # each version kept as a file (the plain path): what the policy was after each step
     result = subprocess.run(train(tmp_path, "--controller.steps", "6", "--checkpoint.every", "1",
-                                  "--trainer.impl", "faulty_actors:NaNTrainer", "--trainer.max_bad_steps", "2"),
+                                  "--trainer.impl", "faulty_actors:NaNTrainer", "--trainer.max_bad_steps", "2",
+                                  "--weight_sync.transport", "disk", "--weight_sync.slots", "3"),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
@@ -274,7 +273,9 @@ def test_nan_losses_are_not_applied_counted_and_stop_the_run_with_the_last_good_
     assert [(r["step"], r["updates_skipped"], r["steps_skipped"]) for r in rows] == [(1, 0, 0), (2, 1, 1), (3, 1, 2)]
     assert [r["policy_version"] for r in rows] == [1, 2, 3]  # the versions go on (unchanged weights)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-1"]
-    # the policy saved is the last good one: bad updates never touched the weights
+    # bad updates never touched the weights: versions 2 and 3 are version 1 exactly; the policy saved is it
+    good, *bad = (dict(read_version(tmp_path / "weights", v)) for v in (1, 2, 3))
+    assert all(torch.equal(good[k], b[k]) and torch.isfinite(good[k]).all() for b in bad for k in good)
     assert (tmp_path / "final" / "model.safetensors").is_file()
 
 

@@ -44,15 +44,27 @@ def test_bad_overrides_are_clear_errors(overrides, message):
     (["--generator.top_p", "0.9"], "generator.top_p 0.9: training samples must come from the whole distribution"),
     (["--controller.max_failed_fraction", "2"], "controller.max_failed_fraction must be between 0 and 1"),
     (["--weight_sync.dtype", "int8"], "unknown weight_sync.dtype 'int8'"),
-    (["--trainer.max_restarts", "-1"], "replay_buffer.max_restarts and controller.restart_window_s must be at least 0"),
-    (["--controller.restart_window_s", "-5"], "replay_buffer.max_restarts and controller.restart_window_s must be at least 0"),
+    (["--trainer.max_restarts", "-1"], "trainer.max_restarts must be at least 0, not -1"),
+    (["--controller.restart_window_s", "-5"], "controller.restart_window_s must be at least 0, not -5.0"),
+    # each section checks its own fields: one of each
+    (["--generator.max_tokens", "0"], "generator.max_tokens must be at least 1, not 0"),
+    (["--grader.replicas", "0"], "grader.replicas must be at least 1, not 0"),
+    (["--grader.judge.rule_weight", "2"], "grader.judge.rule_weight must be in [0, 1], not 2"),
+    (["--reference.ranks", "0"], "reference.ranks must be at least 1, not 0"),
+    (["--weight_sync.slots", "0"], "weight_sync.slots must be at least 1, not 0"),
+    (["--logging.rollouts_fraction", "1.5"], "logging.rollouts_fraction must be between 0 and 1"),
+    (["--logging.wandb_mode", "maybe"], "unknown logging.wandb_mode 'maybe'; known: auto, online, offline"),
+    (["--checkpoint.every", "-1"], "checkpoint.every must be at least 0, not -1"),
+    (["--controller.advantage", "ppo"], "unknown controller.advantage 'ppo'; known: grpo, dr_grpo, rloo, or step_wise_<one of them>"),
+    (["--trainer.loss.name", "dpo"], "unknown trainer.loss.name 'dpo'"),
+    # and the whole config what spans sections
+    (["--replay_buffer.impl", "replay"], "replay_buffer.impl replay trains groups again in later steps"),
+    (["--weight_sync.verify", "true", "--generator.tensor_parallel_size", "2"], "it needs generator.tensor_parallel_size 1"),
 ])
 def test_values_that_cannot_work_together_are_refused_before_anything_starts(overrides, message):
-    from meshrl.runtime.launch import check_config
-
     with pytest.raises(ValueError, match=re.escape(message)):
-        check_config(load_config("smoke", overrides))
-    check_config(load_config("smoke", ["--controller.eval_top_p", "0.9"]))  # eval samples as it likes
+        load_config("smoke", overrides).check()
+    load_config("smoke", ["--controller.eval_top_p", "0.9"]).check()  # eval samples as it likes
 
 
 def test_a_resume_may_change_placement_and_rank_counts_but_not_what_the_run_computes():
@@ -86,7 +98,7 @@ def run_cli(*args):
     (["train", "--config", "smoke", "--controller.max_policy_age", "-1"], "max_policy_age must be at least 0"),
     (["train", "--config", "smoke", "--controller.group_size", "1"], "group_size must be at least 2"),
     (["train", "--config", "smoke", "--controller.eval_samples", "4"], "greedy sampling gives one answer per prompt"),
-    (["train", "--config", "smoke", "--controller.advantage", "step_wise_ppo"], "unknown advantage estimator 'ppo'"),
+    (["train", "--config", "smoke", "--controller.advantage", "step_wise_ppo"], "unknown controller.advantage 'step_wise_ppo'; known: grpo, dr_grpo, rloo, or step_wise_<one of them>"),
     (["train", "--config", "smoke", "--task", "zorplex", "--zorplex.level", "5"], "zorplex level must be one of"),
     (["train", "--config", "smoke", "--generator.impl", "no_module:Gen"], "cannot load actor implementation"),
     (["train", "--config", "smoke", "--generator.impl", "meshrl.actors.grader:Grader"],
@@ -100,7 +112,7 @@ def run_cli(*args):
      "controller.generate_ahead (1) cannot be more than controller.max_policy_age (0)"),
     (["train", "--config", "smoke", "--replay_buffer.impl", "replay", "--controller.max_policy_age", "1",
       "--replay_buffer.priority", "oldest"], "unknown replay_buffer.priority 'oldest'"),
-    (["train", "--config", "smoke", "--trainer.mini_batches", "0"], "trainer.mini_batches and"),
+    (["train", "--config", "smoke", "--trainer.mini_batches", "0"], "trainer.mini_batches must be at least 1, not 0"),
     (["train", "--config", "smoke", "--trainer.loss.tis_level", "batch"], "unknown trainer.loss.tis_level 'batch'"),
 ])
 def test_cli_bad_input_is_one_error_line_and_nonzero_exit(args, message, tmp_path, capsys):

@@ -7,9 +7,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections import defaultdict
 
 import psutil
+from assertions import assert_each_prompt_trained_once, assert_staleness_bound, read_jsonl
 
 TWO_REPLICAS = ["--generator.replicas", "2", "--generator.num_threads", "1", "--generator.cpus", "0;1"]
 
@@ -26,10 +26,6 @@ def wait_for_steps(run, run_dir, steps: int, timeout: float = 300) -> None:
         assert run.poll() is None, run.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "the run never got going"
         time.sleep(0.2)
-
-
-def read_jsonl(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_a_killed_replica_is_replaced_and_every_group_is_trained_exactly_once(tmp_path):
@@ -51,15 +47,11 @@ def test_a_killed_replica_is_replaced_and_every_group_is_trained_exactly_once(tm
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 6))
     assert rows[-1]["generator_restarts"] == 1 and rows[-1]["generator_calls_retried"] >= 1
-    assert all(r["staleness_max"] <= 1 for r in rows)
+    records = read_jsonl(tmp_path / "rollouts.jsonl")
+    assert_staleness_bound(rows, records, 1)
     # each trained group's prompt appears in one step only, with its whole group
-    steps_of, sizes = defaultdict(set), defaultdict(int)
-    for r in read_jsonl(tmp_path / "rollouts.jsonl"):
-        steps_of[r["prompt_index"]].add(r["step"])
-        sizes[r["prompt_index"]] += 1
-        assert r["staleness"] <= 1
-    assert len(steps_of) == 5 * 4 and all(len(s) == 1 for s in steps_of.values())
-    assert set(sizes.values()) == {8}
+    assert_each_prompt_trained_once(records, {r["prompt_index"] for r in records}, 8)
+    assert len({r["prompt_index"] for r in records}) == 5 * 4
     # processes.json names live actors only: the replacement, or none if the run ended before it served
     assert json.loads((tmp_path / "processes.json").read_text()).get("generator1") != victim.pid
     assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE

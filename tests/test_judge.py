@@ -42,14 +42,22 @@ def test_a_reasoning_gym_mix_graded_by_a_judge_model_trains_and_reports_each_dat
         checks = r["reward_components"]
         rule = checks["score"] + 0.1 * checks["format"]  # the reasoning-gym task's own reward
         assert r["reward"] == pytest.approx(0.5 * checks["judge_yes"] + 0.5 * rule)
-        assert 0 <= checks["judge_yes"] <= 1 and checks["judge_parsed"] in (0.0, 1.0)
+        assert checks["judge_parsed"] == 1.0 or checks["judge_yes"] == 0.0  # no yes or no: scored 0
+        # the judge agrees with the task's accuracy check (`correct`) when both say the same
+        assert checks["judge_agrees"] == float((checks["judge_yes"] > 0.5) == (checks["correct"] >= 0.5))
     assert any(r["reward_components"]["judge_parsed"] for r in rollouts)  # SmolLM2 answers yes or no
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert {"judge_yes", "judge_agrees", "eval_judge_yes"} <= rows[-1].keys()
     evaluated = {k for row in rows for k in row if k.startswith("eval_accuracy/")}
     assert evaluated == {"eval_accuracy/chain_sum", "eval_accuracy/leg_counting"}
     assert {k for row in rows for k in row if k.startswith("accuracy/")} <= {"accuracy/chain_sum", "accuracy/leg_counting"}
-    assert all(0 <= row[k] <= 1 for row in rows for k in row if k.startswith(("accuracy/", "eval_accuracy/")))
+    for row in rows:  # each dataset's accuracy and the judge's figures: the means over the step's replies
+        checks = [r["reward_components"] for r in rollouts if r["step"] == row["step"]]
+        for dataset in ("chain_sum", "leg_counting"):
+            mine = [c[f"correct/{dataset}"] for c in checks if f"correct/{dataset}" in c]
+            assert (f"accuracy/{dataset}" in row) == bool(mine), (row["step"], dataset)
+            assert not mine or row[f"accuracy/{dataset}"] == pytest.approx(sum(mine) / len(mine))
+        assert row["judge_yes"] == pytest.approx(sum(c["judge_yes"] for c in checks) / len(checks))
     bad = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path / "bad"),
                           "--grader.impl", "meshrl.actors.judge:JudgeGrader", "--grader.judge.rubric", "{answer}?"],
                          capture_output=True, text=True, timeout=120)

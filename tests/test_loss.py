@@ -210,7 +210,7 @@ def test_entropy_bonus_rewards_a_flatter_distribution():
 
 
 def test_unknown_loss_and_tis_level_are_errors():
-    with pytest.raises(ValueError, match="unknown loss 'ppo2'"):
+    with pytest.raises(ValueError, match="unknown trainer.loss.name 'ppo2'"):
         check(LossConfig(name="ppo2"))
     with pytest.raises(ValueError, match="unknown trainer.loss.tis_level 'batch'"):
         check(LossConfig(tis_level="batch"))

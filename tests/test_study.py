@@ -259,14 +259,12 @@ def test_the_zorplex_curriculum_moves_from_level_1_to_the_configured_level_by_pr
 
 def test_disk_and_verify_are_checked_before_anything_starts():
     from meshrl.configs import load_config
-    from meshrl.runtime.launch import check_config
-
     for overrides, message in ((["--weight_sync.transport", "nfs"], "unknown weight_sync.transport 'nfs'"),
                                (["--weight_sync.transport", "disk", "--weight_sync.verify", "true"],
                                 "weight_sync.verify checks the ring's loads")):
         with pytest.raises(ValueError, match=message):
-            check_config(load_config("smoke", overrides))
-    check_config(load_config("smoke", ["--weight_sync.transport", "disk"]))
+            load_config("smoke", overrides).check()
+    load_config("smoke", ["--weight_sync.transport", "disk"]).check()
 
 
 def test_level2_steps_reads_only_the_runs_level_2_prompts_by_its_own_config(tmp_path):

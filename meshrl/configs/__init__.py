@@ -12,6 +12,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Callable
 
+from meshrl.advantages import ESTIMATORS, STEP_WISE
 from meshrl.configs.job import JobConfig
 from meshrl.configs.overrides import ConfigError, apply_overrides
 from meshrl.tasks.dataset import DatasetConfig
@@ -21,6 +22,20 @@ from meshrl.tasks.zorplex import ZorplexConfig
 
 __all__ = ["CONFIGS", "Config", "ConfigError", "from_dict", "load_config", "register", "resumable_overrides",
            "to_dict"]
+
+
+def at_least(section, name: str, **minimums) -> None:
+    """ValueError naming the first of `section`'s fields below its minimum."""
+    for field_name, minimum in minimums.items():
+        if getattr(section, field_name) < minimum:
+            raise ValueError(f"{name}.{field_name} must be at least {minimum}, not {getattr(section, field_name)}")
+
+
+def one_of(section, name: str, **choices) -> None:
+    """ValueError naming the first of `section`'s fields that is not one of its choices."""
+    for field_name, known in choices.items():
+        if getattr(section, field_name) not in known:
+            raise ValueError(f"unknown {name}.{field_name} {getattr(section, field_name)!r}; known: {', '.join(known)}")
 
 
 @dataclass
@@ -54,6 +69,19 @@ class GeneratorConfig:
     timeout_s: float = 600.0  # a replica's start, and one group's generation: past it the replica is replaced
     weight_update: str = "auto"  # how a replica loads a new version: drain (waits for its running requests) | in_flight (between engine steps, requests go on) | recompute (in flight, running prefixes recomputed); auto: drain when controller.max_policy_age is 0, else in_flight
 
+    def check(self) -> None:
+        at_least(self, "generator", replicas=1, max_tokens=1, num_threads=1, tensor_parallel_size=1, max_restarts=0)
+        if self.top_p != 1:
+            raise ValueError(f"generator.top_p {self.top_p:g}: training samples must come from the whole "
+                             "distribution at generator.temperature, which the trainer's logprobs follow; keep it 1 "
+                             "(controller.eval_top_p sets eval's)")
+        one_of(self, "generator", weight_update=("auto", "drain", "in_flight", "recompute"))
+        if self.temperature <= 0:
+            raise ValueError("generator.temperature must be above 0: greedy sampling gives one answer per prompt")
+        if ";" in self.cpus and len(self.cpus.split(";")) != self.replicas:
+            raise ValueError(f"generator.cpus {self.cpus!r} names one set of cores per replica: it needs "
+                             f"{self.replicas} sets separated by ';'")
+
 
 @dataclass
 class JudgeConfig:
@@ -71,6 +99,14 @@ class JudgeConfig:
     cpus: str = ""  # pin each grader replica to these cores; "" leaves placement to the OS
     devices: str = ""  # CUDA_VISIBLE_DEVICES of the grader replicas ("": what the process sees)
 
+    def check(self) -> None:
+        if not 0 <= self.rule_weight <= 1:
+            raise ValueError(f"grader.judge.rule_weight must be in [0, 1], not {self.rule_weight:g}")
+        if self.rubric:
+            from meshrl.actors.judge import check_rubric
+
+            check_rubric(self.rubric)
+
 
 @dataclass
 class GraderConfig:
@@ -82,6 +118,10 @@ class GraderConfig:
     hosts: str = ""  # the job.hosts group the replicas go on, round-robin over its hosts; "": the controller's host
     timeout_s: float = 300.0  # one group's grading: past it the replica is replaced
     judge: JudgeConfig = field(default_factory=JudgeConfig)
+
+    def check(self) -> None:
+        at_least(self, "grader", replicas=1, max_restarts=0)
+        self.judge.check()
 
 
 @dataclass
@@ -101,6 +141,11 @@ class LossConfig:
     constant_norm: int = 48  # aggregation=constant: the tokens per sequence to divide by
     kl_coef: float = 0.0  # k3 KL penalty to the frozen reference model (starts a ReferenceModel actor)
     entropy_coef: float = 0.0  # entropy bonus
+
+    def check(self) -> None:
+        from meshrl.losses import check  # the menu of losses lives with them
+
+        check(self)
 
 
 @dataclass
@@ -126,6 +171,11 @@ class TrainerConfig:
     max_bad_steps: int = 3  # steps in a row with a NaN or infinite loss or gradient norm (not applied) before the run stops
     max_restarts: int = 3  # a dead or hung trainer is restarted from the newest checkpoint and the batches trained since (meshrl/restarts.py); more failures than this in a row, each within controller.restart_window_s of its start, stop the run
 
+    def check(self) -> None:
+        at_least(self, "trainer", mini_batches=1, micro_batch_size=1, micro_batch_tokens=0, ranks=1, num_threads=1,
+                 max_bad_steps=1, max_restarts=0)
+        self.loss.check()
+
 
 @dataclass
 class WeightSyncConfig:
@@ -140,6 +190,14 @@ class WeightSyncConfig:
     poll_s: float = 0.05  # in_flight and recompute: how often a generating replica looks for a newer version
     verify: bool = False  # also write each version to disk_dir and have every generator load it a second time from there and compare every tensor vLLM holds (meshrl/weight_sync/verify.py)
     disk_dir: str = ""  # disk and verify: where the versions' files go, on a filesystem the trainer and the generators share; "": RUN_DIR/weights
+
+    def check(self) -> None:
+        at_least(self, "weight_sync", slots=1, chunk_mb=1)
+        one_of(self, "weight_sync", transport=("auto", "shm", "rdma", "disk"),
+               dtype=("auto", "bfloat16", "float32", "float16"))
+        if self.transport == "disk" and self.verify:
+            raise ValueError("weight_sync.verify checks the ring's loads against the disk path: it needs a ring "
+                             "(weight_sync.transport auto, shm or rdma)")
 
 
 @dataclass
@@ -156,6 +214,9 @@ class ReferenceConfig:
     timeout_s: float = 1800.0  # one call (a micro-batch's logprobs): past it the reference is restarted
     max_restarts: int = 3  # a dead or hung reference is restarted (meshrl/restarts.py); more failures than this in a row, each within controller.restart_window_s of its start, stop the run
 
+    def check(self) -> None:
+        at_least(self, "reference", ranks=1, num_threads=1, max_restarts=0)
+
 
 @dataclass
 class ReplayBufferConfig:
@@ -171,6 +232,13 @@ class ReplayBufferConfig:
     hosts: str = ""  # the job.hosts group its process goes on; "": the controller's host
     timeout_s: float = 600.0  # one call (adding a group, a step's plan, a micro-batch): past it the buffer is restarted
     max_restarts: int = 3  # a dead or hung buffer is restarted empty, the groups it held for untrained batches generated again (meshrl/restarts.py); more failures than this in a row, each within controller.restart_window_s of its start, stop the run
+
+    def check(self) -> None:
+        at_least(self, "replay_buffer", max_restarts=0)
+        if self.impl == "replay":
+            if not 0 < self.fresh_fraction <= 1 or self.max_reuse < 1:
+                raise ValueError("replay_buffer.fresh_fraction must be in (0, 1] and replay_buffer.max_reuse at least 1")
+            one_of(self, "replay_buffer", priority=("reward_std", "newest"))
 
 
 @dataclass
@@ -197,6 +265,24 @@ class ControllerConfig:
     eval_top_p: float = 1.0  # nucleus sampling of eval completions (training samples the whole distribution)
     advantage_eps: float = 1e-6  # added to the group std (grpo)
 
+    def check(self) -> None:
+        at_least(self, "controller", steps=1, prompts_per_step=1, eval_samples=1, max_policy_age=0, max_turns=1,
+                 max_sample_rounds=1, restart_window_s=0)
+        if self.group_size < 2:
+            raise ValueError("controller.group_size must be at least 2: a group of one has no advantage to learn from")
+        if self.generate_ahead > self.max_policy_age:
+            raise ValueError(f"controller.generate_ahead ({self.generate_ahead}) cannot be more than "
+                             f"controller.max_policy_age ({self.max_policy_age}): its groups would be stale when trained")
+        if not 0 <= self.max_failed_fraction <= 1:
+            raise ValueError("controller.max_failed_fraction must be between 0 and 1")
+        one_of(self, "controller", staleness=("oldest_token", "newest_token"))
+        if self.eval_samples > 1 and self.eval_temperature == 0:
+            raise ValueError("controller.eval_temperature must be above 0 when eval_samples is above 1: greedy "
+                             "sampling gives one answer per prompt")
+        if self.advantage.removeprefix(STEP_WISE) not in ESTIMATORS:
+            raise ValueError(f"unknown controller.advantage {self.advantage!r}; known: {', '.join(ESTIMATORS)}, "
+                             f"or {STEP_WISE}<one of them>")
+
 
 @dataclass
 class CheckpointConfig:
@@ -204,6 +290,9 @@ class CheckpointConfig:
 
     every: int = 10  # steps between checkpoints; one is also written after the last step and on Ctrl-C/SIGTERM (0: only those)
     keep: int = 1  # the newest checkpoints kept (0: all); a new one is complete before an old one goes
+
+    def check(self) -> None:
+        at_least(self, "checkpoint", every=0, keep=0)
 
 
 @dataclass
@@ -216,6 +305,11 @@ class LoggingConfig:
     wandb_run_name: str = ""  # W&B run name; "": the run directory's name
     wandb_mode: str = "auto"  # auto (online with an API key and a reachable server, else offline) | online | offline
     rollouts_fraction: float = 1.0  # share of trained completions written to rollouts.jsonl (0: none)
+
+    def check(self) -> None:
+        one_of(self, "logging", wandb_mode=("auto", "online", "offline"))
+        if not 0 <= self.rollouts_fraction <= 1:
+            raise ValueError("logging.rollouts_fraction must be between 0 and 1")
 
 
 @dataclass
@@ -239,6 +333,19 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     job: JobConfig = field(default_factory=JobConfig)
+
+    def check(self) -> None:
+        """ValueError (one line, naming the field) for values that cannot work, before anything starts: each
+        section checks its own fields, then what spans sections."""
+        for section in (self.generator, self.grader, self.trainer, self.reference, self.replay_buffer,
+                        self.weight_sync, self.controller, self.logging, self.checkpoint):
+            section.check()
+        if self.replay_buffer.impl == "replay" and self.controller.max_policy_age < 1:
+            raise ValueError("replay_buffer.impl replay trains groups again in later steps, which the staleness bound "
+                             "must allow: set controller.max_policy_age to 1 or more")
+        if self.weight_sync.verify and self.generator.tensor_parallel_size > 1:
+            raise ValueError("weight_sync.verify compares the tensors of a generator's own vLLM worker: it needs "
+                             "generator.tensor_parallel_size 1")
 
 
 CONFIGS: dict[str, Callable[[], Config]] = {}

@@ -1,6 +1,6 @@
-"""Starting a run's actors: each role's implementation checked against its contract, its proc mesh
-spawned on the hosts its config names, and the config's cross-field checks, all before a step runs;
-the dtype weights are published in."""
+"""Starting a run's actors, all before a step runs: each role's implementation checked against its
+contract, its proc mesh spawned on the hosts its config names, and the dtype weights are published in.
+(The config checks itself: meshrl/configs/, Config.check.)"""
 
 import dataclasses
 import logging
@@ -13,10 +13,8 @@ from monarch.actor import Actor, endpoint
 from meshrl.actors import load_actor_class, placement, spawn, spawn_ranks
 from meshrl.actors.replay_buffer import buffer_impl
 from meshrl.actors.roles import ROLES, missing_endpoints
-from meshrl.advantages import STEP_WISE, estimator
 from meshrl.configs import Config
 from meshrl.runtime.jobs import Hosts
-from meshrl.losses import check as check_loss
 from meshrl.tasks import is_environment, task_class
 
 if TYPE_CHECKING:
@@ -25,78 +23,6 @@ if TYPE_CHECKING:
     from meshrl.actors import roles
 
 logger = logging.getLogger(__name__)
-
-
-def check_config(config: Config) -> None:
-    """ValueError (one line) for values that cannot work together, before anything starts."""
-    cfg = config.controller
-    if cfg.steps < 1 or cfg.prompts_per_step < 1 or cfg.eval_samples < 1:
-        raise ValueError("controller.steps, prompts_per_step and eval_samples must be at least 1")
-    if cfg.group_size < 2:
-        raise ValueError("controller.group_size must be at least 2: a group of one has no advantage to learn from")
-    if config.trainer.mini_batches < 1 or config.trainer.micro_batch_size < 1:
-        raise ValueError("trainer.mini_batches and trainer.micro_batch_size must be at least 1")
-    if config.trainer.micro_batch_tokens < 0:
-        raise ValueError("trainer.micro_batch_tokens must be 0 (micro_batch_size sequences each) or more")
-    if config.logging.wandb_mode not in ("auto", "online", "offline"):
-        raise ValueError(f"unknown logging.wandb_mode {config.logging.wandb_mode!r}; known: auto, online, offline")
-    if cfg.max_policy_age < 0:
-        raise ValueError("controller.max_policy_age must be at least 0")
-    if min(config.generator.max_restarts, config.grader.max_restarts, config.trainer.max_restarts,
-           config.reference.max_restarts, config.replay_buffer.max_restarts, cfg.restart_window_s) < 0:
-        raise ValueError("generator.max_restarts, grader.max_restarts, trainer.max_restarts, reference.max_restarts, "
-                         "replay_buffer.max_restarts and controller.restart_window_s must be at least 0")
-    if cfg.generate_ahead > cfg.max_policy_age:
-        raise ValueError(f"controller.generate_ahead ({cfg.generate_ahead}) cannot be more than "
-                         f"controller.max_policy_age ({cfg.max_policy_age}): its groups would be stale when trained")
-    if not 0 <= cfg.max_failed_fraction <= 1:
-        raise ValueError("controller.max_failed_fraction must be between 0 and 1")
-    if config.generator.top_p != 1:
-        raise ValueError(f"generator.top_p {config.generator.top_p:g}: training samples must come from the whole "
-                         "distribution at generator.temperature, which the trainer's logprobs follow; keep it 1 "
-                         "(controller.eval_top_p sets eval's)")
-    if config.generator.weight_update not in ("auto", "drain", "in_flight", "recompute"):
-        raise ValueError(f"unknown generator.weight_update {config.generator.weight_update!r}; known: auto, drain, "
-                         "in_flight, recompute")
-    if cfg.staleness not in ("oldest_token", "newest_token"):
-        raise ValueError(f"unknown controller.staleness {cfg.staleness!r}; known: oldest_token, newest_token")
-    if config.weight_sync.transport not in ("auto", "shm", "rdma", "disk"):
-        raise ValueError(f"unknown weight_sync.transport {config.weight_sync.transport!r}; known: auto, shm, rdma, disk")
-    if config.weight_sync.transport == "disk" and config.weight_sync.verify:
-        raise ValueError("weight_sync.verify checks the ring's loads against the disk path: it needs a ring "
-                         "(weight_sync.transport auto, shm or rdma)")
-    if config.weight_sync.verify and config.generator.tensor_parallel_size > 1:
-        raise ValueError("weight_sync.verify compares the tensors of a generator's own vLLM worker: it needs "
-                         "generator.tensor_parallel_size 1")
-    if config.weight_sync.dtype not in ("auto", "bfloat16", "float32", "float16"):
-        raise ValueError(f"unknown weight_sync.dtype {config.weight_sync.dtype!r}; known: auto, bfloat16, float32, float16")
-    if min(config.generator.replicas, config.grader.replicas, config.trainer.ranks, config.reference.ranks) < 1:
-        raise ValueError("generator.replicas, grader.replicas, trainer.ranks and reference.ranks must be at least 1")
-    if ";" in config.generator.cpus and len(config.generator.cpus.split(";")) != config.generator.replicas:
-        raise ValueError(f"generator.cpus {config.generator.cpus!r} names one set of cores per replica: "
-                         f"it needs {config.generator.replicas} sets separated by ';'")
-    if config.generator.temperature == 0 or (cfg.eval_samples > 1 and cfg.eval_temperature == 0):
-        raise ValueError("greedy sampling gives one answer per prompt: generator.temperature must be above 0, "
-                         "and so must controller.eval_temperature when eval_samples is above 1")
-    if cfg.max_turns < 1:
-        raise ValueError("controller.max_turns must be at least 1")
-    estimator(cfg.advantage.removeprefix(STEP_WISE))
-    check_loss(config.trainer.loss)
-    if not 0 <= config.grader.judge.rule_weight <= 1:
-        raise ValueError(f"grader.judge.rule_weight must be in [0, 1], not {config.grader.judge.rule_weight:g}")
-    buffer = config.replay_buffer
-    if buffer.impl == "replay":
-        if cfg.max_policy_age < 1:
-            raise ValueError("replay_buffer.impl replay trains groups again in later steps, which the staleness bound "
-                             "must allow: set controller.max_policy_age to 1 or more")
-        if not 0 < buffer.fresh_fraction <= 1 or buffer.max_reuse < 1:
-            raise ValueError("replay_buffer.fresh_fraction must be in (0, 1] and replay_buffer.max_reuse at least 1")
-        if buffer.priority not in ("reward_std", "newest"):
-            raise ValueError(f"unknown replay_buffer.priority {buffer.priority!r}; known: reward_std, newest")
-    if config.grader.judge.rubric:
-        from meshrl.actors.judge import check_rubric
-
-        check_rubric(config.grader.judge.rubric)
 
 
 @dataclass

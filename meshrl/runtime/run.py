@@ -31,7 +31,7 @@ from meshrl.configs import Config, to_dict
 from meshrl.controller import Controller
 from meshrl.runtime.gpu_plan import plan_gpus
 from meshrl.runtime.jobs import Hosts, gpus_per_host, make_job, plan
-from meshrl.runtime.launch import (Actors, actor_classes, check_config, generator_args, note_fault,
+from meshrl.runtime.launch import (Actors, actor_classes, generator_args, note_fault,
                                    spawn_actors, spawn_buffer, spawn_ranked, weight_dtype)
 from meshrl.runtime.loggers import MetricLoggers, RolloutRecorder
 from meshrl.runtime.metric_rows import MetricRows
@@ -52,7 +52,7 @@ class Run:
     def __init__(self, config: Config, run_dir: Path, resume_from: Path | None = None):
         """Everything checked before anything starts: the config, the placement, the task, each role's
         implementation, the model. `resume_from`: a checkpoint of this run to go on from."""
-        check_config(config)
+        config.check()
         if (config.weight_sync.transport == "disk" or config.weight_sync.verify) and not config.weight_sync.disk_dir:
             config.weight_sync.disk_dir = str((run_dir / "weights").absolute())
         self.placement = plan(config)
