@@ -49,3 +49,30 @@ def assert_each_group_trained_once(updates: list[list[int]], prompts, group_size
     """A fake trainer's updates (each the prompt of every sequence it trained): every prompt of
     `prompts` trained `group_size` times in all (its group, once), no other prompt."""
     assert Counter(p for update in updates for p in update) == {p: group_size for p in prompts}
+
+
+def assert_checks_are_the_means_of_the_records(rows: list[dict], records: list[dict], accuracy: str) -> None:
+    """Each step's reward-check rates are the means over the completions it trained (rollouts.jsonl, all
+    recorded): the task's `accuracy` check as `accuracy`, the others under their own names."""
+    import pytest
+
+    for row in rows:
+        checks = [r["reward_components"] for r in records if r["step"] == row["step"]]
+        assert checks, row["step"]
+        for name in {k for c in checks for k in c if "/" not in k}:
+            mean = sum(c.get(name, 0.0) for c in checks) / len(checks)
+            assert row["accuracy" if name == accuracy else name] == pytest.approx(mean), (row["step"], name)
+
+
+def assert_final_policy_is_the_trained_one(run_dir: Path, source: str = "tiny") -> None:
+    """final/ is the policy the run trained from `source`: the same tensors, changed if and only if an
+    update of a step it logged had a gradient and was applied (the tiny models earn no reward)."""
+    import torch
+
+    from meshrl.models.model import load_hf_weights, resolve_checkpoint
+
+    rows = read_jsonl(Path(run_dir) / "metrics.jsonl")
+    final, initial = load_hf_weights(Path(run_dir) / "final"), load_hf_weights(resolve_checkpoint(source))
+    assert final.keys() == initial.keys()
+    moved = any(r["grad_norm"] > 0 and not r["updates_skipped"] for r in rows)
+    assert moved == any(not torch.equal(final[k], initial[k].to(final[k].dtype)) for k in final)

@@ -9,7 +9,8 @@ import sys
 import time
 
 import psutil
-from assertions import assert_each_prompt_trained_once, assert_staleness_bound, read_jsonl
+from assertions import (assert_each_prompt_trained_once, assert_final_policy_is_the_trained_one,
+                        assert_staleness_bound, read_jsonl)
 
 TWO_REPLICAS = ["--generator.replicas", "2", "--generator.num_threads", "1", "--generator.cpus", "0;1"]
 
@@ -55,7 +56,7 @@ def test_a_killed_replica_is_replaced_and_every_group_is_trained_exactly_once(tm
     # processes.json names live actors only: the replacement, or none if the run ended before it served
     assert json.loads((tmp_path / "processes.json").read_text()).get("generator1") != victim.pid
     assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
-    assert (tmp_path / "final" / "model.safetensors").is_file()
+    assert_final_policy_is_the_trained_one(tmp_path)
 
 
 def test_a_dead_trainer_out_of_restarts_ends_the_run_with_one_line_and_keeps_what_was_written(tmp_path):

@@ -12,14 +12,11 @@ import time
 
 import psutil
 import pytest
+from assertions import assert_final_policy_is_the_trained_one, assert_staleness_bound, read_jsonl
 
 from netns_hosts import leftovers, namespace_hosts, usable
 
 TWO_HOSTS = ["--job.hosts", "trainer:1,generators:1", "--trainer.hosts", "trainer", "--generator.hosts", "generators"]
-
-
-def read_jsonl(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.mark.skipif(bool(usable()), reason=usable())
@@ -45,9 +42,10 @@ def test_training_across_hosts_in_their_own_network_namespaces_pulls_weights_ove
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["policy_version"] == 3
     # each step trained completions sampled from the version before it: pulled across the hosts
     # (checksums on: every pulled version was verified before vLLM loaded it)
-    versions = {r["step"]: r["policy_version"] for r in read_jsonl(run_dir / "rollouts.jsonl")}
-    assert versions == {1: 0, 2: 1, 3: 2}
-    assert (run_dir / "final" / "model.safetensors").is_file()
+    assert_staleness_bound(rows, read_jsonl(run_dir / "rollouts.jsonl"), 0)
+    spans = read_jsonl(run_dir / "trace.jsonl")  # the generator pulled every version the final eval needs
+    assert sorted(s["policy_version"] for s in spans if s["what"] == "pull") == [1, 2, 3]
+    assert_final_policy_is_the_trained_one(run_dir)
 
 
 @pytest.mark.skipif(bool(usable()), reason=usable())

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from assertions import assert_checks_are_the_means_of_the_records, assert_staleness_bound
 
 from meshrl.actors import spawn
 from meshrl.actors.generator import VLLMGenerator
@@ -207,16 +208,20 @@ def smoke(tmp_path, *args) -> tuple[list[dict], list[dict]]:
 def test_step_wise_grpo_trains_a_users_environment_turn_by_turn(tmp_path):
     metrics, rollouts = smoke(tmp_path, "--task", "user_task:FakeTool", "--controller.advantage", "step_wise_grpo",
                               "--controller.max_turns", "3", "--controller.max_policy_age", "1")
-    assert [m["step"] for m in metrics] == [1, 2] and max(m["staleness_max"] for m in metrics) <= 1
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert_staleness_bound(metrics, rollouts, 1)
     # 2 prompts x 4 conversations x 3 turns each: one episode per turn
     assert [(m["turns_mean"], m["episodes"]) for m in metrics] == [(3.0, 24), (3.0, 24)]
     assert all(r["turns"] == 3 and "<|im_start|>tool\nresult 1<|im_end|>" in r["completion"]
                and "<|im_start|>tool\nresult 2<|im_end|>" in r["completion"] for r in rollouts)
-    assert {"accuracy", "eval_accuracy"} <= metrics[-1].keys()
+    assert_checks_are_the_means_of_the_records(metrics, rollouts, "long")
+    assert "eval_accuracy" in metrics[-1]
 
 
 def test_zorplex_smoke_run(tmp_path):
     metrics, rollouts = smoke(tmp_path, "--task", "zorplex", "--zorplex.eval_size", "2", "--zorplex.level", "2")
-    assert [m["step"] for m in metrics] == [1, 2] and {"accuracy", "tagged", "tool_call"} <= metrics[-1].keys()
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert {"tagged", "tool_call"} <= {k for r in rollouts for k in r["reward_components"]}
+    assert_checks_are_the_means_of_the_records(metrics, rollouts, Zorplex.accuracy)
     assert [m["episodes"] for m in metrics] == [8, 8]  # one per trajectory by default
     assert {r["prompt"] for r in rollouts} <= {Zorplex(ZorplexConfig(level=2)).train_sample(i).prompt for i in range(4)}

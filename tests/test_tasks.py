@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+from assertions import assert_checks_are_the_means_of_the_records
 
 from meshrl.configs import load_config
 from meshrl.tasks import make_task, task_config
@@ -130,8 +131,10 @@ def smoke(tmp_path, *args, stderr: list | None = None) -> list[dict]:
 def test_a_users_task_from_its_own_module_trains(tmp_path):
     rows = smoke(tmp_path / "run", "--task", "user_task:Parity", "--task_args", '{"eval_size": 3}')
     # its accuracy check is reported as accuracy; its other checks under their own names
+    records = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert_checks_are_the_means_of_the_records(rows, records, "right")
     assert {"accuracy", "one_word", "eval_accuracy", "eval_one_word"} <= rows[-1].keys() and "right" not in rows[-1]
-    prompts = [json.loads(line)["prompt"] for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    prompts = [r["prompt"] for r in records]
     assert set(prompts) == {"Is 3 even or odd? Answer with one word.", "Is 10 even or odd? Answer with one word.",
                             "Is 17 even or odd? Answer with one word.", "Is 24 even or odd? Answer with one word."}
 
@@ -140,8 +143,11 @@ def test_a_jsonl_file_trains_through_the_dataset_task_and_bad_data_stops_before_
     path = write_jsonl(tmp_path / "sums.jsonl", [{"q": f"What is {i} + {i}?", "a": 2 * i} for i in range(12)])
     rows = smoke(tmp_path / "run", "--task", "dataset", "--dataset.path", path, "--dataset.prompt_field", "q",
                  "--dataset.answer_field", "a", "--dataset.reward", "numeric", "--dataset.eval_size", "4")
-    assert [r["step"] for r in rows] == [1, 2] and {"accuracy", "has_number", "eval_accuracy"} <= rows[-1].keys()
-    trained = {json.loads(line)["prompt"] for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()}
+    assert [r["step"] for r in rows] == [1, 2] and "eval_accuracy" in rows[-1]
+    records = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert "has_number" in records[0]["reward_components"]
+    assert_checks_are_the_means_of_the_records(rows, records, "correct")
+    trained = {r["prompt"] for r in records}
     assert len(trained) == 4 and trained <= {f"What is {i} + {i}?" for i in range(8)}  # never an eval row
     (tmp_path / "bad.jsonl").write_text('{"q": "a", "a": 1}\n{"q": "b"}\n')
     bad = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir",
