@@ -85,3 +85,14 @@ def test_every_command_shown_is_one_the_command_line_takes(page, capsys):
 
 def test_the_docs_show_commands_to_check():
     assert sum(len(commands(page)) for page in PAGES) >= 15
+
+
+def test_the_test_inventory_names_every_test():
+    """tests/README.md: every test function of tests/ has its row (as file::name), and no row names a
+    test that is gone."""
+    inventory = (ROOT / "tests" / "README.md").read_text()
+    tests = {f"{path.name}::{name}" for path in (ROOT / "tests").glob("test_*.py")
+             for name in re.findall(r"^def (test_\w+)", path.read_text(), re.M)}
+    named = set(re.findall(r"(test_\w+\.py::test_\w+)", inventory))
+    assert not tests - named, sorted(tests - named)
+    assert not named - tests, sorted(named - tests)
