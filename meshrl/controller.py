@@ -63,7 +63,9 @@ class Controller:
         """`trainer`, `reference` (or None) and `buffer`: actor meshes following roles.Trainer,
         roles.Reference and roles.ReplayBuffer (the trainer's and reference's ranks attached to it);
         `respawner`: how a dead trainer or reference is replaced (None: its death ends the run); `rows`:
-        where each step's row goes (meshrl/runtime/metric_rows.py)."""
+        where each step's row goes (meshrl/runtime/metric_rows.py). The whole `config`: the loops run every
+        role, so they read the controller's, generator's, trainer's, reference's, replay buffer's and
+        checkpoint's sections (the collector gets its two, the restarts theirs)."""
         self.config, self.task, self.tokenizer, self.tracer, self.timeouts = config, task, tokenizer, tracer, timeouts
         self.trainer, self.reference, self.buffer, self.signals = trainer, reference, buffer, signals
         self.generators, self.graders, self.checkpointer, self.rows = generators, graders, checkpointer, rows
@@ -74,7 +76,8 @@ class Controller:
                                generation_ahead(config))
         self.adding: list[asyncio.Future] = []  # groups' episodes on their way to the replay buffer
         self.rollouts: asyncio.Task | None = None  # the rollout loop, while it runs
-        self.collector = RolloutCollector(config, task, tokenizer, generators, graders, tracer, self.work, timeouts)
+        self.collector = RolloutCollector(config.controller, config.generator, task, tokenizer, generators, graders,
+                                          tracer, self.work, timeouts)
         self.trainer_version = 0  # the newest version the trainer published
         self.publishing: asyncio.Future | None = None  # the newest publish, maybe still copying
         self.training: dict | None = None  # while a step trains: {"updates": its updates applied so far}

@@ -24,7 +24,7 @@ from typing import Awaitable, Callable
 
 from tqdm import tqdm
 
-from meshrl.configs import Config
+from meshrl.configs import ControllerConfig, GeneratorConfig
 from meshrl.episodes import check_rates
 from meshrl.actors.replicas import CallFailed, Replica, ReplicaPool
 from meshrl.tasks import Sample, is_environment
@@ -39,15 +39,16 @@ logger = logging.getLogger(__name__)
 class RolloutCollector:
     """Runs groups on the generator and grader pools; each finished group goes to the work buffer."""
 
-    def __init__(self, config: Config, task, tokenizer, generators: ReplicaPool, graders: ReplicaPool,
-                 tracer, work: WorkBuffer, timeouts: Timeouts = Timeouts()):
-        self.config, self.task, self.tokenizer, self.tracer = config, task, tokenizer, tracer
-        self.generators, self.graders, self.work, self.timeouts = generators, graders, work, timeouts
-        g = config.generator
-        self.sampling = Sampling(n=config.controller.group_size, temperature=g.temperature, top_p=g.top_p,
-                                 max_tokens=g.max_tokens)
+    def __init__(self, controller: ControllerConfig, generator: GeneratorConfig, task, tokenizer,
+                 generators: ReplicaPool, graders: ReplicaPool, tracer, work: WorkBuffer,
+                 timeouts: Timeouts = Timeouts()):
+        """The controller's section (group size, turns, evals) and the generator's (sampling, context)."""
+        self.controller, self.generator, self.task, self.tokenizer = controller, generator, task, tokenizer
+        self.generators, self.graders, self.work, self.timeouts, self.tracer = generators, graders, work, timeouts, tracer
+        self.sampling = Sampling(n=controller.group_size, temperature=generator.temperature, top_p=generator.top_p,
+                                 max_tokens=generator.max_tokens)
         self.latest = 0  # the newest version the trainer published: a group's first tokens come from it or newer
-        self.staleness = config.controller.staleness  # the token a sequence's staleness is counted from
+        self.staleness = controller.staleness  # the token a sequence's staleness is counted from
         self.groups: dict[int, asyncio.Task] = {}  # prompt index -> its group, generating or grading
         self.changed = asyncio.Event()  # a group ended or a version was published: the gate may open
         self.batch_ready = asyncio.Event()  # a group completed a batch
@@ -95,10 +96,10 @@ class RolloutCollector:
         """The newest policy on the task's fixed eval split (`eval_samples` per prompt at `eval_temperature`;
         greedy by default): each reward check's mean as `eval_<check>` (the task's accuracy check as
         `eval_accuracy`); a group that failed counts as wrong. Prints the rates and three example completions."""
-        cfg = self.config.controller
+        cfg = self.controller
         samples = self.task.eval_samples()
         sampling = Sampling(n=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
-                            max_tokens=self.config.generator.max_tokens)
+                            max_tokens=self.generator.max_tokens)
 
         async def one(i: int, sample: Sample) -> Group:
             try:
@@ -168,7 +169,7 @@ class RolloutCollector:
         """A multi-turn group: (its scored trajectories, how many it started)."""
         scored, failed = await converse(
             index, self.task.opening(sample), dataclasses.replace(sampling, stop=list(self.task.stop)),
-            self.config.controller.max_turns, self.config.generator.max_model_len, self.tokenizer, generate,
+            self.controller.max_turns, self.generator.max_model_len, self.tokenizer, generate,
             lambda conversations, last: grade("step", sample, conversations, last))
         return scored, len(scored) + failed
 
