@@ -122,7 +122,7 @@ def test_only_the_registry_knows_the_families():
                              r"(Llama|Qwen3)(Model|StateDictAdapter|TransformerBlock)")
     root = Path(meshrl.__file__).parent
     naming = {str(p.relative_to(root)) for p in root.rglob("*.py") if family_code.search(p.read_text())}
-    assert naming == {"families.py", "hf_backend.py"}
+    assert naming == {"models/families.py", "models/hf_backend.py"}
 
 
 def test_a_chat_template_kept_in_tokenizer_config_is_used_as_the_file_would_be(tmp_path):
