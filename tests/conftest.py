@@ -63,3 +63,17 @@ def pytest_addoption(parser):
 @pytest.fixture
 def stress_seconds(request):
     return request.config.getoption("--stress-seconds")
+
+
+@pytest.fixture
+def cli(capsys):
+    """`meshrl ARGS...` run by its main() in this process (main() is the whole command; no start-up to
+    pay): returns (exit code, stdout, stderr)."""
+    from meshrl.tools.cli import main
+
+    def run(*args: str) -> tuple[int, str, str]:
+        code = main([str(a) for a in args])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return run

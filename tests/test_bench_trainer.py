@@ -30,10 +30,8 @@ def test_trainer_bench_writes_its_figures_for_each_rank_count(tmp_path, tiny_che
         assert f"{r['trainer_tokens_per_s']:7.1f} tokens/s   ({r['trainer_vs_plain']:.2f} x plain)" in result.stdout
 
 
-def test_a_batch_that_does_not_split_over_the_ranks_is_one_clear_error(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "meshrl", "bench", "trainer", "--model", "tiny", "--ranks", "2",
-                             "--batch", "3", "--json", str(tmp_path / "b.json")], capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode != 0
-    assert "--batch 3 does not split over 2 ranks" in result.stderr
+def test_a_batch_that_does_not_split_over_the_ranks_is_one_clear_error(tmp_path, cli):
+    code, _, err = cli("bench", "trainer", "--model", "tiny", "--ranks", "2", "--batch", "3", "--json", tmp_path / "b.json")
+    assert code == 2
+    assert err.strip().splitlines() == ["meshrl: error: --batch 3 does not split over 2 ranks"]
     assert not (tmp_path / "b.json").exists()

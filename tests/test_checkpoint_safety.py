@@ -5,8 +5,6 @@ pickle whose loading would create a marker file) or damaged (a truncated or miss
 import asyncio
 import json
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -100,16 +98,15 @@ def test_resume_falls_back_past_a_damaged_checkpoint_but_not_past_one_that_would
         resumable(tmp_path / "only")
 
 
-def test_resume_of_a_tampered_run_is_one_line_and_starts_nothing(tmp_path):
+def test_resume_of_a_tampered_run_is_one_line_and_starts_nothing(tmp_path, cli):
     run_dir = tmp_path / "run"
     checkpoint = write_checkpoint(run_dir, 2)
     (run_dir / "config.json").write_text(json.dumps(to_dict(load_config("smoke", []))))
     marker = tmp_path / "pwned"
     (checkpoint / "trainer" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
-    result = subprocess.run([sys.executable, "-m", "meshrl", "train", "--resume", str(run_dir)],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and not marker.exists()
-    assert result.stderr.strip().splitlines() == [
+    code, _, err = cli("train", "--resume", run_dir)
+    assert code == 2 and not marker.exists()
+    assert err.strip().splitlines() == [
         f"meshrl: error: {checkpoint / 'trainer' / '.metadata'} would run code if loaded (Unsupported global "
         "io.open); not resuming from it"]
     assert not (run_dir / "metrics.jsonl").exists()

@@ -31,8 +31,8 @@ def wait_for_steps(run, run_dir, steps: int, timeout: float = 300) -> None:
 
 def test_a_killed_replica_is_replaced_and_every_group_is_trained_exactly_once(tmp_path):
     # long completions keep the replicas busy, so the one killed has groups in flight
-    run = train(tmp_path, "--controller.steps", "5", "--controller.prompts_per_step", "4",
-                "--controller.group_size", "8", "--generator.max_tokens", "160", "--controller.max_policy_age", "1")
+    run = train(tmp_path, "--controller.steps", "4", "--controller.prompts_per_step", "4",
+                "--controller.group_size", "8", "--generator.max_tokens", "96", "--controller.max_policy_age", "1")
     try:
         wait_for_steps(run, tmp_path, 2)
         victim = psutil.Process(json.loads((tmp_path / "processes.json").read_text())["generator1"])
@@ -46,13 +46,13 @@ def test_a_killed_replica_is_replaced_and_every_group_is_trained_exactly_once(tm
             run.kill()
     assert run.returncode == 0, stderr[-3000:]
     rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(1, 6))
+    assert [r["step"] for r in rows] == list(range(1, 5))
     assert rows[-1]["generator_restarts"] == 1 and rows[-1]["generator_calls_retried"] >= 1
     records = read_jsonl(tmp_path / "rollouts.jsonl")
     assert_staleness_bound(rows, records, 1)
     # each trained group's prompt appears in one step only, with its whole group
     assert_each_prompt_trained_once(records, {r["prompt_index"] for r in records}, 8)
-    assert len({r["prompt_index"] for r in records}) == 5 * 4
+    assert len({r["prompt_index"] for r in records}) == 4 * 4
     # processes.json names live actors only: the replacement, or none if the run ended before it served
     assert json.loads((tmp_path / "processes.json").read_text()).get("generator1") != victim.pid
     assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE

@@ -29,7 +29,7 @@ def test_a_rubric_must_show_the_reply_and_name_only_known_fields():
         check_rubric("{reply} vs {gold}")
 
 
-def test_a_reasoning_gym_mix_graded_by_a_judge_model_trains_and_reports_each_datasets_accuracy(tmp_path):
+def test_a_reasoning_gym_mix_graded_by_a_judge_model_trains_and_reports_each_datasets_accuracy(tmp_path, cli):
     run = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path / "run"),
                           "--checkpoint.every", "0", "--task", "reasoning_gym", "--reasoning_gym.datasets",
                           "chain_sum:1,leg_counting:1", "--reasoning_gym.eval_size", "6", "--reasoning_gym.format_weight",
@@ -58,9 +58,8 @@ def test_a_reasoning_gym_mix_graded_by_a_judge_model_trains_and_reports_each_dat
             assert (f"accuracy/{dataset}" in row) == bool(mine), (row["step"], dataset)
             assert not mine or row[f"accuracy/{dataset}"] == pytest.approx(sum(mine) / len(mine))
         assert row["judge_yes"] == pytest.approx(sum(c["judge_yes"] for c in checks) / len(checks))
-    bad = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path / "bad"),
-                          "--grader.impl", "meshrl.actors.judge:JudgeGrader", "--grader.judge.rubric", "{answer}?"],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and not (tmp_path / "bad").exists()
-    assert bad.stderr.strip().splitlines() == [
+    code, _, err = cli("train", "--config", "smoke", "--run-dir", tmp_path / "bad", "--grader.impl",
+                       "meshrl.actors.judge:JudgeGrader", "--grader.judge.rubric", "{answer}?")
+    assert code == 2 and not (tmp_path / "bad").exists()
+    assert err.strip().splitlines() == [
         "meshrl: error: grader.judge.rubric may use only {question}, {reference} and {reply} (KeyError('answer'))"]

@@ -4,8 +4,6 @@ mix of two datasets is tests/test_judge.py's (one real run for both)."""
 
 import collections
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -78,13 +76,12 @@ def test_bad_names_and_settings_are_one_clear_error(settings, message):
         task(**settings)
 
 
-def test_an_unknown_dataset_is_one_line_naming_the_closest(tmp_path):
+def test_an_unknown_dataset_is_one_line_naming_the_closest(tmp_path, cli):
     # a mix of two datasets trains, reporting each one's accuracy, in tests/test_judge.py's smoke run
-    bad = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path / "bad"),
-                          "--task", "reasoning_gym", "--reasoning_gym.datasets", "chain_sum,leg_countin"],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and not (tmp_path / "bad").exists()
-    assert bad.stderr.strip().splitlines() == [
+    code, _, err = cli("train", "--config", "smoke", "--run-dir", tmp_path / "bad", "--task", "reasoning_gym",
+                       "--reasoning_gym.datasets", "chain_sum,leg_countin")
+    assert code == 2 and not (tmp_path / "bad").exists()
+    assert err.strip().splitlines() == [
         "meshrl: error: unknown reasoning_gym dataset 'leg_countin'; did you mean leg_counting, letter_counting, "
         "rectangle_count, countdown? (all 106: "
         "python -c 'import reasoning_gym; print(sorted(reasoning_gym.factory.DATASETS))')"]

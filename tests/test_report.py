@@ -1,8 +1,6 @@
 """`meshrl report` on hand-written run directories (fake runs: the figures are computed by hand)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -61,12 +59,10 @@ def test_report_puts_runs_side_by_side_and_redraws_their_plots(tmp_path):
     assert (tmp_path / "sync" / "timeline.png").is_file() and not (tmp_path / "async" / "timeline.png").exists()
 
 
-def test_report_cli_prints_one_run_and_rejects_a_directory_that_is_not_a_run(tmp_path):
+def test_report_cli_prints_one_run_and_rejects_a_directory_that_is_not_a_run(tmp_path, cli):
     write_fake_run(tmp_path / "one", [0.1, 0.2], tokens_trained=100, step_time=1.0)
-    ok = subprocess.run([sys.executable, "-m", "meshrl", "report", str(tmp_path / "one")],
-                        capture_output=True, text=True, timeout=120)
-    assert ok.returncode == 0 and ok.stdout.split()[0] == "one" and "trained_tokens_per_s" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "meshrl", "report", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2
-    assert bad.stderr.strip().splitlines() == [f"meshrl: error: {tmp_path} is not a run directory: it has no metrics.jsonl"]
+    code, out, _ = cli("report", tmp_path / "one")
+    assert code == 0 and out.split()[0] == "one" and "trained_tokens_per_s" in out
+    code, _, err = cli("report", tmp_path)
+    assert code == 2
+    assert err.strip().splitlines() == [f"meshrl: error: {tmp_path} is not a run directory: it has no metrics.jsonl"]

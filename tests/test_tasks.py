@@ -139,7 +139,7 @@ def test_a_users_task_from_its_own_module_trains(tmp_path):
                             "Is 17 even or odd? Answer with one word.", "Is 24 even or odd? Answer with one word."}
 
 
-def test_a_jsonl_file_trains_through_the_dataset_task_and_bad_data_stops_before_anything_starts(tmp_path):
+def test_a_jsonl_file_trains_through_the_dataset_task_and_bad_data_stops_before_anything_starts(tmp_path, cli):
     path = write_jsonl(tmp_path / "sums.jsonl", [{"q": f"What is {i} + {i}?", "a": 2 * i} for i in range(12)])
     rows = smoke(tmp_path / "run", "--task", "dataset", "--dataset.path", path, "--dataset.prompt_field", "q",
                  "--dataset.answer_field", "a", "--dataset.reward", "numeric", "--dataset.eval_size", "4")
@@ -150,12 +150,11 @@ def test_a_jsonl_file_trains_through_the_dataset_task_and_bad_data_stops_before_
     trained = {r["prompt"] for r in records}
     assert len(trained) == 4 and trained <= {f"What is {i} + {i}?" for i in range(8)}  # never an eval row
     (tmp_path / "bad.jsonl").write_text('{"q": "a", "a": 1}\n{"q": "b"}\n')
-    bad = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir",
-                          str(tmp_path / "bad"), "--task", "dataset", "--dataset.path", str(tmp_path / "bad.jsonl"),
-                          "--dataset.prompt_field", "q", "--dataset.answer_field", "a", "--dataset.eval_size", "1"],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2
-    assert bad.stderr.strip().splitlines() == [f"meshrl: error: {tmp_path / 'bad.jsonl'} row 2: no 'a' (fields: q)"]
+    code, _, err = cli("train", "--config", "smoke", "--run-dir", tmp_path / "bad", "--task", "dataset",
+                       "--dataset.path", tmp_path / "bad.jsonl", "--dataset.prompt_field", "q",
+                       "--dataset.answer_field", "a", "--dataset.eval_size", "1")
+    assert code == 2
+    assert err.strip().splitlines() == [f"meshrl: error: {tmp_path / 'bad.jsonl'} row 2: no 'a' (fields: q)"]
     assert not (tmp_path / "bad").exists()
 
 

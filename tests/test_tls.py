@@ -3,8 +3,6 @@ reads, and a worker that will not start without TLS unless told to trust every c
 network-namespace hosts of tests/test_multihost.py train over TLS and refuse a stranger's key.)"""
 
 import stat
-import subprocess
-import sys
 
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -28,10 +26,9 @@ def test_certs_are_signed_by_their_ca_for_the_hosts_named_and_readable_by_their_
     assert tls_environment(tmp_path / "tls")["HYPERACTOR_TLS_CA"] == str(files[0])
 
 
-def test_the_cli_makes_certs_and_a_worker_needs_tls_or_insecure(tmp_path):
-    made = subprocess.run([sys.executable, "-m", "meshrl", "certs", str(tmp_path / "c"), "--hosts", "a,b"],
-                          capture_output=True, text=True, timeout=60)
-    assert made.returncode == 0 and made.stdout.split() == [str(tmp_path / "c" / n) for n in
+def test_the_cli_makes_certs_and_a_worker_needs_tls_or_insecure(tmp_path, cli):
+    code, out, _ = cli("certs", tmp_path / "c", "--hosts", "a,b")
+    assert code == 0 and out.split() == [str(tmp_path / "c" / n) for n in
                                                             ("ca.crt", "ca.key", "tls.crt", "tls.key")]
     for args, message in [
             (["--address", "tls://127.0.0.1:1"], "meshrl worker needs --tls DIR (from `meshrl certs DIR`) or, to "
@@ -40,6 +37,5 @@ def test_the_cli_makes_certs_and_a_worker_needs_tls_or_insecure(tmp_path):
              "--address tcp://127.0.0.1:1: a worker listens on tls://HOST:PORT (or tcp:// with --insecure)"),
             (["--address", "tls://127.0.0.1:1", "--tls", str(tmp_path)],
              f"{tmp_path} has no ca.crt, tls.crt, tls.key: create them with `meshrl certs {tmp_path}`")]:
-        worker = subprocess.run([sys.executable, "-m", "meshrl", "worker", *args], capture_output=True, text=True,
-                                timeout=60)
-        assert worker.returncode == 2 and worker.stderr.strip().splitlines() == [f"meshrl: error: {message}"]
+        code, _, err = cli("worker", *args)
+        assert code == 2 and err.strip().splitlines() == [f"meshrl: error: {message}"]
