@@ -13,7 +13,7 @@ from meshrl.tools.cli import main
 from meshrl.configs import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # the study reports in docs/studies/ too
+PAGES = [ROOT / "README.md", ROOT / "tests" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # the study reports in docs/studies/ too
 LINK = re.compile(r"\]\((?!https?:)([^)\s]+)\)")
 
 
