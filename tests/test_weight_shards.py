@@ -139,7 +139,7 @@ def test_ranks_share_a_ring_with_the_consecutive_ranks_on_their_host(hosts, rank
 
 
 def test_host_ring_on_one_host_gives_one_ring_every_rank_writes():
-    world, barrier, gathered, rings = 3, threading.Barrier(3), [], [None] * 3
+    world, barrier, gathered, rings = 3, threading.Barrier(3, timeout=60), [], [None] * 3
 
     def gather(rank):
         def all_gather(value):  # each rank's value, as torch.distributed's all_gather_object returns them
@@ -150,14 +150,21 @@ def test_host_ring_on_one_host_gives_one_ring_every_rank_writes():
             return values
         return all_gather
 
+    errors = []
+
     def make(rank):
-        rings[rank] = host_ring(LAYOUT, rank, world, gather(rank), slots=2, chunk_mb=1, checksums=True)
+        try:
+            rings[rank] = host_ring(LAYOUT, rank, world, gather(rank), slots=2, chunk_mb=1, checksums=True)
+        except BaseException as e:  # the others would wait at the barrier for it forever
+            errors.append(e)
+            barrier.abort()
 
     threads = [threading.Thread(target=make, args=(rank,)) for rank in range(world)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads), errors
     assert [r.handle() is not None for r in rings] == [True, False, False] and rings[0].handle().ranks == (0, 3)
     publish(rings, 1)
     version, tensors = pull(ShardedReader([r.handle() for r in rings], LAYOUT, lambda d: d, "shm"))
