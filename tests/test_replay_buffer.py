@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 import torch
+from assertions import assert_staleness_bound, read_jsonl
 
 from meshrl.actors.replay_buffer import FifoBuffer, ReplayBuffer
 from meshrl.configs import ReplayBufferConfig, TrainerConfig
@@ -151,7 +152,8 @@ def test_the_controller_sends_the_trainer_only_references_to_micro_batches_in_th
     done = run(run_fake(config, tmp_path, Script()))
     assert set(done.trainer.received) == {"BatchRef"}  # no TrainBatch: no token tensor from the controller
     reused = [r["episodes_reused"] for r in done.rows]
-    assert (sum(reused) > 0) == (impl == "replay") and all(r["staleness_max"] <= 1 for r in done.rows)
+    assert sum(reused) > 0 if impl == "replay" else sum(reused) == 0
+    assert_staleness_bound(done.rows, read_jsonl(tmp_path / "rollouts.jsonl"), 1, fifo=impl == "fifo")
     assert [r["step"] for r in done.rows] == [1, 2, 3, 4]
 
 
