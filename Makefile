@@ -22,9 +22,11 @@ demo-reasoning-gym: $(STAMP)
 
 # Two workers, each taking whole files (tests of one file share fixtures and may not overlap, e.g.
 # the multi-host test's network namespaces): the suite's real processes wait on each other often
-# enough that two at once keep both cores busy.
+# enough that two at once keep both cores busy. Files go out in collection order, the slowest first
+# (tests/conftest.py), not by their number of tests (xdist's default would send the one-test real
+# runs last, for one worker to finish alone).
 test: $(STAMP)
-	$(BIN)/python -m pytest -v -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -v -n 2 --dist loadfile --no-loadscope-reorder tests
 
 install: $(STAMP)
 
