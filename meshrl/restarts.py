@@ -110,8 +110,8 @@ class Restarts:
     """The controller's restarts of its trainer and reference: how many, and the seconds they cost."""
 
     def __init__(self, respawner: Respawner | None, config):
-        """The whole `config`: the controller's restart window, each restartable role's `max_restarts`, and
-        the trainer's and reference's sections, with which a restarted trainer trains its batches again."""
+        """From `config`: the controller's restart window and each restartable role's `max_restarts` (a
+        restarted trainer trains its batches again with the controller's config: `replay`)."""
         self.respawner = respawner
         window = config.controller.restart_window_s
         self.budgets = {"trainer": RestartBudget(config.trainer.max_restarts, window),
