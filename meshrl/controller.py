@@ -30,15 +30,14 @@ from monarch.actor import ActorError
 
 from meshrl.actors import first, in_rank_order
 from meshrl.actors.replay_buffer import fresh_groups, generation_ahead
+from meshrl.actors.replicas import ReplicaPool, RoleFailed
+from meshrl.actors.timeouts import Stopped, StopSignals, Timeouts, bounded, deadline
 from meshrl.checkpoint import Checkpointer, RunState, latest
 from meshrl.configs import Config
 from meshrl.episodes import batch_builder, keep_group
-from meshrl.actors.timeouts import StopSignals, Stopped
-from meshrl.actors.replicas import ReplicaPool, RoleFailed
-from meshrl.rollout import RolloutCollector
-from meshrl.actors.timeouts import Timeouts, bounded, deadline
-from meshrl.train_step import train_updates
 from meshrl.restarts import FAULTS, Respawner, Restarts
+from meshrl.rollout import RolloutCollector
+from meshrl.train_step import train_updates
 from meshrl.types import BatchRef, GroupEpisodes
 from meshrl.work_buffer import Batch, Group, WorkBuffer
 

@@ -14,7 +14,6 @@ add up to the update's loss. Metrics are sums over loss tokens (the caller divid
 import torch
 
 from meshrl.actors import has_bf16_math
-
 from meshrl.configs import LossConfig
 from meshrl.types import TrainBatch
 

@@ -33,9 +33,9 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import ActorError
 
 from meshrl.actors import first
-from meshrl.checkpoint import checkpoints
 from meshrl.actors.replicas import RestartBudget, RoleFailed, error_line
 from meshrl.actors.timeouts import CallTimeout, deadline
+from meshrl.checkpoint import checkpoints
 from meshrl.train_step import train_updates
 from meshrl.types import BatchRef
 

@@ -24,12 +24,12 @@ from typing import Awaitable, Callable
 
 from tqdm import tqdm
 
+from meshrl.actors.replicas import CallFailed, Replica, ReplicaPool
+from meshrl.actors.timeouts import Timeouts
 from meshrl.configs import ControllerConfig, GeneratorConfig
 from meshrl.episodes import check_rates
-from meshrl.actors.replicas import CallFailed, Replica, ReplicaPool
-from meshrl.tasks import Sample, is_environment
-from meshrl.actors.timeouts import Timeouts
 from meshrl.models.model import ChatTokenizer
+from meshrl.tasks import Sample, is_environment
 from meshrl.types import Completion, Prompt, Sampling, ScoredCompletion, Trajectory
 from meshrl.work_buffer import Group, WorkBuffer
 

@@ -21,9 +21,9 @@ from collections import defaultdict
 import torch
 
 from meshrl.actors import first
-from meshrl.configs import TrainerConfig
 from meshrl.actors.timeouts import Timeouts
 from meshrl.actors.trace import no_span
+from meshrl.configs import TrainerConfig
 from meshrl.types import BatchRef, Episode, TrainBatch
 
 

@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 import torch
-
 from monarch.actor import endpoint
 
 from meshrl.actors.distributed import from_buffer

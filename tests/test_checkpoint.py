@@ -16,10 +16,10 @@ from collections import defaultdict
 import psutil
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
 from actor_helpers import kill_role_after_steps
 from assertions import assert_each_prompt_trained_once, read_jsonl
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
 from meshrl.actors import spawn
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.checkpoint import load_safely, rng_states, set_rng_states

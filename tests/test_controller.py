@@ -8,11 +8,12 @@ import logging
 from collections import Counter
 
 import pytest
-from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from assertions import assert_each_group_trained_once, assert_staleness_bound, read_jsonl
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+
 from meshrl import checkpoint
-from meshrl.tools.simulation import Costs, FakeTrainer, Script, fake_config, run_fake
 from meshrl.actors.replicas import RoleFailed
+from meshrl.tools.simulation import Costs, FakeTrainer, Script, fake_config, run_fake
 from meshrl.work_buffer import TooManyFailures, WorkBuffer
 
 
@@ -284,8 +285,8 @@ def test_the_fake_trainer_answers_with_the_real_loss_metrics():
     import torch
 
     from meshrl.configs import LossConfig
-    from meshrl.tools.simulation import FakeWeights
     from meshrl.losses import policy_loss
+    from meshrl.tools.simulation import FakeWeights
     from meshrl.types import Episode, TrainBatch
 
     batch = TrainBatch.collate([Episode([1, 2, 3], [False, True, True], [0.0, -1.0, -2.0], 1.0, 0, 0)], 2, 1)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from meshrl.tools.cli import main
 from meshrl.configs import load_config
+from meshrl.tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "tests" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # the study reports in docs/studies/ too

@@ -9,8 +9,8 @@ import sys
 import time
 
 import psutil
-from assertions import (assert_each_prompt_trained_once, assert_final_policy_is_the_trained_one,
-                        assert_staleness_bound, read_jsonl)
+from assertions import (assert_each_prompt_trained_once, assert_final_policy_is_the_trained_one, assert_staleness_bound,
+                        read_jsonl)
 
 TWO_REPLICAS = ["--generator.replicas", "2", "--generator.num_threads", "1", "--generator.cpus", "0;1"]
 

@@ -10,11 +10,11 @@ import sys
 import textwrap
 
 import pytest
+from netns_hosts import usable
 
 from meshrl.configs import load_config
 from meshrl.runtime.jobs import RolePlacement, host_groups, plan
 from meshrl.weight_sync.ring import host_id, same_host
-from netns_hosts import usable
 
 
 def placed(**overrides) -> dict:
@@ -70,11 +70,14 @@ def test_placements_that_cannot_work_are_one_clear_error(overrides, message):
 
 @pytest.mark.parametrize("config, kind", [("sum_digits_smollm2_slurm", "slurm"),
                                           ("sum_digits_smollm2_kubernetes", "kubernetes")])
-def test_cluster_configs_are_checked_by_a_dry_run_without_a_cluster(config, kind, tmp_path, cli):
-    run = ["train", "--config", config, "--run-dir", str(tmp_path), "--model.source", "tiny", "--dry-run"]
-    code, out, err = cli(*run)
-    assert code == 0, err[-2000:]
-    lines = out.splitlines()
+def test_cluster_configs_are_checked_by_a_dry_run_without_a_cluster(config, kind, tmp_path):
+    """In a process of its own: a Slurm or Kubernetes job object switches its process to Monarch's TCP
+    transport (meshrl/runtime/jobs.py's make_job), which later actors spawned in this one could not use."""
+    run = [sys.executable, "-m", "meshrl", "train", "--config", config, "--run-dir", str(tmp_path),
+           "--model.source", "tiny", "--dry-run"]
+    result = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
     assert lines[0] == f"job: {kind}, host groups trainer (1 host), generators (1 host)"
     assert "trainer: 1 rank, 1 per host on group trainer (1 host)" in lines
     assert any(line.startswith("generator: 1 replica") and line.endswith("on group generators (1 host)")
@@ -83,9 +86,9 @@ def test_cluster_configs_are_checked_by_a_dry_run_without_a_cluster(config, kind
     assert lines[-1] == "checked; nothing started (--dry-run)"
     assert not list(tmp_path.iterdir())  # nothing written, nothing launched
     # the same check refuses a placement that cannot work, in one line
-    code, _, err = cli(*run, "--job.hosts", "trainer:1")
-    assert code == 2
-    assert err.strip() == "meshrl: error: generator.hosts 'generators' is not a group of job.hosts (trainer:1)"
+    bad = subprocess.run(run + ["--job.hosts", "trainer:1"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "meshrl: error: generator.hosts 'generators' is not a group of job.hosts (trainer:1)"
 
 
 def test_the_same_host_is_the_same_machine_and_namespaces_not_the_same_host_name():
@@ -114,18 +117,19 @@ def test_the_same_host_is_the_same_machine_and_namespaces_not_the_same_host_name
 @pytest.mark.parametrize("config, model, generators", [
     ("qwen3_0_6b_gsm8k", "Qwen3-0.6B", "0 | 1 | 2 | 3 | 4 | 5 | 6 | 7"),
     ("qwen3_8b_gsm8k", "Qwen3-8B", "0,1 | 2,3 | 4,5 | 6,7")])
-def test_the_qwen3_cluster_configs_plan_their_gpus_in_a_dry_run(config, model, generators, tmp_path, cli):
+def test_the_qwen3_cluster_configs_plan_their_gpus_in_a_dry_run(config, model, generators, tmp_path):
     """The GPU examples, with a tiny Qwen3 and a small file standing in for the user's model and GSM8K."""
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(f'{{"question": "What is {i} + {i}?", "answer": "{2 * i}"}}\n' for i in range(4)))
-    run = ["train", "--config", config, "--run-dir", str(tmp_path / "run"), "--dry-run"]
-    code, out, err = cli(*run, "--model.source", "tiny_qwen3", "--dataset.path", data, "--dataset.eval_path", data)
-    assert code == 0, err[-2000:]
-    assert f"gpus: generator replicas' CUDA_VISIBLE_DEVICES, replica 0 first: {generators}" in out
+    run = [sys.executable, "-m", "meshrl", "train", "--config", config, "--run-dir", str(tmp_path / "run"), "--dry-run"]
+    result = subprocess.run(run + ["--model.source", "tiny_qwen3", "--dataset.path", str(data),
+                                   "--dataset.eval_path", str(data)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"gpus: generator replicas' CUDA_VISIBLE_DEVICES, replica 0 first: {generators}" in result.stdout
     trainer = " ".join(f"cuda:{g}" for g in range(8))  # the trainer's node to itself
-    assert f"gpus: trainer ranks on each host, local rank 0 first: {trainer}" in out
+    assert f"gpus: trainer ranks on each host, local rank 0 first: {trainer}" in result.stdout
     # as shipped, the config points at the user's download: one line says what is missing
-    code, _, err = cli(*run, "--dataset.path", data, "--dataset.eval_path", data)
-    assert code == 2
-    assert err.strip().startswith(f"meshrl: error: model {model!r} not found")
-
+    missing = subprocess.run(run + ["--dataset.path", str(data), "--dataset.eval_path", str(data)],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2
+    assert missing.stderr.strip().startswith(f"meshrl: error: model {model!r} not found")

@@ -12,14 +12,14 @@ import inspect
 
 import pytest
 from monarch.actor import this_host
+from rule_actors import Sleeper, sleep_timed
 
 from meshrl.actors import roles
-from meshrl.actors.grader import Grader
 from meshrl.actors.generator import VLLMGenerator
+from meshrl.actors.grader import Grader
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.tools.fake_monarch import FakeMesh, concurrent
 from meshrl.tools.simulation import FakeGenerator, FakeGrader, FakeTrainer
-from rule_actors import Sleeper, sleep_timed
 
 LONG = 0.6  # seconds a first call takes; the second is sent 0.1 s after it
 

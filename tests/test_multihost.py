@@ -13,7 +13,6 @@ import time
 import psutil
 import pytest
 from assertions import assert_final_policy_is_the_trained_one, assert_staleness_bound, read_jsonl
-
 from netns_hosts import leftovers, namespace_hosts, usable
 
 TWO_HOSTS = ["--job.hosts", "trainer:1,generators:1", "--trainer.hosts", "trainer", "--generator.hosts", "generators"]

@@ -15,10 +15,10 @@ from meshrl.actors import spawn
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.grader import EnvReply, Grader
 from meshrl.configs import GeneratorConfig, WeightSyncConfig, load_config
-from meshrl.runtime.launch import actor_classes
+from meshrl.episodes import build_episodes
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
 from meshrl.rollout import converse
-from meshrl.episodes import build_episodes
+from meshrl.runtime.launch import actor_classes
 from meshrl.tasks.zorplex import Zorplex, ZorplexConfig
 from meshrl.types import Completion, Sampling, ScoredCompletion, Trajectory
 

@@ -9,8 +9,8 @@ import monarch.actor
 import pytest
 from monarch.actor import Actor, endpoint
 
-from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.replicas import CallFailed, ReplicaPool, RestartBudget, RoleFailed, monarch_replicas
+from meshrl.actors.roles import ReplicaBroken
 
 
 class Echo(Actor):

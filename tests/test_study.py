@@ -8,11 +8,11 @@ import statistics
 import pytest
 import torch
 
+from meshrl.tasks.zorplex import Zorplex, ZorplexConfig
 from meshrl.tools.cli import main
-from meshrl.tools.study import Study, StudyFailed, StudyRun, finished, run_study, write_report
 from meshrl.tools.studies import mean_spread, time_to_reach
 from meshrl.tools.studies.weight_sync_equivalence import publish_to_served, same_samples
-from meshrl.tasks.zorplex import Zorplex, ZorplexConfig
+from meshrl.tools.study import Study, StudyFailed, StudyRun, finished, run_study, write_report
 from meshrl.weight_sync.disk import DiskHandle, DiskReader, read_version, versions, write_version
 from meshrl.weight_sync.verify import bitwise_differences
 

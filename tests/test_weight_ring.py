@@ -11,7 +11,8 @@ import asyncio
 import pytest
 import torch
 
-from meshrl.weight_sync import LayoutError, WeightLayout, ordering, ring as ring_module
+from meshrl.weight_sync import LayoutError, WeightLayout, ordering
+from meshrl.weight_sync import ring as ring_module
 from meshrl.weight_sync.ring import (BEGIN, CHECKSUM, END, VERSION, CorruptWeightsError, RingReader, TornReadsError,
                                      WeightRing, checksum)
 

@@ -23,9 +23,7 @@ def start_vllm(checkpoint: str, *, dtype: str, max_model_len: int, memory_fracti
     if devices:  # this replica's GPUs (meshrl/runtime/gpu_plan.py), before anything starts CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = devices
     pin_cpus(cpus, num_threads)
-    from vllm import LLM
-
-    from vllm import SamplingParams
+    from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = LLM(checkpoint, dtype=vllm_dtype(dtype), max_model_len=max_model_len, gpu_memory_utilization=memory_fraction,

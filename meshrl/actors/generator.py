@@ -45,8 +45,8 @@ from meshrl.actors.engine import start_vllm
 from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.weight_updates import WeightUpdates
 from meshrl.configs import GeneratorConfig, WeightSyncConfig
-from meshrl.weight_sync import published_weights
 from meshrl.types import Completion, Prompt, Sampling
+from meshrl.weight_sync import published_weights
 from meshrl.weight_sync.disk import DiskHandle, DiskReader
 from meshrl.weight_sync.ring import RingHandle
 from meshrl.weight_sync.shards import ShardedReader

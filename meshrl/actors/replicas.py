@@ -18,9 +18,9 @@ configuration fault, which a fresh process would only repeat: the pool gives up 
 
 import asyncio
 import logging
+import math
 import os
 import socket
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, TypeVar

@@ -27,14 +27,14 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint
 from torch.distributed.tensor import DTensor
 
 from meshrl.actors.distributed import all_gather, from_buffer, join, load_on_ranks, local, to_buffer
+from meshrl.actors.trace import ActorClock
 from meshrl.checkpoint import SafeReader, load_safely
 from meshrl.configs import TrainerConfig, WeightSyncConfig
-from meshrl.losses import (autocast, check, on_positions, policy_logprobs, policy_loss, response_logits,
-                           token_entropy, token_logprobs)
+from meshrl.losses import (autocast, check, on_positions, policy_logprobs, policy_loss, response_logits, token_entropy,
+                           token_logprobs)
 from meshrl.models.model import save_checkpoint
-from meshrl.weight_sync import published_weights
-from meshrl.actors.trace import ActorClock
 from meshrl.types import BatchRef, TrainBatch
+from meshrl.weight_sync import published_weights
 from meshrl.weight_sync.disk import DiskHandle, write_version
 from meshrl.weight_sync.ring import RingHandle
 from meshrl.weight_sync.shards import host_ring

@@ -186,8 +186,7 @@ def _num_experts(hf: dict) -> int:
 
 
 def _moe(hf: dict):
-    from torchtitan.models.common.config_utils import (make_moe_config, make_routed_experts_config,
-                                                       make_router_config)
+    from torchtitan.models.common.config_utils import make_moe_config, make_routed_experts_config, make_router_config
 
     dim, experts, top_k = hf["hidden_size"], _num_experts(hf), hf["num_experts_per_tok"]
     return make_moe_config(

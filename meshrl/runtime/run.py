@@ -27,21 +27,21 @@ from tqdm import tqdm
 
 from meshrl import checkpoint
 from meshrl.actors import in_rank_order
-from meshrl.configs import Config, to_dict
-from meshrl.controller import Controller
-from meshrl.runtime.gpu_plan import plan_gpus
-from meshrl.runtime.jobs import Hosts, gpus_per_host, make_job, plan
-from meshrl.runtime.launch import (Actors, actor_classes, generator_args, note_fault,
-                                   spawn_actors, spawn_buffer, spawn_ranked, weight_dtype)
-from meshrl.runtime.loggers import MetricLoggers, RolloutRecorder
-from meshrl.runtime.metric_rows import MetricRows
-from meshrl.models.model import ChatTokenizer, resolve_checkpoint
-from meshrl.runtime.plot import plot_curves
 from meshrl.actors.replicas import ReplicaPool, RoleFailed, error_line, monarch_replicas, processes, replica_name
-from meshrl.tasks import make_task, task_config
 from meshrl.actors.timeouts import CallTimeout, StopSignals, Timeouts, bounded, deadline
 from meshrl.actors.trace import Tracer
+from meshrl.configs import Config, to_dict
+from meshrl.controller import Controller
+from meshrl.models.model import ChatTokenizer, resolve_checkpoint
 from meshrl.restarts import Respawner
+from meshrl.runtime.gpu_plan import plan_gpus
+from meshrl.runtime.jobs import Hosts, gpus_per_host, make_job, plan
+from meshrl.runtime.launch import (Actors, actor_classes, generator_args, note_fault, spawn_actors, spawn_buffer,
+                                   spawn_ranked, weight_dtype)
+from meshrl.runtime.loggers import MetricLoggers, RolloutRecorder
+from meshrl.runtime.metric_rows import MetricRows
+from meshrl.runtime.plot import plot_curves
+from meshrl.tasks import make_task, task_config
 from meshrl.work_buffer import TooManyFailures
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
-
 @dataclass
 class Sample:
     prompt: str  # the user's message; the chat template is applied by the controller

@@ -15,7 +15,6 @@ from meshrl.configs import CONFIGS, ConfigError, load_config
 from meshrl.configs.overrides import help_text
 from meshrl.models.model import ModelError, resolve_checkpoint
 
-
 MODEL_HELP = "smollm2, a tiny stand-in (tiny, tiny_qwen3, tiny_qwen3_moe), or an HF checkpoint directory"
 
 

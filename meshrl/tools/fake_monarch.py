@@ -20,7 +20,6 @@ from collections import Counter
 from monarch._src.actor.endpoint import EndpointProperty
 from monarch.actor import ActorError
 
-
 ACTOR_CPU: Counter = Counter()  # CPU seconds each fake actor class spent in its own endpoints' code
 
 

@@ -8,8 +8,8 @@ import json
 import statistics
 from pathlib import Path
 
-from meshrl.runtime.plot import plot_curves
 from meshrl.actors.trace import plot_timeline, read_spans
+from meshrl.runtime.plot import plot_curves
 
 
 def read_rows(run_dir: Path) -> list[dict]:

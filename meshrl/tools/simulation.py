@@ -24,20 +24,19 @@ from meshrl import checkpoint
 from meshrl.actors import load_actor_class
 from meshrl.actors.distributed import from_buffer, to_buffer
 from meshrl.actors.replay_buffer import buffer_impl
+from meshrl.actors.replicas import Replica, ReplicaPool
 from meshrl.actors.roles import ReplicaBroken
+from meshrl.actors.timeouts import StopSignals, Timeout, Timeouts
+from meshrl.actors.trace import ActorClock, Tracer
 from meshrl.actors.weight_updates import WeightUpdates
 from meshrl.configs import Config, ControllerConfig
 from meshrl.controller import Controller
-from meshrl.tools.fake_monarch import FakeMesh, FakeProcs, concurrent
+from meshrl.restarts import Respawner
 from meshrl.runtime.launch import weight_update
-from meshrl.actors.timeouts import StopSignals
 from meshrl.runtime.loggers import MetricLoggers, RolloutRecorder
 from meshrl.runtime.metric_rows import MetricRows
-from meshrl.actors.replicas import Replica, ReplicaPool
 from meshrl.tasks import Sample
-from meshrl.actors.timeouts import Timeout, Timeouts
-from meshrl.actors.trace import ActorClock, Tracer
-from meshrl.restarts import Respawner
+from meshrl.tools.fake_monarch import FakeMesh, FakeProcs, concurrent
 from meshrl.types import Completion, ScoredCompletion
 
 PROMPT_ID = 100  # FakeTokenizer: a prompt's first token is PROMPT_ID + its index, so the trainer can tell

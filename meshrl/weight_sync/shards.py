@@ -21,8 +21,7 @@ from typing import Callable
 import torch
 
 from meshrl.weight_sync import WeightLayout
-from meshrl.weight_sync.ring import (Pieces, RingHandle, RingReader, WeightRing, host_id, newest_together,
-                                     pull_together)
+from meshrl.weight_sync.ring import Pieces, RingHandle, RingReader, WeightRing, host_id, newest_together, pull_together
 
 Weights = list[tuple[str, torch.Tensor]]
 

@@ -17,9 +17,9 @@ from monarch.actor import endpoint
 
 from meshrl.actors import parse_cpus
 from meshrl.actors.generator import VLLMGenerator
+from meshrl.actors.replicas import ReplicaPool
 from meshrl.configs import GeneratorConfig, WeightSyncConfig
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
-from meshrl.actors.replicas import ReplicaPool
 from meshrl.tasks.sum_digits import SumDigits, SumDigitsConfig
 from meshrl.types import Prompt, Sampling
 

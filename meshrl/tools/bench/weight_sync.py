@@ -24,7 +24,6 @@ from meshrl.weight_sync import published_weights
 from meshrl.weight_sync.shards import ShardedReader
 from meshrl.weight_sync.stress import stress_ring
 
-
 STREAMS = (1, 2, 4, 8, 16)
 
 

@@ -12,9 +12,9 @@ import statistics
 from pathlib import Path
 
 from meshrl.configs import from_dict
-from meshrl.tools.study import Study, StudyRun, register
-from meshrl.tools.studies import cell, curve_plot, read_json_lines, read_rows, read_summary, table
 from meshrl.tasks.zorplex import Zorplex, ZorplexConfig
+from meshrl.tools.studies import cell, curve_plot, read_json_lines, read_rows, read_summary, table
+from meshrl.tools.study import Study, StudyRun, register
 
 STEPS = 10
 CURRICULUM = "16-47"  # steps 1-2 level 1; level 2's share rising over steps 3-6; steps 7-10 level 2 only

@@ -16,8 +16,8 @@ recipe, and the report gives the share of episodes trained again.
 import statistics
 from pathlib import Path
 
-from meshrl.tools.study import Study, StudyRun, register
 from meshrl.tools.studies import curve_plot, mean_spread, read_rows, read_summary, table
+from meshrl.tools.study import Study, StudyRun, register
 
 STEPS, SEEDS = 10, (0, 1, 2)
 COMMON = ["--controller.steps", str(STEPS), "--controller.eval_every", "5", "--checkpoint.every", "0"]

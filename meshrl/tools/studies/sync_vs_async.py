@@ -13,8 +13,8 @@ import statistics
 from pathlib import Path
 
 from meshrl.tools.report import summarize
-from meshrl.tools.study import Study, StudyRun, register
 from meshrl.tools.studies import cell, curve_plot, mean_spread, read_rows, read_summary, table, time_to_reach
+from meshrl.tools.study import Study, StudyRun, register
 
 STEPS, SEEDS = 10, (0, 1, 2)
 COMMON = ["--controller.steps", str(STEPS), "--controller.eval_every", "5", "--checkpoint.every", "0"]

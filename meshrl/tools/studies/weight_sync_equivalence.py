@@ -11,9 +11,9 @@ version, is from the trace: the start of the trainer's publish to the end of the
 import statistics
 from pathlib import Path
 
-from meshrl.tools.study import Study, StudyRun, register
-from meshrl.tools.studies import cell, curve_plot, read_json_lines, read_rows, table
 from meshrl.actors.trace import read_spans
+from meshrl.tools.studies import cell, curve_plot, read_json_lines, read_rows, table
+from meshrl.tools.study import Study, StudyRun, register
 
 STEPS = 5
 COMMON = ["--controller.steps", str(STEPS), "--controller.eval_every", "0", "--sum_digits.eval_size", "32",
