@@ -408,7 +408,3 @@ async def run_fake(config: Config, run_dir: Path, script: Script | None = None, 
         rows.close()
         tracer.close(plot=False)
     return FakeRun(controller, trainers[-1], rows.rows, spawned, graded)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
