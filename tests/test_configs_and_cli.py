@@ -115,11 +115,8 @@ def run_cli(*args):
     (["train", "--config", "smoke", "--trainer.mini_batches", "0"], "trainer.mini_batches must be at least 1, not 0"),
     (["train", "--config", "smoke", "--trainer.loss.tis_level", "batch"], "unknown trainer.loss.tis_level 'batch'"),
 ])
-def test_cli_bad_input_is_one_error_line_and_nonzero_exit(args, message, tmp_path, capsys):
-    from meshrl.tools.cli import main
-
-    code = main([*args, "--run-dir", str(tmp_path / "run")])  # in this process: main() is the whole command
-    stderr = capsys.readouterr().err
+def test_cli_bad_input_is_one_error_line_and_nonzero_exit(args, message, tmp_path, cli):
+    code, _, stderr = cli(*args, "--run-dir", tmp_path / "run")
     assert code == 2
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("meshrl: error: ") and message in lines[0], stderr

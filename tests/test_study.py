@@ -166,20 +166,21 @@ def test_finished_needs_every_step_and_an_ending_of_its_own(tmp_path):
             if finished(tmp_path / n, run)] == ["ok"]
 
 
-def test_the_study_command_lists_dry_runs_and_refuses_unknown_names(tmp_path, capsys):
-    assert main(["study", "--list"]) == 0
-    listed = capsys.readouterr().out
+def test_the_study_command_lists_dry_runs_and_refuses_unknown_names(tmp_path, cli):
+    code, listed, _ = cli("study", "--list")
+    assert code == 0
     assert [line.split()[0] for line in listed.splitlines()] == ["weight-sync-equivalence", "sync-vs-async",
                                                                   "difficulty", "replay"]
-    assert main(["study", "sync-vs-async", "--dry-run", "--dir", str(tmp_path)]) == 0
-    commands = capsys.readouterr().out.splitlines()
+    code, out, _ = cli("study", "sync-vs-async", "--dry-run", "--dir", tmp_path)
+    commands = out.splitlines()
+    assert code == 0
     assert len(commands) == 9 and all(c.startswith("meshrl train --config sum_digits_smollm2") for c in commands)
     assert sum("--controller.max_policy_age 2" in c for c in commands) == 3
     assert {c.split("--generator.seed ")[1].split()[0] for c in commands} == {"0", "1", "2"}
     assert not any(tmp_path.iterdir())  # a dry run starts nothing
-    assert main(["study", "difficult"]) == 2
-    assert ("unknown study 'difficult'; known: weight-sync-equivalence, sync-vs-async, difficulty, replay"
-            in capsys.readouterr().err)
+    code, _, err = cli("study", "difficult")
+    assert code == 2
+    assert "unknown study 'difficult'; known: weight-sync-equivalence, sync-vs-async, difficulty, replay" in err
 
 
 def test_mean_spread_and_time_to_reach_by_hand():
