@@ -1,7 +1,8 @@
 """Timeouts for the actor calls the controller makes: a call that does not answer in time is handled
 as its actor having died, never as a hang. A generator or grader replica that times out is replaced
-like a crashed one (its group redone elsewhere); the trainer or the reference timing out ends the
-run with one line naming the call. Each role's config sets its own limit (`generator.timeout_s`,
+like a crashed one (its group redone elsewhere); the trainer, the reference or the replay buffer
+timing out is restarted (meshrl/restarts.py), and past its restart budget ends the run with one line
+naming the call. Each role's config sets its own limit (`generator.timeout_s`,
 `weight_sync.timeout_s` for weight pulls, `trainer.timeout_s`, ...). Calls made while stopping are
 bounded too (`controller.stop_timeout_s`): past it the stop goes on without them.
 
