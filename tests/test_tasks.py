@@ -139,16 +139,32 @@ def test_a_users_task_from_its_own_module_trains(tmp_path):
                             "Is 17 even or odd? Answer with one word.", "Is 24 even or odd? Answer with one word."}
 
 
-def test_a_jsonl_file_trains_through_the_dataset_task_and_bad_data_stops_before_anything_starts(tmp_path, cli):
-    path = write_jsonl(tmp_path / "sums.jsonl", [{"q": f"What is {i} + {i}?", "a": 2 * i} for i in range(12)])
-    rows = smoke(tmp_path / "run", "--task", "dataset", "--dataset.path", path, "--dataset.prompt_field", "q",
-                 "--dataset.answer_field", "a", "--dataset.reward", "numeric", "--dataset.eval_size", "4")
-    assert [r["step"] for r in rows] == [1, 2] and "eval_accuracy" in rows[-1]
+@pytest.fixture(scope="module")
+def dataset_run(tmp_path_factory) -> dict:
+    """One smoke run of a JSONL file through the dataset task, as a user's subclass of it that lets one
+    over-long prompt slip past the load's check (user_task:SlippingDataset lengthens training prompt 1);
+    rows 2 and 5 are too long for the context and are skipped at load. 14 rows: the last 4 are the eval's."""
+    tmp_path = tmp_path_factory.mktemp("dataset")
+    rows = [{"q": ("Say it all again: " + "and so on " * 300) if i in (1, 4) else f"What is {i} + {i}?",
+             "a": 2 * i} for i in range(14)]
+    path = write_jsonl(tmp_path / "long.jsonl", rows)
+    args = json.dumps({"path": path, "prompt_field": "q", "answer_field": "a", "reward": "numeric", "eval_size": 4})
+    stderr = []
+    done = smoke(tmp_path / "run", "--task", "user_task:SlippingDataset", "--task_args", args,
+                 "--controller.steps", "3", stderr=stderr)
     records = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    return {"rows": done, "records": records, "stderr": stderr[0]}
+
+
+def test_a_jsonl_file_trains_through_the_dataset_task_and_bad_data_stops_before_anything_starts(dataset_run, tmp_path,
+                                                                                                 cli):
+    rows, records = dataset_run["rows"], dataset_run["records"]
+    assert [r["step"] for r in rows] == [1, 2, 3] and "eval_accuracy" in rows[-1]
     assert "has_number" in records[0]["reward_components"]
     assert_checks_are_the_means_of_the_records(rows, records, "correct")
     trained = {r["prompt"] for r in records}
-    assert len(trained) == 4 and trained <= {f"What is {i} + {i}?" for i in range(8)}  # never an eval row
+    # 3 steps of 2 groups, each a prompt of its own among the 8 short train rows: never an eval row
+    assert len(trained) == 6 and trained <= {f"What is {i} + {i}?" for i in range(10) if i not in (1, 4)}
     (tmp_path / "bad.jsonl").write_text('{"q": "a", "a": 1}\n{"q": "b"}\n')
     code, _, err = cli("train", "--config", "smoke", "--run-dir", tmp_path / "bad", "--task", "dataset",
                        "--dataset.path", tmp_path / "bad.jsonl", "--dataset.prompt_field", "q",
@@ -170,21 +186,14 @@ def test_rows_too_long_for_the_generator_are_skipped_at_load_with_their_row_numb
         task.keep_only(lambda prompt: False, "over 0 words")
 
 
-def test_a_dataset_with_over_long_prompts_trains_to_the_end_without_replacing_a_generator(tmp_path):
-    """The rows too long for the context are reported at load and skipped; a prompt that slips through
-    anyway (user_task:SlippingDataset lengthens training prompt 1) is refused by vLLM: its group fails,
-    is counted, and nothing else happens."""
-    rows = [{"q": ("Say it all again: " + "and so on " * 300) if i in (1, 4) else f"What is {i} + {i}?",
-             "a": 2 * i} for i in range(14)]
-    path = write_jsonl(tmp_path / "long.jsonl", rows)
-    args = json.dumps({"path": path, "prompt_field": "q", "answer_field": "a", "reward": "numeric", "eval_size": 4})
-    stderr = []
-    done = smoke(tmp_path / "run", "--task", "user_task:SlippingDataset", "--task_args", args,
-                 "--controller.steps", "3", stderr=stderr)
+def test_a_dataset_with_over_long_prompts_trains_to_the_end_without_replacing_a_generator(dataset_run):
+    """The rows too long for the context are reported at load and skipped; the prompt that slips through
+    anyway is refused by vLLM: its group fails, is counted, and nothing else happens."""
+    done, stderr = dataset_run["rows"], dataset_run["stderr"]
     assert "long.jsonl: 2 of its 10 train rows skipped, their prompts longer than generator.max_model_len (512) " \
-           "less generator.max_tokens (16) tokens: rows 2, 5" in stderr[0]
-    assert "the group of prompt 1 failed and is not trained" in stderr[0] and "maximum context length" in stderr[0]
+           "less generator.max_tokens (16) tokens: rows 2, 5" in stderr
+    assert "the group of prompt 1 failed and is not trained" in stderr and "maximum context length" in stderr
     assert [r["step"] for r in done] == [1, 2, 3]
     assert sum(r["groups_failed"] for r in done) == 1 and done[-1]["generator_restarts"] == 0
-    trained = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    trained = dataset_run["records"]
     assert 1 not in {r["prompt_index"] for r in trained} and not any("and so on" in r["prompt"] for r in trained)
