@@ -103,10 +103,10 @@ def with_into(batch: TrainBatch | BatchRef, into: str) -> TrainBatch | BatchRef:
     return dataclasses.replace(batch, into=into) if isinstance(batch, BatchRef) else batch
 
 
-async def computed(actor, group: list, into: str) -> None:
-    """Each rank's logprobs of its micro-batch of `group`, as the micro-batch's field `into`: set here
-    for a TrainBatch, put into the replay buffer by the rank itself for a `BatchRef`."""
-    for batch, values in zip(group, await each_rank(actor, "logprobs", [with_into(b, into) for b in group])):
+async def computed(actor, group: list, into: str, endpoint: str = "logprobs") -> None:
+    """Each rank's logprobs (its `endpoint`'s) of its micro-batch of `group`, as the micro-batch's field
+    `into`: set here for a TrainBatch, put into the replay buffer by the rank itself for a `BatchRef`."""
+    for batch, values in zip(group, await each_rank(actor, endpoint, [with_into(b, into) for b in group])):
         if isinstance(batch, TrainBatch):
             setattr(batch, into, values)
 
@@ -123,10 +123,15 @@ async def train_updates(trainer, reference, updates: list[list[TrainBatch | Batc
     over updates. Each actor call is timed by `span` (a `Tracer.span`) with the trained `version`,
     and bounded by `timeouts.trainer` (the reference's by `timeouts.reference`). `applied["updates"]`
     counts the updates applied so far, for a step that fails part-way."""
+    base_reference = reference is None and config.loss.kl_coef > 0  # LoRA: the trainer's base, adapter off
     if reference:
         for group in rounds([b for batches in updates for b in batches], reference_ranks):
             async with span("reference", "reference", version, timeout=timeouts.reference):
                 await computed(reference, group, "ref_logprobs")
+    elif base_reference:
+        for group in rounds([b for batches in updates for b in batches], config.ranks):
+            async with span("trainer", "reference", version, timeout=timeouts.trainer):
+                await computed(trainer, group, "ref_logprobs", "base_logprobs")
     for batches in updates[1:]:  # pi_old before the first update changes the weights
         for group in rounds(batches, config.ranks):
             async with span("trainer", "pi_old", version, timeout=timeouts.trainer):
@@ -166,6 +171,6 @@ async def train_updates(trainer, reference, updates: list[list[TrainBatch | Batc
         "tis_fraction": sums["tis_truncated"] / tokens,
         "behaviour_kl": sums["behaviour_kl"] / tokens,
         "entropy": sums["entropy"] / tokens,
-        **({"kl": sums["kl"] / tokens} if reference else {}),
+        **({"kl": sums["kl"] / tokens} if reference or base_reference else {}),
         "grad_norm": sum(grad_norms) / len(grad_norms),
     }

@@ -48,9 +48,9 @@ def test_the_published_layout_maps_onto_exactly_the_checkpoints_tensors(source):
     """What the trainer publishes (torchtitan names), through the family's adapter, is every tensor of
     the HF checkpoint under its own name and shape: the names vLLM loads."""
     checkpoint = resolve_checkpoint(source)
-    layout, adapter = published_weights(checkpoint, "float32")
+    layout, to_hf = published_weights(checkpoint, "float32")
     zeros = {spec.name: torch.zeros(spec.shape) for spec in layout.specs}
-    hf = adapter.to_hf(zeros)
+    hf = to_hf(zeros)
     saved = load_hf_weights(checkpoint)
     assert {k: tuple(v.shape) for k, v in hf.items()} == {k: tuple(v.shape) for k, v in saved.items()}
 
@@ -70,8 +70,8 @@ def test_a_qwen2_checkpoint_trains_through_the_transformers_backend(qwen2_checkp
     for length in (12, 17):
         ids = torch.randint(0, 49152, (2, length), generator=torch.Generator().manual_seed(length))
         assert (titan_logits(qwen2_checkpoint, ids) - hf_logits(qwen2_checkpoint, ids)).abs().max() < 1e-4
-    layout, adapter = published_weights(qwen2_checkpoint, "float32")
-    hf = adapter.to_hf({spec.name: torch.zeros(spec.shape) for spec in layout.specs})
+    layout, to_hf = published_weights(qwen2_checkpoint, "float32")
+    hf = to_hf({spec.name: torch.zeros(spec.shape) for spec in layout.specs})
     assert {k: tuple(v.shape) for k, v in hf.items()} == {k: tuple(v.shape) for k, v in
                                                           load_hf_weights(qwen2_checkpoint).items()}
     assert "lm_head.weight" not in hf  # tied: published once, as the embedding

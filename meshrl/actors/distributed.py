@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from meshrl.actors import pin_cpus, placement, resolve_device
 from meshrl.models.families import family_of
-from meshrl.models.model import build_policy, load_policy, read_hf_config
+from meshrl.models.model import build_policy, load_policy, load_weights, read_hf_config
 from meshrl.types import BatchRef, TrainBatch
 
 
@@ -56,19 +56,19 @@ def all_gather(value, world: int) -> list:
     return values
 
 
-def load_on_ranks(checkpoint, rank: Rank):
+def load_on_ranks(checkpoint, rank: Rank, lora=None):
     """The policy from the HF checkpoint on this rank's device, and its state-dict adapter. On one rank
     it is loaded whole; on several it is built on the meta device, sharded with the family's FSDP2
     plan, and each rank reads only its own rows from the safetensors files (torch.distributed
     .checkpoint's Hugging Face reader), so the full model is never in one rank's memory."""
     if rank.world == 1:
-        model, adapter = load_policy(checkpoint)
+        model, adapter = load_policy(checkpoint, lora=lora)
         return model.to(rank.device), adapter
     from torch.distributed.tensor import distribute_tensor
 
     hf_config = read_hf_config(checkpoint)
     with torch.device("meta"):
-        model, adapter = build_policy(hf_config)
+        model, adapter = build_policy(hf_config, lora)
     family = family_of(hf_config)
     shard(model, rank, family.shard)
     model.to_empty(device=rank.device)
@@ -79,7 +79,7 @@ def load_on_ranks(checkpoint, rank: Rank):
         if isinstance(state[name], DTensor) and not isinstance(value, DTensor):
             titan[name] = distribute_tensor(value.to(rank.device), state[name].device_mesh, state[name].placements,
                                             src_data_rank=None)
-    model.load_state_dict(titan)
+    load_weights(model, titan)
     model._skip_lm_head = True
     return model, adapter
 

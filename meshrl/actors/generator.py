@@ -41,10 +41,12 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 from safetensors.torch import save_file
 
+from meshrl.actors.adapters import ServedAdapter, lora_options
 from meshrl.actors.engine import start_vllm
 from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.weight_updates import WeightUpdates
 from meshrl.configs import GeneratorConfig, WeightSyncConfig
+from meshrl.models.lora import LoraConfig
 from meshrl.types import Completion, Prompt, Sampling
 from meshrl.weight_sync import published_weights
 from meshrl.weight_sync.disk import DiskHandle, DiskReader
@@ -82,16 +84,22 @@ class Request:
 
 
 class VLLMGenerator(Actor):
-    def __init__(self, config: GeneratorConfig, weight_sync: WeightSyncConfig, checkpoint: str):
+    def __init__(self, config: GeneratorConfig, weight_sync: WeightSyncConfig, checkpoint: str,
+                 lora: LoraConfig | None = None):
+        """`lora` (the trainer's, when it trains an adapter): vLLM serves the base with the trainer's adapter,
+        loaded in place at each version (meshrl/actors/adapters.py)."""
         self.config = config
         # processed logprobs: those of the distribution each token was sampled from (after the temperature),
         # which the trainer's logprobs of logits / temperature are compared with
         self.llm = start_vllm(checkpoint, dtype=config.dtype, max_model_len=config.max_model_len,
                               memory_fraction=config.memory_fraction, seed=config.seed, num_threads=config.num_threads,
                               cpus=config.cpus, kv_cache_gib=config.kv_cache_gib, devices=config.devices,
-                              tensor_parallel_size=config.tensor_parallel_size, logprobs_mode="processed_logprobs")
+                              tensor_parallel_size=config.tensor_parallel_size, logprobs_mode="processed_logprobs",
+                              **(lora_options(lora) if lora and lora.rank else {}))
         # what the trainer's ranks publish, together
-        self.layout, self.adapter = published_weights(checkpoint, weight_sync.dtype)
+        self.layout, self.to_hf = published_weights(checkpoint, weight_sync.dtype, lora)
+        self.adapter = ServedAdapter(self.llm.llm_engine, lora, self.to_hf, checkpoint, self.layout) \
+            if lora and lora.rank else None
         self.transport, self.pull_timeout, self.poll_s = weight_sync.transport, weight_sync.timeout_s, weight_sync.poll_s
         # a run resolves `auto` for its replicas (meshrl.runtime.launch.weight_update); on its own a replica drains
         self.update = "drain" if config.weight_update == "auto" else config.weight_update
@@ -142,7 +150,8 @@ class VLLMGenerator(Actor):
                                     include_stop_str_in_output=True, seed=seed)
             request_id = str(next(self.request_ids))
             self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt.token_ids,
-                                                             cache_salt=f"v{self.policy_version}"), params)
+                                                             cache_salt=f"v{self.policy_version}"), params,
+                                    lora_request=self.adapter and self.adapter.request)
             self.running[request_id] = request = Request(prompt, [Sample() for _ in range(s.n)], loop.create_future())
             requests.append(request)
         self.book.running()
@@ -250,7 +259,9 @@ class VLLMGenerator(Actor):
         """Load HF-named tensors into vLLM in place: handed to its one worker in this process, or with
         tensor parallelism (workers in processes of their own) through a file in shared memory that
         each worker reads, keeping its own part of every tensor."""
-        if self.config.tensor_parallel_size == 1:
+        if self.adapter:
+            self.adapter.load(weights)
+        elif self.config.tensor_parallel_size == 1:
             self.engine.model_executor.driver_worker.worker.reload_weights(weights_iterator=iter(weights))
         else:
             self.reload_through_file(weights)
@@ -281,7 +292,7 @@ class VLLMGenerator(Actor):
         """Pull weights from the trainer's rings (one per rank, in rank order) from now on, or from its
         directory of versions (transport disk); returns the transport chosen."""
         disk = [h for h in rings if isinstance(h, DiskHandle)]
-        self.ring = DiskReader(disk[0]) if disk else ShardedReader(rings, self.layout, self.adapter.to_hf,
+        self.ring = DiskReader(disk[0]) if disk else ShardedReader(rings, self.layout, self.to_hf,
                                                                    self.transport)
         served, published = self.engine.model_config.dtype, self.layout.specs[0].dtype
         if served != published:

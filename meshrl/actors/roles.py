@@ -83,6 +83,10 @@ class Trainer(Protocol):
         """The current policy's logprob of every target token [B, T], without training; for a `BatchRef`,
         attached to its micro-batch in the replay buffer (as `ref.into`) instead of returned."""
 
+    async def base_logprobs(self, batch: TrainBatch | BatchRef) -> torch.Tensor | None:
+        """Needed only for a KL penalty with LoRA (no reference process then): as `logprobs`, of the frozen
+        base with the adapter switched off, the initial policy."""
+
     async def optim_step(self, skip: bool = False) -> dict:
         """One optimizer update: {"updates", "grad_norm", "skipped"}. Not applied (the gradients dropped,
         `skipped` true) when `skip` says the loss was NaN or infinite, or the gradient norm is."""
@@ -170,11 +174,12 @@ ROLES: dict[str, type] = {"generator": Generator, "grader": Grader, "trainer": T
 
 
 MULTI_TURN_ONLY = {"step"}  # a grader for single-turn tasks need not answer conversations
+BASE_REFERENCE_ONLY = {"base_logprobs"}  # a trainer that is not its own reference (no LoRA, no KL) need not
 
 
-def missing_endpoints(role: str, cls: type, multi_turn: bool = True) -> list[str]:
+def missing_endpoints(role: str, cls: type, multi_turn: bool = True, base_reference: bool = False) -> list[str]:
     """The endpoints of `role`'s contract that `cls` does not define (those only multi-turn tasks
-    call, only when `multi_turn`)."""
+    call, only when `multi_turn`; the trainer's base as the reference, only when `base_reference`)."""
     wanted = [name for name in vars(ROLES[role]) if not name.startswith("_")
-              and (multi_turn or name not in MULTI_TURN_ONLY)]
+              and (multi_turn or name not in MULTI_TURN_ONLY) and (base_reference or name not in BASE_REFERENCE_ONLY)]
     return [name for name in wanted if not hasattr(cls, name)]

@@ -32,6 +32,7 @@ from meshrl.checkpoint import SafeReader, load_safely
 from meshrl.configs import TrainerConfig, WeightSyncConfig
 from meshrl.losses import (autocast, check, on_positions, policy_logprobs, policy_loss, response_logits, token_entropy,
                            token_logprobs)
+from meshrl.models.lora import adapter_config, adapter_off, is_adapter, save_adapter
 from meshrl.models.model import save_checkpoint
 from meshrl.types import BatchRef, TrainBatch
 from meshrl.weight_sync import published_weights
@@ -57,12 +58,14 @@ class TitanTrainer(Actor):
         self.config = config
         self.checkpoint = Path(checkpoint)
         check(config.loss)
-        self.model, self.adapter = load_on_ranks(self.checkpoint, me)
+        self.model, self.adapter = load_on_ranks(self.checkpoint, me, config.lora)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        # This rank's rows of each tensor the generators load, in torchtitan's names and the dtype they serve,
-        # written into the ring its host's ranks share.
-        full, _ = published_weights(self.checkpoint, weight_sync.dtype)
+        self.lora = config.lora if config.lora.rank else None  # an adapter on the frozen base (meshrl/models/lora.py)
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay)
+        # This rank's rows of each tensor the generators load (with LoRA, the adapter's only), in torchtitan's
+        # names and the dtype they serve, written into the ring its host's ranks share.
+        full, self.to_hf = published_weights(self.checkpoint, weight_sync.dtype, config.lora)
         self.published = [spec.name for spec in full.specs]
         self.dtype = full.specs[0].dtype
         self.ring = None if weight_sync.transport == "disk" else host_ring(
@@ -108,6 +111,16 @@ class TitanTrainer(Actor):
         await publishes_started()
         micro = await from_buffer(self.buffer, batch, self.clock, self.policy_version)
         with self.clock.span("logprobs", self.policy_version):
+            values = policy_logprobs(self.model, micro.to(self.device), self.config.bf16_autocast).cpu()
+        return await to_buffer(self.buffer, batch, values)
+
+    @endpoint
+    async def base_logprobs(self, batch: TrainBatch | BatchRef) -> torch.Tensor | None:
+        """With LoRA, the KL penalty's reference for free: as `logprobs`, of the frozen base with the adapter
+        switched off (the initial policy, exactly)."""
+        await publishes_started()
+        micro = await from_buffer(self.buffer, batch, self.clock, self.policy_version)
+        with self.clock.span("reference", self.policy_version), adapter_off(self.model):
             values = policy_logprobs(self.model, micro.to(self.device), self.config.bf16_autocast).cpu()
         return await to_buffer(self.buffer, batch, values)
 
@@ -189,7 +202,7 @@ class TitanTrainer(Actor):
         state = self._gathered()
         if self.rank == 0:
             with torch.no_grad():
-                hf = self.adapter.to_hf({name: state[name].detach().to(self.dtype).cpu() for name in self.published})
+                hf = self.to_hf({name: state[name].detach().to(self.dtype).cpu() for name in self.published})
             write_version(self.disk, version, hf, self.keep)
 
     def _gathered(self) -> dict:
@@ -217,9 +230,8 @@ class TitanTrainer(Actor):
     async def _save_state(self, path: str) -> None:
         await self._published()
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model, optim = get_state_dict(self.model, self.optimizer)
+        model, optim = self._state_dicts()
         with warnings.catch_warnings():  # one rank: DCP says it saves in one process, as asked (no_dist)
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save({"model": model, "optim": optim}, checkpoint_id=path, no_dist=self.world == 1)
@@ -233,23 +245,38 @@ class TitanTrainer(Actor):
         """Restore what `save_state` wrote (on as many ranks as it was written from, or others), then
         publish the restored policy under its own version for the generators; returns that version."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
         from meshrl.checkpoint import set_rng_states
 
         await self._published()  # not under a copy of the weights it replaces
-        model, optim = get_state_dict(self.model, self.optimizer)
+        model, optim = self._state_dicts()
         state = {"model": model, "optim": optim}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, storage_reader=SafeReader(path), no_dist=self.world == 1)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=self._state_options())
         mine = Path(path) / f"rank{self.rank}.pt"
         extra = load_safely(mine if mine.exists() else Path(path) / "rank0.pt")
         self.updates = extra["updates"]
         set_rng_states(extra, self.device)
         self.policy_version = extra["policy_version"] - 1
         return await self._publish()
+
+    def _state_options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=True, strict=False) if self.lora else None
+
+    def _state_dicts(self) -> tuple[dict, dict]:
+        """The model's and the optimizer's state as a checkpoint holds them; with LoRA the adapter's only (and
+        its optimizer state): the base never changes. (A tied LM head is the frozen embedding, which
+        `ignore_frozen_params` keeps under the head's name.)"""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optimizer, options=self._state_options())
+        return ({k: v for k, v in model.items() if is_adapter(k)} if self.lora else model), optim
 
     @endpoint
     async def spans(self) -> list[dict]:
@@ -259,11 +286,17 @@ class TitanTrainer(Actor):
 
     @endpoint
     async def save(self, path: str) -> None:
-        """Write the current policy as an HF checkpoint (loadable by vLLM and transformers); with
-        several ranks every rank takes part in the gather and rank 0 writes."""
+        """Write the current policy as an HF checkpoint (loadable by vLLM and transformers), with LoRA as
+        an adapter in PEFT's layout on the base (vLLM and `peft` load it); with several ranks every rank
+        takes part in the gather and rank 0 writes."""
         await publishes_started()
         state = self._gathered()
         if self.rank == 0:
             with torch.no_grad():
-                save_checkpoint(self.adapter.to_hf(state), self.checkpoint, Path(path))
+                if self.lora:
+                    adapter = self.to_hf({name: state[name] for name in self.published})
+                    save_adapter(adapter, adapter_config(self.lora, self.to_hf.target_modules(), str(self.checkpoint)),
+                                 Path(path), torch.bfloat16)
+                else:
+                    save_checkpoint(self.adapter.to_hf(state), self.checkpoint, Path(path))
 

@@ -15,6 +15,7 @@ from typing import Callable
 from meshrl.advantages import ESTIMATORS, STEP_WISE
 from meshrl.configs.job import JobConfig
 from meshrl.configs.overrides import ConfigError, apply_overrides
+from meshrl.models.lora import LoraConfig
 from meshrl.tasks.dataset import DatasetConfig
 from meshrl.tasks.reasoning_gym import ReasoningGymConfig
 from meshrl.tasks.sum_digits import SumDigitsConfig
@@ -157,6 +158,7 @@ class TrainerConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # gradient clipping by global norm
     loss: LossConfig = field(default_factory=LossConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     micro_batch_size: int = 16  # sequences per forward/backward pass (gradients accumulate)
     micro_batch_tokens: int = 0  # > 0: micro-batches filled up to this many padded positions instead, sequences sorted by length (less padding); 0: micro_batch_size sequences each
     mini_batches: int = 1  # optimizer updates per step: the step's episodes split in this many mini-batches
@@ -175,6 +177,7 @@ class TrainerConfig:
         at_least(self, "trainer", mini_batches=1, micro_batch_size=1, micro_batch_tokens=0, ranks=1, num_threads=1,
                  max_bad_steps=1, max_restarts=0)
         self.loss.check()
+        self.lora.check()
 
 
 @dataclass
@@ -346,6 +349,9 @@ class Config:
         if self.weight_sync.verify and self.generator.tensor_parallel_size > 1:
             raise ValueError("weight_sync.verify compares the tensors of a generator's own vLLM worker: it needs "
                              "generator.tensor_parallel_size 1")
+        if self.weight_sync.verify and self.trainer.lora.rank:
+            raise ValueError("weight_sync.verify compares the base weights vLLM holds, which an adapter leaves as "
+                             "they are: not with trainer.lora")
 
 
 CONFIGS: dict[str, Callable[[], Config]] = {}

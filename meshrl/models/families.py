@@ -56,6 +56,7 @@ class Family:
     shard: Callable[[nn.Module, object], None] = shard_decoder  # FSDP2 over a device mesh
     build: Callable[[object], nn.Module] = lambda config: config.build()  # the model of a torchtitan config
     init_buffers: Callable[[nn.Module, object], None] = _init_buffers  # after `to_empty` on a device
+    lora_modules: dict[str, str] | None = None  # LoRA targets: HF's module name -> torchtitan's (None: no LoRA)
 
 
 def family_of(hf_config: dict) -> Family:
@@ -235,10 +236,14 @@ def _tiny_qwen3(smollm2: dict, moe: bool = False) -> dict:
     return hf
 
 
+# torchtitan's decoders build k and v from one config (`wkv`): LoRA adapts both or neither
+DECODER_LORA = {"q_proj": "wq", "k_proj": "wkv", "v_proj": "wkv", "o_proj": "wo", "gate_proj": "w1", "up_proj": "w3",
+                "down_proj": "w2"}
 FAMILIES = {f.architecture: f for f in (
-    Family("llama", "LlamaForCausalLM", _llama, _llama_adapter, _tiny_llama),
-    Family("qwen3", "Qwen3ForCausalLM", _qwen3, _qwen3_adapter, _tiny_qwen3),
-    Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3, _qwen3_adapter, partial(_tiny_qwen3, moe=True)),
+    Family("llama", "LlamaForCausalLM", _llama, _llama_adapter, _tiny_llama, lora_modules=DECODER_LORA),
+    Family("qwen3", "Qwen3ForCausalLM", _qwen3, _qwen3_adapter, _tiny_qwen3, lora_modules=DECODER_LORA),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3, _qwen3_adapter, partial(_tiny_qwen3, moe=True),
+           lora_modules=DECODER_LORA),
 )}
 TRANSFORMERS = Family("transformers", "(any other)", hf_backend.titan_config, hf_backend.adapter, None,
                       hf_backend.shard, hf_backend.build, hf_backend.init_buffers)

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from meshrl.models.families import UnsupportedModel, family_of, tiny_sources
+from meshrl.models.lora import LoraConfig, convert, init_adapters, is_adapter
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Files copied next to the weights so vLLM and transformers can load the checkpoint.
@@ -102,23 +103,36 @@ def read_hf_config(checkpoint: Path) -> dict:
     return json.loads((Path(checkpoint) / "config.json").read_text())
 
 
-def build_policy(hf_config: dict):
-    """An uninitialised torchtitan model of the checkpoint's family and the adapter that maps its weights
-    to HF names."""
+def build_policy(hf_config: dict, lora: LoraConfig | None = None):
+    """An uninitialised torchtitan model of the checkpoint's family (with `lora`: its targets adapted, the
+    rest frozen) and the adapter that maps the base's weights to HF names."""
     family = family_of(hf_config)
     config = family.titan_config(hf_config)
-    return family.build(config), family.adapter(config)
+    adapter = family.adapter(config)
+    if lora is not None and lora.rank:
+        config = convert(config, family, lora)
+    return family.build(config), adapter
 
 
-def load_policy(checkpoint: Path, hf_weights: dict[str, torch.Tensor] | None = None):
-    """The torchtitan policy with the checkpoint's weights, and its HF adapter.
+def load_policy(checkpoint: Path, hf_weights: dict[str, torch.Tensor] | None = None, lora: LoraConfig | None = None):
+    """The torchtitan policy with the checkpoint's weights (and a fresh LoRA adapter), and its HF adapter.
 
     Its forward returns the final hidden states (torchtitan's `_skip_lm_head`), so that callers
     apply the LM head only where they need logits (`losses.response_logits`)."""
-    model, adapter = build_policy(read_hf_config(checkpoint))
-    model.load_state_dict(adapter.from_hf(dict(hf_weights or load_hf_weights(checkpoint))))
+    model, adapter = build_policy(read_hf_config(checkpoint), lora)
+    load_weights(model, adapter.from_hf(dict(hf_weights or load_hf_weights(checkpoint))))
     model._skip_lm_head = True
     return model, adapter
+
+
+def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """The checkpoint's weights into `model`, every one of them; a LoRA adapter, which no checkpoint of the
+    base holds, starts afresh (B zero: the policy is the base)."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [name for name in missing if not is_adapter(name)]:
+        raise ModelError(f"the checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+    if missing:
+        init_adapters(model)
 
 
 def load_hf_weights(checkpoint: Path) -> dict[str, torch.Tensor]:

@@ -39,7 +39,8 @@ class Actors:
 def actor_classes(config: Config) -> dict[str, type]:
     """The implementation each role's config names (checked before anything starts)."""
     roles = {"generator": config.generator, "grader": config.grader, "trainer": config.trainer}
-    if config.trainer.loss.kl_coef > 0:
+    base_reference = config.trainer.loss.kl_coef > 0 and config.trainer.lora.rank > 0  # the trainer's own base
+    if config.trainer.loss.kl_coef > 0 and not base_reference:
         roles["reference"] = config.reference
     classes = {role: load_actor_class(role_config.impl) for role, role_config in roles.items()}
     roles["replay_buffer"] = config.replay_buffer
@@ -50,7 +51,7 @@ def actor_classes(config: Config) -> dict[str, type]:
                          "requests of one sample each with the same opening, and seeded alike they would all "
                          "sample the same turns")
     for role, cls in classes.items():
-        if missing := missing_endpoints(role, cls, multi_turn):
+        if missing := missing_endpoints(role, cls, multi_turn, base_reference):
             raise ValueError(f"{roles[role].impl} cannot be the {role}: it has no {', '.join(missing)} endpoint "
                              f"(the contract is meshrl.actors.roles.{ROLES[role].__name__})")
     return classes
@@ -90,13 +91,15 @@ def spawn_buffer(config: Config, classes: dict[str, type], hosts: Hosts, pad_id:
 
 
 def generator_args(config: Config, index: int, checkpoint: Path) -> tuple:
-    """Replica `index`'s constructor arguments: its own cores ("0;1": one set per replica), GPUs and seed.
+    """Replica `index`'s constructor arguments: its own cores ("0;1": one set per replica), GPUs and seed,
+    and with LoRA the trainer's `trainer.lora` (what the trainer publishes is an adapter).
     With request seeds every replica has the run's seed, which each request's seed is made from: a group
     samples the same completions whichever replica serves it (and however many there are, after a resume)."""
     g = config.generator
     replica = dataclasses.replace(g, cpus=placement(g.cpus, index), devices=placement(g.devices, index),
                                   seed=g.seed + (0 if g.request_seeds else index), weight_update=weight_update(config))
-    return replica, config.weight_sync, str(checkpoint)
+    lora = (config.trainer.lora,) if config.trainer.lora.rank else ()  # serve the trainer's adapter on the base
+    return replica, config.weight_sync, str(checkpoint), *lora
 
 
 def weight_update(config: Config) -> str:

@@ -42,6 +42,7 @@ from meshrl.runtime.loggers import MetricLoggers, RolloutRecorder
 from meshrl.runtime.metric_rows import MetricRows
 from meshrl.runtime.plot import plot_curves
 from meshrl.tasks import make_task, task_config
+from meshrl.weight_sync import published_weights
 from meshrl.work_buffer import TooManyFailures
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class Run:
         self.task = make_task(config.task, task_config(config))
         self.classes = actor_classes(config)
         self.model_path = resolve_checkpoint(config.model.source)
+        if config.trainer.lora.rank:  # its targets and rank checked against the model, on the meta device
+            published_weights(self.model_path, "float32", config.trainer.lora)
         self.tokenizer = ChatTokenizer(self.model_path)
         self.fit_prompts()
         self.signals = StopSignals()

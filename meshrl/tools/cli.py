@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
                                                                 "holding a key this CA signed may use the worker")
     worker.add_argument("--insecure", action="store_true", help="listen on tcp://HOST:PORT and run whatever any "
                                                                 "client that reaches the port asks")
+    merge = sub.add_parser("merge", help="a LoRA run's adapter merged into its base, as an HF checkpoint")
+    merge.add_argument("adapter", type=Path, help="the adapter directory (RUN_DIR/final of a trainer.lora run)")
+    merge.add_argument("out", type=Path, help="where to write the merged checkpoint")
     bench = sub.add_parser("bench", help="run a benchmark").add_subparsers(dest="bench", required=True)
     weight_sync = bench.add_parser("weight-sync", help="the weight ring against memcpy and raw RDMA")
     weight_sync.add_argument("--json", type=Path, required=True, help="where to write the figures")
@@ -153,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                                 "127.0.0.1"]
             for path in make_certs(args.dir, hosts, args.days):
                 print(path)
+        elif args.command == "merge":
+            from meshrl.models.lora import merge_adapter
+
+            print(merge_adapter(args.adapter, args.out))
         elif args.command == "worker":
             return _worker(args)
         elif args.command == "study":

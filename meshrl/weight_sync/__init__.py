@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from meshrl.models.lora import LoraConfig, PeftNames, base_of, is_adapter
 from meshrl.models.model import build_policy, read_hf_config
 
 
@@ -84,19 +85,25 @@ class WeightLayout:
         return buffer[spec.offset:spec.offset + spec.nbytes].view(spec.dtype).view(spec.shape)
 
 
-def published_weights(checkpoint: Path, dtype: str = "auto"):
+def published_weights(checkpoint: Path, dtype: str = "auto", lora: LoraConfig | None = None):
     """What the trainer publishes (torchtitan's names and full shapes, in `dtype`: the one the generators
-    serve, "auto" for the checkpoint's; a tied LM head once, as the embedding) and the adapter that maps
-    those tensors to HF names. The model is built on the meta device: shapes only, no memory."""
+    serve, "auto" for the checkpoint's; a tied LM head once, as the embedding) and the function that maps
+    those tensors to the names the generators load (HF's). With `lora`, the adapter's tensors only, to
+    PEFT's names. The model is built on the meta device: shapes only, no memory."""
     hf_config = read_hf_config(checkpoint)
     with torch.device("meta"):
-        model, adapter = build_policy(hf_config)
+        model, adapter = build_policy(hf_config, lora)
     if dtype == "auto":
         dtype = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
     dtype = getattr(torch, dtype)
+    state = model.state_dict(keep_vars=True)
+    if lora is not None and lora.rank:
+        names = [name for name in state if is_adapter(name)]
+        to_hf = PeftNames(names, {base_of(n): tuple(state[base_of(n)].shape) for n in names}, adapter)
+        return WeightLayout.of({name: (tuple(state[name].shape), dtype) for name in names}), to_hf
     shapes, seen = {}, set()
-    for name, t in model.state_dict(keep_vars=True).items():
+    for name, t in state.items():
         if id(t) not in seen:  # a tied LM head is the embedding: published once, under the first name
             seen.add(id(t))
             shapes[name] = (tuple(t.shape), dtype)
-    return WeightLayout.of(shapes), adapter
+    return WeightLayout.of(shapes), adapter.to_hf

@@ -1,0 +1,50 @@
+"""A LoRA adapter served by vLLM: the trainer's adapter, loaded in place at each version.
+
+vLLM keeps adapters by id. `add_lora` with `load_inplace` reads the adapter's directory again and
+replaces the loaded adapter, so requests already running go on under the new one from their next
+engine step (an in-flight update, as for full weights). The requests themselves name the adapter
+without `load_inplace`: vLLM would read it again at every step otherwise. A replica serves the adapter
+from its start: before the first version, a zero adapter (the base exactly), so that no request runs on
+the base alone when the first version arrives.
+"""
+
+import os
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+
+import torch
+
+from meshrl.models.lora import VLLM_RANKS, LoraConfig, adapter_config, save_adapter
+
+ADAPTER_ID = 1
+
+
+def lora_options(lora: LoraConfig) -> dict:
+    """vLLM's engine arguments for serving one adapter of `lora`'s rank."""
+    return {"enable_lora": True, "max_loras": 1, "max_cpu_loras": 1,
+            "max_lora_rank": min(r for r in VLLM_RANKS if r >= lora.rank)}
+
+
+class ServedAdapter:
+    """The adapter a replica serves: its files in shared memory, and the request that names it."""
+
+    def __init__(self, engine, lora: LoraConfig, to_hf, checkpoint: str, layout):
+        from vllm.lora.request import LoRARequest
+
+        self.engine = engine
+        self.dir = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                                         prefix="meshrl-adapter-"))
+        weakref.finalize(self, shutil.rmtree, self.dir, True)
+        self.config = adapter_config(lora, to_hf.target_modules(), checkpoint)
+        self.request = LoRARequest("policy", ADAPTER_ID, str(self.dir))
+        self.reload = LoRARequest("policy", ADAPTER_ID, str(self.dir), load_inplace=True)
+        zeros = {spec.name: torch.zeros(spec.shape, dtype=spec.dtype) for spec in layout.specs}
+        self.load(list(to_hf(zeros).items()))
+
+    def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """The adapter's PEFT-named tensors in place of the one served."""
+        save_adapter(dict(weights), self.config, self.dir)
+        if not self.engine.add_lora(self.reload):
+            raise RuntimeError("vLLM did not load the adapter")
