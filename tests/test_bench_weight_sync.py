@@ -20,7 +20,7 @@ def test_weight_sync_bench_writes_its_figures_for_the_rank_counts_asked(tmp_path
     out = tmp_path / "bench.json"
     start = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "meshrl", "bench", "weight-sync", "--model", "tiny", "--repeats", "2",
-                             "--stress-seconds", "0", "--ranks", "2", "--json", str(out)],
+                             "--stress-seconds", "0", "--ranks", "2", "--lora-rank", "8", "--json", str(out)],
                             capture_output=True, text=True, timeout=600)
     elapsed = time.monotonic() - start
     assert result.returncode == 0, result.stderr[-3000:]
@@ -44,3 +44,10 @@ def test_weight_sync_bench_writes_its_figures_for_the_rank_counts_asked(tmp_path
         assert "stress" not in r and "target ring_shm_vs_memcpy >= 0.6" in result.stdout
         assert f"trainer {ranks.replace('_', ' ')}" in result.stdout
     assert "ring_rdma_gbps" in result.stdout and "publish_to_loaded_s" in result.stdout
+    # a LoRA adapter of rank 8 in the same run: its bytes are the adapter's, loaded by vLLM in place
+    lora = figures["lora"]
+    assert lora["rank"] == 8 and lora["bytes"] == 65536  # 28 matrices of 8 x 128 or 256, in the checkpoint's bf16
+    assert 0 < lora["publish_s"] + lora["generator_read_s"] + lora["generator_load_s"] <= lora["publish_to_loaded_s"]
+    assert lora["publish_to_loaded_vs_full"] == pytest.approx(lora["publish_to_loaded_s"]
+                                                              / figures["ranks_2"]["publish_to_loaded_s"])
+    assert f"a LoRA adapter of rank 8 instead (one rank): {65536 / 1e6:.2f} MB" in result.stdout

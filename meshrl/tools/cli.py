@@ -79,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
                              help="timings per figure (transfers: the best, warm; publish-to-loaded: the median)")
     weight_sync.add_argument("--stress-seconds", type=float, default=10.0, help="length of the torn-read stress (0: none)")
     weight_sync.add_argument("--ranks", default="1,2", help="trainer rank counts to measure, comma separated")
+    weight_sync.add_argument("--lora-rank", type=int, default=16, help="the rank of the LoRA adapter measured beside "
+                                                                     "the whole model (0: none)")
     generation = bench.add_parser("generation", help="raw vLLM against one generator replica and against N")
     generation.add_argument("--json", type=Path, required=True, help="where to write the figures")
     generation.add_argument("--model", default="smollm2", help=MODEL_HELP)
@@ -251,7 +253,8 @@ def _bench_weight_sync(args) -> None:
     from meshrl.tools.bench import weight_sync
 
     ranks = tuple(int(r) for r in args.ranks.split(","))
-    _write_bench(args.json, weight_sync, weight_sync.run(args.model, args.repeats, args.stress_seconds, ranks))
+    _write_bench(args.json, weight_sync, weight_sync.run(args.model, args.repeats, args.stress_seconds, ranks,
+                                                         args.lora_rank))
 
 
 def _bench_generation(args) -> None:

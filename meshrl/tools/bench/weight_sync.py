@@ -5,7 +5,8 @@ of the same bytes with 1, 2, 4, 8 or 16 concurrent `RDMABuffer.read_into` stream
 RDMA path; transfers are timed warm, best of the repeats. Then the real trainer publishes into its
 ring (one ring its ranks share, this being one host; for each rank count asked), this process reads it
 as a generator does (nothing else running), a real vLLM generator pulls and loads (publish, ring read and vLLM load timed apart), and a stress phase counts torn reads while the
-trainer publishes as fast as it can.
+trainer publishes as fast as it can. Last, the same publish-to-loaded with a LoRA adapter (`--lora-rank`)
+in place of the whole model: the adapter's bytes, and vLLM loading it in place.
 """
 
 import asyncio
@@ -19,6 +20,7 @@ from meshrl.actors import first, in_rank_order, spawn, spawn_ranks
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
+from meshrl.models.lora import LoraConfig
 from meshrl.models.model import resolve_checkpoint
 from meshrl.weight_sync import published_weights
 from meshrl.weight_sync.shards import ShardedReader
@@ -70,7 +72,7 @@ async def _best_seconds(repeats: int, fn) -> float:
 
 
 async def bench_weight_sync(model: str = "smollm2", repeats: int = 5, stress_seconds: float = 10.0,
-                            rank_counts: tuple[int, ...] = (1, 2)) -> dict:
+                            rank_counts: tuple[int, ...] = (1, 2), lora_rank: int = 16) -> dict:
     from monarch.rdma import get_rdma_backend
 
     checkpoint = str(resolve_checkpoint(model))
@@ -99,12 +101,16 @@ async def bench_weight_sync(model: str = "smollm2", repeats: int = 5, stress_sec
     await source_procs.stop()
 
     for ranks in rank_counts:
-        figures = await _ring_figures(checkpoint, layout, to_hf.to_hf, ranks, repeats, gbps)
+        figures = await _ring_figures(checkpoint, layout, to_hf, ranks, repeats, gbps)
         if stress_seconds > 0:
             figures.update(await _stress(checkpoint, ranks, stress_seconds))
         figures["ring_rdma_vs_raw"] = figures["ring_rdma_gbps"] / result["raw_rdma_gbps"]
         figures["ring_shm_vs_memcpy"] = figures["ring_shm_gbps"] / result["memcpy_gbps"]
         result[f"ranks_{ranks}"] = figures
+    if lora_rank:
+        result["lora"] = await _adapter_figures(checkpoint, LoraConfig(rank=lora_rank), repeats)
+        result["lora"]["publish_to_loaded_vs_full"] = (result["lora"]["publish_to_loaded_s"]
+                                                       / result[f"ranks_{rank_counts[0]}"]["publish_to_loaded_s"])
     return result
 
 
@@ -133,24 +139,52 @@ async def _ring_figures(checkpoint: str, layout, to_hf, ranks: int, repeats: int
                                            checkpoint)
         procs.append(generator_procs)
         figures["generator_transport"] = await generator.attach_weights.call_one(rings)  # once it is up
-        totals, publishes = [], []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            version = await first(trainer.publish_weights.call())
-            publishes.append(time.perf_counter() - start)
-            if await generator.pull_weights.call_one() != version:
-                raise RuntimeError("the generator did not serve the version just published")
-            totals.append(time.perf_counter() - start)
-        pulls = (await generator.weight_updates.call_one())["pulls"][-repeats:]
-        figures["publish_to_loaded_s"] = statistics.median(totals)
-        figures["publish_s"] = statistics.median(publishes)
-        figures["generator_read_s"] = statistics.median(p["read_s"] for p in pulls)
-        figures["generator_load_s"] = statistics.median(p["end"] - p["start"] - p["read_s"] for p in pulls)
+        figures.update(await _publish_to_loaded(trainer, generator, repeats))
         figures["vllm_reload_floor_s"] = await generator.reload_floor_s.call_one(repeats)
     finally:
         for p in procs:
             await p.stop()
     return figures
+
+
+async def _publish_to_loaded(trainer, generator, repeats: int) -> dict:
+    """The median of `repeats` publishes each pulled and loaded by `generator`, and its parts: the trainer's
+    publish, the generator's ring read, and the rest (vLLM's load)."""
+    totals, publishes = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        version = await first(trainer.publish_weights.call())
+        publishes.append(time.perf_counter() - start)
+        if await generator.pull_weights.call_one() != version:
+            raise RuntimeError("the generator did not serve the version just published")
+        totals.append(time.perf_counter() - start)
+    pulls = (await generator.weight_updates.call_one())["pulls"][-repeats:]
+    return {"publish_to_loaded_s": statistics.median(totals), "publish_s": statistics.median(publishes),
+            "generator_read_s": statistics.median(p["read_s"] for p in pulls),
+            "generator_load_s": statistics.median(p["end"] - p["start"] - p["read_s"] for p in pulls)}
+
+
+async def _adapter_figures(checkpoint: str, lora: LoraConfig, repeats: int) -> dict:
+    """A LoRA trainer (one rank) publishing its adapter, a LoRA generator loading each into vLLM in place:
+    the adapter's bytes and its publish-to-loaded, as for the whole model."""
+    procs = []
+    try:
+        sync = WeightSyncConfig()
+        trainer_procs, trainer = spawn("lora_trainer", TitanTrainer, TrainerConfig(num_threads=1, lora=lora), sync,
+                                       checkpoint)
+        procs.append(trainer_procs)
+        generator_procs, generator = spawn("lora_generator", VLLMGenerator, GeneratorConfig(num_threads=1), sync,
+                                           checkpoint, lora)
+        procs.append(generator_procs)
+        transport = await generator.attach_weights.call_one([await trainer.weight_ring.call_one()])
+        await trainer.publish_weights.call_one()  # warm: the first load also sizes vLLM's buffers
+        await generator.pull_weights.call_one()
+        layout, _ = published_weights(checkpoint, sync.dtype, lora)
+        return {"rank": lora.rank, "bytes": layout.nbytes, "generator_transport": transport,
+                **await _publish_to_loaded(trainer, generator, repeats)}
+    finally:
+        for p in procs:
+            await p.stop()
 
 
 async def _stress(checkpoint: str, ranks: int, seconds: float) -> dict:
@@ -206,8 +240,17 @@ def report(result: dict) -> str:
                          f"{r['stress']['seconds']:.0f} s of stress)")
         for figure, target, passes in (t for t in TARGETS if t[0] in r):
             lines.append(f"    target {figure} {target}: {r[figure]:.3f} {'ok' if passes(r) else 'MISSED'}")
+    if "lora" in result:
+        r = result["lora"]
+        lines.append(f"  a LoRA adapter of rank {r['rank']} instead (one rank): {r['bytes'] / 1e6:.2f} MB, "
+                     f"{r['bytes'] / result['bytes']:.1%} of the model")
+        lines.append(f"    {'publish_to_loaded_s':20s} {r['publish_to_loaded_s']:8.3f} s (median of {result['repeats']}, "
+                     f"generator over {r['generator_transport']}): publish {r['publish_s']:.3f} s, ring read "
+                     f"{r['generator_read_s']:.3f} s, vLLM load {r['generator_load_s']:.3f} s; "
+                     f"{r['publish_to_loaded_vs_full']:.2f} x the whole model's")
     return "\n".join(lines)
 
 
-def run(model: str, repeats: int, stress_seconds: float, rank_counts: tuple[int, ...] = (1, 2)) -> dict:
-    return asyncio.run(bench_weight_sync(model, repeats, stress_seconds, rank_counts))
+def run(model: str, repeats: int, stress_seconds: float, rank_counts: tuple[int, ...] = (1, 2),
+        lora_rank: int = 16) -> dict:
+    return asyncio.run(bench_weight_sync(model, repeats, stress_seconds, rank_counts, lora_rank))
