@@ -4,6 +4,7 @@ anything starts. In process for the model and its files; real actors (vLLM with 
 trainer, tiny model) for what vLLM serves."""
 
 import asyncio
+import dataclasses
 import json
 import subprocess
 import sys
@@ -90,45 +91,57 @@ def test_lora_on_a_model_of_the_transformers_backend_is_refused(qwen2_checkpoint
                                                     "(torchtitan's transformers backend) trains full weights only"])
 
 
-def test_vllm_serves_the_base_at_step_0_then_the_trainers_adapter_in_place():
-    """A LoRA replica (the zero adapter before any version) samples and scores exactly as a plain one; after
-    an update it loads the published adapter (only the adapter crosses the ring), and vLLM and the trainer
-    score its samples alike, as they do for full weights (test_actors.py)."""
+def test_vllm_serves_the_base_at_step_0_then_the_trainers_adapter_as_an_adapter_or_merged():
+    """Two LoRA replicas, one serving the adapter through vLLM's LoRA (the zero adapter before any version)
+    and one merging it into its base weights, sample and score exactly as a plain replica at version 0.
+    After an update each loads the published adapter (only the adapter crosses the ring), both sample the
+    same greedy tokens, and vLLM and the trainer score their samples alike, as they do for full weights
+    (test_actors.py)."""
     checkpoint = resolve_checkpoint("tiny")
     gaps = []
 
     async def run():
         sync = WeightSyncConfig(transport="shm")
-        plain_procs, plain = spawn("plain", VLLMGenerator, GeneratorConfig(num_threads=1), sync, str(checkpoint))
-        gen_procs, generator = spawn("generator", VLLMGenerator, GeneratorConfig(num_threads=1), sync,
-                                     str(checkpoint), LORA)
-        trn_procs, trainer = spawn("trainer", TitanTrainer, TrainerConfig(lr=1e-2, num_threads=1, lora=LORA), sync,
-                                   str(checkpoint))
+        procs, generators = [], {}
+        for name, lora in (("plain", None), ("adapter", dataclasses.replace(LORA, serving="adapter")),
+                           ("merged", dataclasses.replace(LORA, serving="merged"))):
+            p, generators[name] = spawn(name, VLLMGenerator, GeneratorConfig(num_threads=1), sync, str(checkpoint),
+                                        *([lora] if lora else []))
+            procs.append(p)
+        p, trainer = spawn("trainer", TitanTrainer, TrainerConfig(lr=1e-2, num_threads=1, lora=LORA), sync,
+                           str(checkpoint))
+        procs.append(p)
+        served = [generators["adapter"], generators["merged"]]
         try:
-            await generator.attach_weights.call_one([await trainer.weight_ring.call_one()])
-            assert await generator.pull_weights.call_one() == 0
+            ring = [await trainer.weight_ring.call_one()]
+            for g in served:
+                await g.attach_weights.call_one(ring)
+                assert await g.pull_weights.call_one() == 0
             prompt = Prompt(5, ChatTokenizer(checkpoint).encode_chat("What is 1 + 2?"))
             greedy = Sampling(n=1, temperature=0.0, max_tokens=8)
-            before = (await generator.generate.call_one([prompt], sampling=greedy))[0]
-            base = (await plain.generate.call_one([prompt], sampling=greedy))[0]
-            assert (before.token_ids, before.logprobs) == (base.token_ids, base.logprobs)  # the base, exactly
-            gaps.append(await mismatch(trainer, before))
+            base = (await generators["plain"].generate.call_one([prompt], sampling=greedy))[0]
+            for g in served:  # the base, exactly
+                before = (await g.generate.call_one([prompt], sampling=greedy))[0]
+                assert (before.token_ids, before.logprobs) == (base.token_ids, base.logprobs)
+            gaps.append(await mismatch(trainer, base))
 
-            e = episode(before, -1.0)  # one large step pushing down the tokens vLLM chose
+            e = episode(base, -1.0)  # one large step pushing down the tokens vLLM chose
             await trainer.forward_backward.call_one(TrainBatch.collate([e], e.num_response_tokens, 1))
             assert (await trainer.optim_step.call_one())["updates"] == 1
             assert await trainer.publish_weights.call_one() == 1
-            assert await mismatch(trainer, before) > 0.5
-            assert await generator.pull_weights.call_one() == 1
-            after = (await generator.generate.call_one([prompt], sampling=greedy))[0]
-            assert after.policy_version == 1 and after.token_ids != before.token_ids
-            sampled = await generator.generate.call_one([prompt], sampling=Sampling(n=4, temperature=0.8,
-                                                                                     max_tokens=16))
-            gaps.extend([await mismatch(trainer, after)] + [await mismatch(trainer, c, 0.8) for c in sampled])
+            assert await mismatch(trainer, base) > 0.5
+            afters = []
+            for g in served:
+                assert await g.pull_weights.call_one() == 1
+                afters.append((await g.generate.call_one([prompt], sampling=greedy))[0])
+                sampled = await g.generate.call_one([prompt], sampling=Sampling(n=4, temperature=0.8, max_tokens=16))
+                gaps.extend([await mismatch(trainer, afters[-1])] + [await mismatch(trainer, c, 0.8) for c in sampled])
+            assert afters[0].policy_version == afters[1].policy_version == 1
+            assert afters[0].token_ids == afters[1].token_ids != base.token_ids
             assert max(gaps) < 0.02, gaps  # test_actors.py's bound for full weights of this model
         finally:
-            for procs in (plain_procs, gen_procs, trn_procs):
-                await procs.stop()
+            for p in procs:
+                await p.stop()
 
     asyncio.run(run())
 
@@ -174,13 +187,22 @@ def test_the_kl_reference_is_the_trainers_own_base_and_no_reference_process_star
 
 
 def test_adapters_are_loaded_in_flight_with_each_tokens_version(lora_run):
-    """As test_weight_updates.py shows for full weights: requests run on while a replica loads the next
-    adapter, their later tokens under the new version, every sequence within the staleness bound."""
+    """The real run of in-flight loads (for full weights too: test_weight_updates.py says why one does for
+    both): requests run on while a replica loads the next adapter, their later tokens under the new
+    version, every trained sequence within the staleness bound."""
     rows, records = read_jsonl(lora_run / "metrics.jsonl"), read_jsonl(lora_run / "rollouts.jsonl")
     assert rows[-1]["weight_swaps_in_flight"] >= 1 and sum(r["tokens_after_swap"] for r in rows) > 0
     spanning = [r for r in records if "versions" in r]
     assert spanning and all(len(v) >= 2 for r in spanning for v in r["versions"])
+    # every trained sequence within the bound, counted from its oldest token: the version it started from
     assert_staleness_bound(rows, records, 1)
+    assert all(r["counted_version"] == r["policy_version"] == r["versions"][0][0][1] for r in spanning)
+    # the replicas loaded versions while they generated: pull spans inside generate spans
+    spans = read_jsonl(lora_run / "trace.jsonl")
+    pulls = [s for s in spans if s["what"] == "pull"]
+    generating = [s for s in spans if s["what"] == "generate"]
+    assert any(g["replica"] == p["replica"] and g["start"] < p["start"] and p["end"] < g["end"]
+               for p in pulls for g in generating)
 
 
 def test_final_loads_in_vllm_on_the_base_and_its_merge_gives_the_same_logprobs(lora_run, cli, tmp_path):

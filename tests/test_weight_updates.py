@@ -1,13 +1,12 @@
 """Weights loaded while requests run (real Monarch actors, real vLLM, the tiny model): every token
 carries the version it was sampled under and scores as that version's policy does; `recompute`
-recomputes the running prefixes, `in_flight` keeps their KV cache; and an async run with in-flight
-updates keeps every trained sequence within the staleness bound."""
+recomputes the running prefixes, `in_flight` keeps their KV cache. A whole async run with in-flight
+loads (every trained sequence within the staleness bound, counted from its oldest token) is the LoRA
+run of test_lora.py: the generator's loads, their bookkeeping and the rollouts' versions are the same
+code for an adapter as for full weights, all but vLLM's reload, which this file tests for full weights."""
 
 import asyncio
-import subprocess
-import sys
 
-from assertions import assert_staleness_bound, read_jsonl
 from probe_actors import ScalingTrainer, SlowStepGenerator
 
 from meshrl.actors import spawn
@@ -100,29 +99,3 @@ def test_weights_loaded_mid_request_in_flight_and_recomputed(tiny_checkpoint):
                 await mesh.stop()
 
     asyncio.run(run())
-
-
-def test_an_async_run_loads_weights_in_flight_within_the_staleness_bound(tmp_path):
-    # generation slower than training (longer engine steps), so groups run while versions are published
-    result = subprocess.run(
-        [sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path),
-         "--controller.steps", "4", "--controller.prompts_per_step", "2", "--controller.group_size", "2",
-         "--generator.max_tokens", "200", "--controller.max_policy_age", "1", "--generator.replicas", "2",
-         "--generator.num_threads", "1", "--generator.cpus", "0;1", "--generator.impl", "probe_actors:SlowStepGenerator",
-         "--checkpoint.every", "0"], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert rows[-1]["weight_swaps_in_flight"] >= 1 and sum(r["tokens_after_swap"] for r in rows) > 0
-    assert rows[-1]["prefix_cache_resets_refused"] == 0
-    records = read_jsonl(tmp_path / "rollouts.jsonl")
-    spanning = [r for r in records if "versions" in r]
-    assert spanning and all(len(v) >= 2 for r in spanning for v in r["versions"])
-    # every trained sequence within the bound, counted from its oldest token: the version it started from
-    assert_staleness_bound(rows, records, 1)
-    assert all(r["counted_version"] == r["policy_version"] == r["versions"][0][0][1] for r in spanning)
-    # the replicas loaded versions while they generated: pull spans inside generate spans
-    spans = read_jsonl(tmp_path / "trace.jsonl")
-    pulls = [s for s in spans if s["what"] == "pull"]
-    generating = [s for s in spans if s["what"] == "generate"]
-    assert any(g["replica"] == p["replica"] and g["start"] < p["start"] and p["end"] < g["end"]
-               for p in pulls for g in generating)

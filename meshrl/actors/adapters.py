@@ -1,4 +1,5 @@
-"""A LoRA adapter served by vLLM: the trainer's adapter, loaded in place at each version.
+"""A LoRA adapter served by vLLM: the trainer's adapter, loaded in place at each version, or merged into
+the base weights the replica holds (`trainer.lora.serving`).
 
 vLLM keeps adapters by id. `add_lora` with `load_inplace` reads the adapter's directory again and
 replaces the loaded adapter, so requests already running go on under the new one from their next
@@ -6,6 +7,11 @@ engine step (an in-flight update, as for full weights). The requests themselves 
 without `load_inplace`: vLLM would read it again at every step otherwise. A replica serves the adapter
 from its start: before the first version, a zero adapter (the base exactly), so that no request runs on
 the base alone when the first version arrives.
+
+On the CPU, vLLM's LoRA kernels generate about 5 times slower than the base alone (SmolLM2, the demo,
+2026-11-25): there a replica merges each version into its copy of the adapted layers' base weights
+(W + scaling B A, 7 matrices a layer) and reloads those as full weights, generating at the base's speed.
+Only the adapter crosses the ring either way.
 """
 
 import os
@@ -16,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from meshrl.models.lora import VLLM_RANKS, LoraConfig, adapter_config, save_adapter
+from meshrl.models.lora import PEFT_PREFIX, VLLM_RANKS, LoraConfig, adapter_config, merged, save_adapter
 
 ADAPTER_ID = 1
 
@@ -48,3 +54,24 @@ class ServedAdapter:
         save_adapter(dict(weights), self.config, self.dir)
         if not self.engine.add_lora(self.reload):
             raise RuntimeError("vLLM did not load the adapter")
+
+
+def serves_adapters(lora: LoraConfig, on_gpu: bool) -> bool:
+    """Whether a replica serves `lora` through vLLM's LoRA (else merged into its base weights)."""
+    return lora.serving == "adapter" or (lora.serving == "auto" and on_gpu)
+
+
+class MergedAdapter:
+    """The adapter merged into the base weights the replica holds: each version's adapted layers as full
+    weights, W + scaling B A, in the dtype versions are published in."""
+
+    def __init__(self, lora: LoraConfig, to_hf, checkpoint: str, dtype: torch.dtype):
+        from meshrl.models.model import load_hf_weights
+
+        modules = {name.removeprefix(PEFT_PREFIX) for name in to_hf.hf_name.values()}
+        self.base = {k: v for k, v in load_hf_weights(checkpoint).items() if k.removesuffix(".weight") in modules}
+        self.scaling, self.dtype = lora.scaling, dtype
+
+    def merge(self, weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """The adapter's PEFT-named tensors -> the adapted layers' merged HF weights."""
+        return list(merged(self.base, dict(weights), self.scaling, self.dtype).items())

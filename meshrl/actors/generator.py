@@ -41,7 +41,7 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 from safetensors.torch import save_file
 
-from meshrl.actors.adapters import ServedAdapter, lora_options
+from meshrl.actors.adapters import MergedAdapter, ServedAdapter, lora_options, serves_adapters
 from meshrl.actors.engine import start_vllm
 from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.weight_updates import WeightUpdates
@@ -91,15 +91,20 @@ class VLLMGenerator(Actor):
         self.config = config
         # processed logprobs: those of the distribution each token was sampled from (after the temperature),
         # which the trainer's logprobs of logits / temperature are compared with
+        # the run plans each replica's GPUs (meshrl/runtime/gpu_plan.py): none on a CPU-only host
+        served = bool(lora and lora.rank and serves_adapters(lora, on_gpu=bool(config.devices)))
         self.llm = start_vllm(checkpoint, dtype=config.dtype, max_model_len=config.max_model_len,
                               memory_fraction=config.memory_fraction, seed=config.seed, num_threads=config.num_threads,
                               cpus=config.cpus, kv_cache_gib=config.kv_cache_gib, devices=config.devices,
                               tensor_parallel_size=config.tensor_parallel_size, logprobs_mode="processed_logprobs",
-                              **(lora_options(lora) if lora and lora.rank else {}))
+                              **(lora_options(lora) if served else {}))
         # what the trainer's ranks publish, together
         self.layout, self.to_hf = published_weights(checkpoint, weight_sync.dtype, lora)
-        self.adapter = ServedAdapter(self.llm.llm_engine, lora, self.to_hf, checkpoint, self.layout) \
-            if lora and lora.rank else None
+        self.adapter: ServedAdapter | MergedAdapter | None = None
+        if served:
+            self.adapter = ServedAdapter(self.llm.llm_engine, lora, self.to_hf, checkpoint, self.layout)
+        elif lora and lora.rank:
+            self.adapter = MergedAdapter(lora, self.to_hf, checkpoint, self.layout.specs[0].dtype)
         self.transport, self.pull_timeout, self.poll_s = weight_sync.transport, weight_sync.timeout_s, weight_sync.poll_s
         # a run resolves `auto` for its replicas (meshrl.runtime.launch.weight_update); on its own a replica drains
         self.update = "drain" if config.weight_update == "auto" else config.weight_update
@@ -151,7 +156,7 @@ class VLLMGenerator(Actor):
             request_id = str(next(self.request_ids))
             self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt.token_ids,
                                                              cache_salt=f"v{self.policy_version}"), params,
-                                    lora_request=self.adapter and self.adapter.request)
+                                    lora_request=self.adapter.request if isinstance(self.adapter, ServedAdapter) else None)
             self.running[request_id] = request = Request(prompt, [Sample() for _ in range(s.n)], loop.create_future())
             requests.append(request)
         self.book.running()
@@ -259,9 +264,11 @@ class VLLMGenerator(Actor):
         """Load HF-named tensors into vLLM in place: handed to its one worker in this process, or with
         tensor parallelism (workers in processes of their own) through a file in shared memory that
         each worker reads, keeping its own part of every tensor."""
-        if self.adapter:
-            self.adapter.load(weights)
-        elif self.config.tensor_parallel_size == 1:
+        if isinstance(self.adapter, ServedAdapter):
+            return self.adapter.load(weights)
+        if self.adapter:  # merged: the adapted layers' full weights
+            weights = self.adapter.merge(weights)
+        if self.config.tensor_parallel_size == 1:
             self.engine.model_executor.driver_worker.worker.reload_weights(weights_iterator=iter(weights))
         else:
             self.reload_through_file(weights)

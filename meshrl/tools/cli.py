@@ -97,6 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     trainer.add_argument("--prompt-tokens", type=int, default=32, help="prompt tokens per sequence (not trained)")
     trainer.add_argument("--response-tokens", type=int, default=96, help="trained tokens per sequence")
     trainer.add_argument("--repeats", type=int, default=3, help="timed steps per figure (the best is reported)")
+    trainer.add_argument("--lora-rank", type=int, default=16, help="the rank of the LoRA adapter measured beside "
+                                                                 "full fine-tuning (0: none)")
     control = bench.add_parser("controller", help="the controller's own cost with fake actors, and a placement's "
                                                   "predicted step time")
     control.add_argument("--json", type=Path, required=True, help="where to write the figures")
@@ -269,7 +271,7 @@ def _bench_trainer(args) -> None:
 
     ranks = [int(r) for r in args.ranks.split(",")]
     _write_bench(args.json, trainer, trainer.run(args.model, ranks, args.batch, args.prompt_tokens,
-                                                 args.response_tokens, args.repeats))
+                                                 args.response_tokens, args.repeats, args.lora_rank))
 
 
 def _bench_controller(args) -> None:

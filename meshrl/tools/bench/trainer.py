@@ -12,10 +12,12 @@ of the same model on the same batch, in the same process placement, for each ran
 
 Each figure is the best of `repeats` timed steps, after one warm-up step. With them, each trainer
 rank's resident memory added while loading the model as the trainer does (several ranks read only their
-own shards), and its peak.
+own shards), and its peak; the trainer's peak while training; and the trainer actor with a LoRA adapter of
+`--lora-rank` instead (on the first rank count): its step and its peak against full fine-tuning.
 """
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from meshrl.actors.replay_buffer import FifoBuffer
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import ReplayBufferConfig, TrainerConfig, WeightSyncConfig
 from meshrl.losses import autocast, response_logits, token_logprobs
+from meshrl.models.lora import LoraConfig
 from meshrl.models.model import build_policy, load_policy, read_hf_config, resolve_checkpoint
 from meshrl.train_step import train_step, train_updates
 from meshrl.types import BatchRef, Completion, Episode, GroupEpisodes, TrainBatch
@@ -81,6 +84,14 @@ class PlainLoop(Actor):
         return time.perf_counter() - start
 
 
+class MeasuredTrainer(TitanTrainer):
+    """The real trainer, which also says its process's peak resident memory (the kernel's high-water mark)."""
+
+    @endpoint
+    async def peak_rss_mb(self) -> float:
+        return _status_mb("VmHWM")
+
+
 class LoadProbe(Actor):
     """A rank that only loads the policy as the trainer does (`load_on_ranks`): its resident memory
     before, and the peak while loading (the kernel's high-water mark, reset just before)."""
@@ -104,14 +115,16 @@ def _status_mb(field: str) -> float:
     return int(line.split()[1]) / 1024
 
 
-def run(model: str, rank_counts: list[int], batch: int, prompt: int, response: int, repeats: int) -> dict:
+def run(model: str, rank_counts: list[int], batch: int, prompt: int, response: int, repeats: int,
+        lora_rank: int = 16) -> dict:
     for ranks in rank_counts:
         if ranks < 1 or batch % ranks:
             raise ValueError(f"--batch {batch} does not split over {ranks} ranks")
-    return asyncio.run(_run(model, rank_counts, batch, prompt, response, repeats))
+    return asyncio.run(_run(model, rank_counts, batch, prompt, response, repeats, lora_rank))
 
 
-async def _run(model: str, rank_counts: list[int], batch: int, prompt: int, response: int, repeats: int) -> dict:
+async def _run(model: str, rank_counts: list[int], batch: int, prompt: int, response: int, repeats: int,
+               lora_rank: int) -> dict:
     checkpoint = str(resolve_checkpoint(model))
     cores = sorted(parse_cpus(""))
     data = episodes(batch, prompt, response)
@@ -132,7 +145,7 @@ async def _run(model: str, rank_counts: list[int], batch: int, prompt: int, resp
             loads = await in_rank_order(probe.load.call())
         finally:
             await procs.stop()
-        procs, trainer = await spawn_ranks("trainer", TitanTrainer, ranks, config, WeightSyncConfig(), checkpoint)
+        procs, trainer = await spawn_ranks("trainer", MeasuredTrainer, ranks, config, WeightSyncConfig(), checkpoint)
         buffer_procs, buffer = spawn("replay_buffer", FifoBuffer, ReplayBufferConfig(), config, batch, 0, 0)
         try:
             await trainer.attach_buffer.call(buffer)
@@ -143,14 +156,37 @@ async def _run(model: str, rank_counts: list[int], batch: int, prompt: int, resp
                 times.append(time.perf_counter() - start)
                 from_buffer.append(await _step_from_buffer(trainer, buffer, data, config, i))
             trainer_s, buffer_s = min(times[1:]), min(from_buffer[1:])
+            peak = max(await in_rank_order(trainer.peak_rss_mb.call()))
         finally:
             await asyncio.gather(procs.stop(), buffer_procs.stop())
+        if ranks == rank_counts[0] and lora_rank:
+            lora = dataclasses.replace(config, lora=LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank), lr=1e-5)
+            lora_s, lora_peak = await _trainer_step_s(checkpoint, lora, data, repeats)
+            result["lora"] = {"rank": lora_rank, "ranks": ranks, "trainer_tokens_per_s": tokens / lora_s,
+                              "vs_full": trainer_s / lora_s, "trainer_peak_rss_mb": lora_peak,
+                              "peak_vs_full": lora_peak / peak}
         result[f"ranks_{ranks}"] = {"plain_tokens_per_s": tokens / plain_s, "trainer_tokens_per_s": tokens / trainer_s,
                                     "trainer_vs_plain": plain_s / trainer_s,
                                     "from_buffer_tokens_per_s": tokens / buffer_s, "from_buffer_vs_plain": plain_s / buffer_s,
+                                    "trainer_peak_rss_mb": peak,
                                     "load_mb_per_rank": max(r["peak_mb"] - r["before_mb"] for r in loads),
                                     "load_peak_rss_mb_per_rank": max(r["peak_mb"] for r in loads)}
     return result
+
+
+async def _trainer_step_s(checkpoint: str, config: TrainerConfig, data: list[Episode], repeats: int):
+    """The best of `repeats` steps of the trainer actor (after a warm-up), and its ranks' peak memory."""
+    procs, trainer = await spawn_ranks("lora_trainer", MeasuredTrainer, config.ranks, config, WeightSyncConfig(),
+                                       checkpoint)
+    try:
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            await train_step(trainer, None, data, config, pad_id=0)
+            times.append(time.perf_counter() - start)
+        return min(times[1:]), max(await in_rank_order(trainer.peak_rss_mb.call()))
+    finally:
+        await procs.stop()
 
 
 async def _step_from_buffer(trainer, buffer, data: list[Episode], config: TrainerConfig, index: int) -> float:
@@ -178,5 +214,11 @@ def report(result: dict) -> str:
                      f"{r['trainer_tokens_per_s']:7.1f} tokens/s   ({r['trainer_vs_plain']:.2f} x plain), from the "
                      f"replay buffer {r['from_buffer_tokens_per_s']:7.1f} tokens/s ({r['from_buffer_vs_plain']:.2f} x "
                      "plain)   "
-                     f"loading: +{r['load_mb_per_rank']:.0f} MB per rank (peak {r['load_peak_rss_mb_per_rank']:.0f} MB)")
+                     f"loading: +{r['load_mb_per_rank']:.0f} MB per rank (peak {r['load_peak_rss_mb_per_rank']:.0f} MB), "
+                     f"training: peak {r['trainer_peak_rss_mb']:.0f} MB per rank")
+    if "lora" in result:
+        r = result["lora"]
+        lines.append(f"  a LoRA adapter of rank {r['rank']} instead ({r['ranks']} rank(s)): trainer actor "
+                     f"{r['trainer_tokens_per_s']:7.1f} tokens/s ({r['vs_full']:.2f} x full fine-tuning), peak "
+                     f"{r['trainer_peak_rss_mb']:.0f} MB per rank ({r['peak_vs_full']:.2f} x)")
     return "\n".join(lines)
