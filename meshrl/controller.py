@@ -67,6 +67,7 @@ class Controller:
         checkpoint's sections (the collector gets its two, the restarts theirs)."""
         self.config, self.task, self.tokenizer, self.tracer, self.timeouts = config, task, tokenizer, tracer, timeouts
         self.trainer, self.reference, self.buffer, self.signals = trainer, reference, buffer, signals
+        self.routed = (0, 0)  # the generator pool's sticky calls kept and moved, at the last step's row
         self.generators, self.graders, self.checkpointer, self.rows = generators, graders, checkpointer, rows
         cfg, fresh = config.controller, fresh_groups(config)
         self.work = WorkBuffer(cfg.steps, fresh, cfg.max_policy_age, batch_builder(cfg, tracer.now, task.accuracy),
@@ -278,9 +279,13 @@ class Controller:
         self.publishing = asyncio.ensure_future(self._publish(version, batch.index + 1))
         t3 = time.perf_counter()
         self.trainer_busy += t3 - t1
-        pull, engines_busy = await self._weight_updates()
+        pull, engines_busy, cache = await self._weight_updates()
         await self._trainer_spans()
-        counters = {"generator_restarts": self.generators.restarts, "generator_calls_retried": self.generators.retried,
+        kept, moved = self.generators.kept, self.generators.moved
+        routed = {"generator_calls_kept": kept - self.routed[0], "generator_calls_moved": moved - self.routed[1]}
+        self.routed = (kept, moved)
+        counters = {**routed, "generator_restarts": self.generators.restarts,
+                    "generator_calls_retried": self.generators.retried,
                     "grader_restarts": self.graders.restarts, "grader_calls_retried": self.graders.retried,
                     "trainer_restarts": self.restarts.count["trainer"],
                     "reference_restarts": self.restarts.count["reference"],
@@ -288,7 +293,7 @@ class Controller:
                     "restart_seconds": self.restarts.seconds_lost,
                     **self.updates, "batches_ready": len(self.work.ready) - 1}
         # what the batch held, the replicas' counters, what training did (the plan's staleness among it)
-        row = {"step": step, "policy_version": version, **batch.stats, **counters, **train,
+        row = {"step": step, "policy_version": version, **batch.stats, **counters, **cache, **train,
                "train_time_s": t2 - t1, "weight_sync_s": t3 - t2 + pull, "wait_time_s": t1 - start}
         row["generator_idle"] = max(0.0, 1 - engines_busy / self.config.generator.replicas
                                     / (time.perf_counter() - start))
@@ -308,10 +313,12 @@ class Controller:
         if self.publishing:
             await self.publishing
 
-    async def _weight_updates(self) -> tuple[float, float]:
+    async def _weight_updates(self) -> tuple[float, float, dict]:
         """What the generator replicas did since the last step: their loads become `pull` spans of the
-        trace, their counts add up; returns the longest load's seconds and the seconds their engines had
-        requests to run, all together."""
+        trace, their counts add up; returns the longest load's seconds, the seconds their engines had
+        requests to run, all together, and their prefix caches' figures: the prompt tokens served from
+        cache and prefilled, all together, and `prefix_cache_hit_rate`, each replica's share of its prompt
+        tokens served from its cache averaged over the replicas that had prompts (absent if none did)."""
         async def ask(replica):  # bookkeeping: bounded, not traced
             async with deadline(self.timeouts.generate, "generator", "weight_updates"):
                 return replica, await replica.actor.weight_updates.call_one()
@@ -319,14 +326,21 @@ class Controller:
         answers = await asyncio.gather(*(ask(r) for r in self.generators.replicas if r.healthy),
                                        return_exceptions=True)  # a replica failing now is the pool's to find
         longest = busy = 0.0
+        cached = prompts = 0
+        rates = []
         for replica, updates in (a for a in answers if not isinstance(a, BaseException)):
             busy += updates["busy_s"]
+            if updates.get("prompt_tokens"):  # optional in the contract (roles.Generator.weight_updates)
+                prompts, cached = prompts + updates["prompt_tokens"], cached + updates["cached_prompt_tokens"]
+                rates.append(updates["cached_prompt_tokens"] / updates["prompt_tokens"])
             for pull in updates["pulls"]:
                 self.tracer.add("generator", "pull", pull["start"], pull["end"], replica.index, pull["version"])
                 longest = max(longest, pull["end"] - pull["start"])
             for key in self.updates:
                 self.updates[key] += updates[key]
-        return longest, busy
+        cache = {"prompt_tokens_cached": cached, "prompt_tokens_prefilled": prompts - cached,
+                 **({"prefix_cache_hit_rate": sum(rates) / len(rates)} if rates else {})}
+        return longest, busy, cache
 
     async def _trainer_spans(self) -> None:
         """The trainer's spans since the last step, timed by its ranks, into the trace (bookkeeping:

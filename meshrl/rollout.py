@@ -1,5 +1,7 @@
 """Rollout collection, one prompt's group at a time: each group is generated on the least-loaded
-generator replica (from the newest published version on: the replica loads it first if need be) and
+generator replica, a multi-turn group's later turns on the replica of its previous turn while the pool's
+sticky routing allows (`generator.routing`: that replica's prefix cache holds the conversation), each
+call from the newest published version on (the replica loads it first if need be), and
 graded as soon as it is complete; the work buffer (meshrl/work_buffer.py) decides which prompts start and what each finished
 group does to its batch. The same on the eval split.
 
@@ -127,12 +129,15 @@ class RolloutCollector:
         launched = self.tracer.now()
         spans = []  # each generate call's span
         tokens, oldest = 0, math.inf
+        served_by: Replica | None = None  # the replica of the previous turn: its prefix cache holds the group
 
         async def generate(prompts: list[Prompt], sampling: Sampling) -> list[Completion]:
             nonlocal tokens, oldest
             version = self.latest
 
             async def on(replica: Replica):
+                nonlocal served_by
+                served_by = replica
                 async with self.tracer.span("generator", what, version, replica.index,
                                             timeout=self.timeouts.generate) as span:
                     out = await replica.actor.generate.call_one(prompts, sampling=sampling, min_version=version)
@@ -141,7 +146,7 @@ class RolloutCollector:
                         (c.policy_version for c in out), default=version)
                     return out, span
 
-            completions, span = await self.generators.call(on)
+            completions, span = await self.generators.call(on, prefer=served_by)
             spans.append(span)
             tokens += sum(len(c.token_ids) for c in completions)
             oldest = min(oldest, *(c.sampled_version(self.staleness) for c in completions))

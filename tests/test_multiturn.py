@@ -197,6 +197,9 @@ def test_a_grader_without_step_serves_single_turn_tasks_only():
         actor_classes(load_config("smoke", ["--grader.impl", "user_task:ScoreOnlyGrader", "--task", "zorplex"]))
 
 
+TWO_REPLICAS = ["--generator.replicas", "2", "--generator.num_threads", "1", "--generator.cpus", "0;1"]
+
+
 def smoke(tmp_path, *args) -> tuple[list[dict], list[dict]]:
     run = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path),
                           "--checkpoint.every", "0", *args], capture_output=True, text=True, timeout=600)
@@ -205,10 +208,19 @@ def smoke(tmp_path, *args) -> tuple[list[dict], list[dict]]:
     return read("metrics.jsonl"), read("rollouts.jsonl")
 
 
-def test_step_wise_grpo_trains_a_users_environment_turn_by_turn(tmp_path):
+def test_step_wise_grpo_trains_a_users_environment_turn_by_turn_each_group_on_its_replica(tmp_path):
+    """On two replicas with sticky routing (the default), each group's later turns go to the replica of its
+    previous turn, whose prefix cache serves the conversation so far (80 tokens a turn: the third turn's
+    prompt fills one of vLLM's 128-token blocks on the CPU, the unit its prefix cache keeps)."""
     metrics, rollouts = smoke(tmp_path, "--task", "user_task:FakeTool", "--controller.advantage", "step_wise_grpo",
-                              "--controller.max_turns", "3", "--controller.max_policy_age", "1")
+                              "--controller.max_turns", "3", "--controller.max_policy_age", "1",
+                              "--generator.max_tokens", "80", *TWO_REPLICAS)
     assert [m["step"] for m in metrics] == [1, 2]
+    # every later turn asks for its group's replica: 2 groups a step and the first eval's 2 conversations,
+    # 2 later turns each; most stay (a replica more than 2 calls busier than the other would move one)
+    kept, moved = (sum(m[f"generator_calls_{k}"] for m in metrics) for k in ("kept", "moved"))
+    assert kept + moved == 2 * 2 * 2 + 2 * 2 and kept > moved
+    assert sum(m["prompt_tokens_cached"] for m in metrics) > 0 and any(m.get("prefix_cache_hit_rate") for m in metrics)
     assert_staleness_bound(metrics, rollouts, 1)
     # 2 prompts x 4 conversations x 3 turns each: one episode per turn
     assert [(m["turns_mean"], m["episodes"]) for m in metrics] == [(3.0, 24), (3.0, 24)]
@@ -218,9 +230,13 @@ def test_step_wise_grpo_trains_a_users_environment_turn_by_turn(tmp_path):
     assert "eval_accuracy" in metrics[-1]
 
 
-def test_zorplex_smoke_run(tmp_path):
-    metrics, rollouts = smoke(tmp_path, "--task", "zorplex", "--zorplex.eval_size", "2", "--zorplex.level", "2")
+def test_zorplex_smoke_run_on_two_replicas_serves_prompts_from_the_prefix_cache(tmp_path):
+    """vLLM's own count of prompt tokens its prefix cache served, per step (the tiny model never calls the
+    tool: these are the openings' shared worked example; later turns: the step-wise run above)."""
+    metrics, rollouts = smoke(tmp_path, "--task", "zorplex", "--zorplex.eval_size", "2", "--zorplex.level", "2",
+                              *TWO_REPLICAS)
     assert [m["step"] for m in metrics] == [1, 2]
+    assert all(0 < m["prefix_cache_hit_rate"] < 1 and m["prompt_tokens_cached"] > 0 for m in metrics)
     assert {"tagged", "tool_call"} <= {k for r in rollouts for k in r["reward_components"]}
     assert_checks_are_the_means_of_the_records(metrics, rollouts, Zorplex.accuracy)
     assert [m["episodes"] for m in metrics] == [8, 8]  # one per trajectory by default

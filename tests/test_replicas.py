@@ -9,7 +9,7 @@ import monarch.actor
 import pytest
 from monarch.actor import Actor, endpoint
 
-from meshrl.actors.replicas import CallFailed, ReplicaPool, RestartBudget, RoleFailed, monarch_replicas
+from meshrl.actors.replicas import CallFailed, Replica, ReplicaPool, RestartBudget, RoleFailed, monarch_replicas
 from meshrl.actors.roles import ReplicaBroken
 
 
@@ -126,3 +126,37 @@ def test_the_restart_budget_counts_failures_soon_after_a_start_and_forgets_a_slo
     budget.start("a")
     now[0] = 100  # 70 s of service: the next failure starts afresh, and so do the ones after it
     assert budget.failed("a") and budget.streak["a"] == 1
+
+
+def test_sticky_routing_keeps_a_group_on_its_replica_until_load_or_a_replacement_moves_it():
+    """The pool's rule for a group's later turns (no actors: replicas that are only bookkeeping)."""
+    async def run():
+        async def start(index: int) -> Replica:
+            return Replica(index, procs=None, actor=None, host="fake", pid=1000 + index)
+
+        async def where(replica: Replica) -> Replica:
+            return replica
+
+        pool = ReplicaPool("generator", start, count=3, max_restarts=3, sticky_slack=1)
+        await pool.start()
+        r0, r1, _ = pool.replicas
+        assert await pool.call(where) is r0  # no preference: the least loaded (all idle: the first)
+        assert await pool.call(where, prefer=r1) is r1  # kept, though others are as idle
+        r1.load = 1
+        assert await pool.call(where, prefer=r1) is r1  # one call busier than the least loaded: within the slack
+        r1.load = 2
+        moved = await pool.call(where, prefer=r1)  # two busier: the group moves to the least loaded
+        assert moved is not r1 and moved.load == 0
+        r1.load = 0
+        r1.healthy = False  # failed, its replacement not serving yet
+        assert await pool.call(where, prefer=r1) is not r1
+        pool.replicas[1] = replacement = await start(1)  # a replacement is another replica: the group moves on
+        assert await pool.call(where, prefer=r1) is not r1 and replacement is not r1
+        assert (pool.kept, pool.moved) == (2, 3)
+
+        plain = ReplicaPool("generator", start, count=2, max_restarts=3)  # least_loaded routing
+        await plain.start()
+        assert await plain.call(where, prefer=plain.replicas[1]) is plain.replicas[0]
+        assert (plain.kept, plain.moved) == (0, 0)
+
+    asyncio.run(run())

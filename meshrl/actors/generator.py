@@ -123,6 +123,7 @@ class VLLMGenerator(Actor):
         self.poller: asyncio.Task | None = None
         self.next_poll = 0.0
         self.broken: ReplicaBroken | None = None  # the engine or a pull failed: every call raises it
+        self.prompt_tokens = self.cached_prompt_tokens = 0  # of the requests finished since the last report
 
     @concurrent_endpoint
     async def generate(self, prompts: list[Prompt], *, sampling: Sampling | None = None,
@@ -199,6 +200,8 @@ class VLLMGenerator(Actor):
                 sample.add(out.token_ids, out.logprobs or [], out.text, self.policy_version)
                 sample.finish_reason = out.finish_reason or sample.finish_reason
             if output.finished or all(sample.finish_reason for sample in request.samples):
+                self.prompt_tokens += len(request.prompt.token_ids)  # vLLM's prefix cache served what it could
+                self.cached_prompt_tokens += output.num_cached_tokens or 0
                 del self.running[output.request_id]
                 request.done.set_result(None)
 
@@ -317,9 +320,12 @@ class VLLMGenerator(Actor):
     @endpoint
     async def weight_updates(self) -> dict:
         """What happened since the last call: the loads (`pulls`: wall-clock start and end, version, whether
-        requests were running, seconds reading the rings), swaps with requests running, prefix-cache resets vLLM refused, and the
-        seconds the engine had requests to run (`busy_s`)."""
-        return self.book.report()
+        requests were running, seconds reading the rings), swaps with requests running, prefix-cache resets vLLM refused, the
+        seconds the engine had requests to run (`busy_s`), and the finished requests' prompt tokens and
+        those vLLM's prefix cache served (`prompt_tokens`, `cached_prompt_tokens`)."""
+        cache = {"prompt_tokens": self.prompt_tokens, "cached_prompt_tokens": self.cached_prompt_tokens}
+        self.prompt_tokens = self.cached_prompt_tokens = 0
+        return {**self.book.report(), **cache}
 
     @endpoint
     async def weight_sync_stats(self) -> dict:

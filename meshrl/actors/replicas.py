@@ -114,6 +114,11 @@ class Replica:
     died_of: str = ""  # the error its predecessor at this index reported, if it was replaced for one
 
 
+def sticky_slack(generator) -> int | None:
+    """The generator pool's `sticky_slack` for its config section: None with least-loaded routing."""
+    return generator.sticky_slack if generator.routing == "sticky" else None
+
+
 def replica_name(role: str, index: int, count: int) -> str:
     """ "generator0", "generator1", ...; "generator" when there is one."""
     return f"{role}{index}" if count > 1 else role
@@ -146,11 +151,13 @@ def monarch_replicas(name: Callable[[int], str], cls: type, make_args: Callable[
 class ReplicaPool:
     def __init__(self, role: str, start: Callable[[int], Awaitable[Replica]], count: int, max_restarts: int,
                  on_change: Callable[[], None] | None = None, stop_timeout: Timeout | None = None,
-                 restart_window_s: float = 300.0):
+                 restart_window_s: float = 300.0, sticky_slack: int | None = None):
         """`count` replicas, replica i started by `start(i)` (`monarch_replicas`, or a test's fakes),
         replacements too; `on_change` is called when a replica leaves service and when its replacement
         serves (the run rewrites processes.json); stopping a replica's mesh is bounded by `stop_timeout`;
-        `max_restarts` and `restart_window_s` make the crash-loop bound (RestartBudget)."""
+        `max_restarts` and `restart_window_s` make the crash-loop bound (RestartBudget). `sticky_slack`
+        (sticky routing; None: least-loaded only): a call that prefers a replica goes to it while it is
+        healthy and has at most this many calls in flight more than the least-loaded one."""
         self.role, self.start_replica, self.count = role, start, count
         self.on_change, self.stop_timeout = on_change, stop_timeout
         self.budget = RestartBudget(max_restarts, restart_window_s)
@@ -162,6 +169,9 @@ class ReplicaPool:
         self.changed = asyncio.Condition()  # a replica became healthy, or the pool gave up
         self.respawning: set[asyncio.Task] = set()
         self.cursor = 0  # where the next search for the least-loaded replica starts
+        self.sticky_slack = sticky_slack
+        self.kept = 0  # calls that went to the replica they preferred
+        self.moved = 0  # calls that preferred a replica too busy, or replaced, and went to the least-loaded
 
     async def start(self) -> None:
         self.replicas = list(await asyncio.gather(*(self.start_replica(i) for i in range(self.count))))
@@ -171,11 +181,13 @@ class ReplicaPool:
     def name(self, index: int) -> str:
         return replica_name(self.role, index, self.count)
 
-    async def call(self, fn: Callable[[Replica], Awaitable[T]]) -> T:
-        """`fn` on the least-loaded healthy replica; on another if that one fails. CallFailed if `fn`'s
-        call raised an error of its own."""
+    async def call(self, fn: Callable[[Replica], Awaitable[T]], prefer: Replica | None = None) -> T:
+        """`fn` on the least-loaded healthy replica, or on `prefer` (the replica that served the caller's
+        previous call: its prefix cache holds the conversation) as sticky routing allows; on another if
+        that one fails. CallFailed if `fn`'s call raised an error of its own."""
         while True:
-            replica = await self._least_loaded()
+            replica = await self._route(prefer)
+            prefer = None  # a call redone goes to the least-loaded replica
             self._track(replica, +1)
             try:
                 answer = await fn(replica)
@@ -219,6 +231,18 @@ class ReplicaPool:
         elif replica.load == 0 and replica.busy_since is not None:
             replica.busy_s += time.perf_counter() - replica.busy_since
             replica.busy_since = None
+
+    async def _route(self, prefer: Replica | None) -> Replica:
+        """`prefer` while it serves (a replacement is another replica) and is at most `sticky_slack` calls
+        busier than the least-loaded replica; else the least-loaded."""
+        least = await self._least_loaded()
+        if prefer is None or self.sticky_slack is None:
+            return least
+        if prefer.healthy and prefer in self.replicas and prefer.load <= least.load + self.sticky_slack:
+            self.kept += 1
+            return prefer
+        self.moved += 1
+        return least
 
     async def _least_loaded(self) -> Replica:
         """The healthy replica with the fewest calls in flight; ties go round-robin, and the search

@@ -48,7 +48,8 @@ class Generator(Protocol):
     async def weight_updates(self) -> dict:
         """Since the last call: {"pulls": [{"start", "end" (wall clock), "version", "in_flight",
         "read_s" (of the load, the seconds spent reading the rings)}, ...],
-        "weight_swaps_in_flight", "prefix_cache_resets_refused"}."""
+        "weight_swaps_in_flight", "prefix_cache_resets_refused"}; optionally the finished requests'
+        "prompt_tokens" and "cached_prompt_tokens" (those its prefix cache served)."""
 
     async def weight_sync_stats(self) -> dict:
         """{"transport", "torn_reads", "corrupt_reads"}."""

@@ -65,18 +65,22 @@ class GeneratorConfig:
     seed: int = 0  # vLLM's engine seed (replica i uses seed + i; with request_seeds every replica uses seed)
     request_seeds: bool = False  # seed each request from `seed`, its prompt and the policy version: the same samples whatever else is batched with it (reproducible runs; single-turn tasks only: a multi-turn group's conversations would all sample alike); off by default because vLLM on the CPU fails on a seeded request whose prompt it prefills in parts (more prompt tokens waiting than one engine step takes)
     replicas: int = 1  # generator actors, each on its own proc mesh; groups go to the least loaded
+    routing: str = "sticky"  # where a multi-turn group's later turns go: sticky (to the replica of its previous turn, whose prefix cache holds the conversation, while it serves and is at most sticky_slack calls busier than the least loaded) | least_loaded
+    sticky_slack: int = 2  # sticky routing: calls in flight a group's replica may have beyond the least-loaded replica's before the group moves on
     max_restarts: int = 3  # a replica failing more than this many times in a row, each within controller.restart_window_s of its start, stops the run (a crash loop)
     hosts: str = ""  # the job.hosts group the replicas go on, round-robin over its hosts; "": the controller's host
     timeout_s: float = 600.0  # a replica's start, and one group's generation: past it the replica is replaced
     weight_update: str = "auto"  # how a replica loads a new version: drain (waits for its running requests) | in_flight (between engine steps, requests go on) | recompute (in flight, running prefixes recomputed); auto: drain when controller.max_policy_age is 0, else in_flight
 
     def check(self) -> None:
-        at_least(self, "generator", replicas=1, max_tokens=1, num_threads=1, tensor_parallel_size=1, max_restarts=0)
+        at_least(self, "generator", replicas=1, max_tokens=1, num_threads=1, tensor_parallel_size=1, max_restarts=0,
+                 sticky_slack=0)
         if self.top_p != 1:
             raise ValueError(f"generator.top_p {self.top_p:g}: training samples must come from the whole "
                              "distribution at generator.temperature, which the trainer's logprobs follow; keep it 1 "
                              "(controller.eval_top_p sets eval's)")
-        one_of(self, "generator", weight_update=("auto", "drain", "in_flight", "recompute"))
+        one_of(self, "generator", weight_update=("auto", "drain", "in_flight", "recompute"),
+               routing=("sticky", "least_loaded"))
         if self.temperature <= 0:
             raise ValueError("generator.temperature must be above 0: greedy sampling gives one answer per prompt")
         if ";" in self.cpus and len(self.cpus.split(";")) != self.replicas:

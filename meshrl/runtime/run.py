@@ -27,7 +27,8 @@ from tqdm import tqdm
 
 from meshrl import checkpoint
 from meshrl.actors import in_rank_order
-from meshrl.actors.replicas import ReplicaPool, RoleFailed, error_line, monarch_replicas, processes, replica_name
+from meshrl.actors.replicas import (ReplicaPool, RoleFailed, error_line, monarch_replicas, processes, replica_name,
+                                    sticky_slack)
 from meshrl.actors.timeouts import CallTimeout, StopSignals, Timeouts, bounded, deadline
 from meshrl.actors.trace import Tracer
 from meshrl.configs import Config, to_dict
@@ -188,7 +189,7 @@ class Run:
             lambda i: replica_name("generator", i, gen.replicas), self.classes["generator"],
             lambda i: generator_args(cfg, i, self.model_path), lambda i: self.hosts.host("generator", i), self._attach,
             timeouts.generate), gen.replicas, gen.max_restarts, self._write_processes, timeouts.stop,
-            cfg.controller.restart_window_s)
+            cfg.controller.restart_window_s, sticky_slack(gen))
         graders = ReplicaPool("grader", monarch_replicas(
             lambda i: replica_name("grader", i, grade.replicas), self.classes["grader"],
             lambda i: (cfg.task, task_config(cfg), grade), lambda i: self.hosts.host("grader", i), None, timeouts.grade),

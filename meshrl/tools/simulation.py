@@ -24,7 +24,7 @@ from meshrl import checkpoint
 from meshrl.actors import load_actor_class
 from meshrl.actors.distributed import from_buffer, to_buffer
 from meshrl.actors.replay_buffer import buffer_impl
-from meshrl.actors.replicas import Replica, ReplicaPool
+from meshrl.actors.replicas import Replica, ReplicaPool, sticky_slack
 from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.timeouts import StopSignals, Timeout, Timeouts
 from meshrl.actors.trace import ActorClock, Tracer
@@ -380,7 +380,8 @@ async def run_fake(config: Config, run_dir: Path, script: Script | None = None, 
         return Replica(index, FakeProcs(), FakeMesh([FakeGrader()], script), "fake", os.getpid())
 
     generators = ReplicaPool("generator", generator, config.generator.replicas, config.generator.max_restarts,
-                             restart_window_s=config.controller.restart_window_s)
+                             restart_window_s=config.controller.restart_window_s,
+                             sticky_slack=sticky_slack(config.generator))
     graders = ReplicaPool("grader", grader, config.grader.replicas, config.grader.max_restarts,
                           restart_window_s=config.controller.restart_window_s)
     await asyncio.gather(generators.start(), graders.start())
