@@ -241,3 +241,28 @@ def test_zorplex_smoke_run_on_two_replicas_serves_prompts_from_the_prefix_cache(
     assert_checks_are_the_means_of_the_records(metrics, rollouts, Zorplex.accuracy)
     assert [m["episodes"] for m in metrics] == [8, 8]  # one per trajectory by default
     assert {r["prompt"] for r in rollouts} <= {Zorplex(ZorplexConfig(level=2)).train_sample(i).prompt for i in range(4)}
+
+
+def test_the_multiturn_bench_compares_the_arms_from_their_rows():
+    """`meshrl bench multiturn`'s figures, recomputed by hand from two arms' rows (its runs are real
+    `meshrl train` runs, whose rows the step-wise run above checks)."""
+    from meshrl.tools.bench import multiturn
+
+    def rows(gen, prefilled, cached, rates, kept):
+        return [{"gen_time_s": g, "prompt_tokens_prefilled": p, "prompt_tokens_cached": c, "generator_calls_kept": k,
+                 "generator_calls_moved": 0, **({"prefix_cache_hit_rate": r} if r is not None else {})}
+                for g, p, c, r, k in zip(gen, prefilled, cached, rates, kept)]
+
+    result = multiturn.compare({"config": "zorplex_smollm2", "steps": 3, "replicas": 2,
+                                "least_loaded": multiturn.arm_figures(rows([4, 6, 5], [900, 800, 700], [0, 100, 200],
+                                                                           [0.0, 0.1, None], [0, 0, 0])),
+                                "sticky": multiturn.arm_figures(rows([3, 4, 5], [300, 300, 300], [600, 600, 600],
+                                                                     [0.6, 0.7, 0.8], [4, 4, 4]))})
+    assert result["least_loaded"]["gen_time_s"] == 5 and result["sticky"]["gen_time_s"] == 4  # medians
+    assert result["least_loaded"]["prefix_cache_hit_rate"] == pytest.approx(0.05)  # the steps that had requests
+    assert result["sticky"]["calls_kept"] == 12 and result["sticky"]["prompt_tokens_cached"] == 600
+    assert result["gen_time_sticky_vs_least_loaded"] == pytest.approx(4 / 5)
+    assert result["prefilled_sticky_vs_least_loaded"] == pytest.approx(300 / 800)
+    text = multiturn.report(result)
+    assert "sticky against least-loaded: generation 0.80 x, prefilled tokens 0.38 x" in text
+    assert "prefix_cache_hit_rate" in text and "0.700" in text

@@ -124,6 +124,13 @@ def _parser() -> argparse.ArgumentParser:
     sync_async.add_argument("--json", type=Path, required=True, help="where to write the figures")
     sync_async.add_argument("--plot", type=Path, required=True, help="where to write the PNG")
     sync_async.add_argument("--run-dir", type=Path, help="where both runs go (default: runs/bench-CONFIG-TIME)")
+    multiturn = bench.add_parser("multiturn", help="a multi-turn workload routed least-loaded and sticky",
+                                 epilog="Config overrides apply to both runs: --generator.cpus '0;1'")
+    multiturn.add_argument("--config", default="zorplex_smollm2", help="a multi-turn config")
+    multiturn.add_argument("--steps", type=int, default=5, help="optimizer steps in each run")
+    multiturn.add_argument("--replicas", type=int, default=2, help="generator replicas")
+    multiturn.add_argument("--json", type=Path, required=True, help="where to write the figures")
+    multiturn.add_argument("--run-dir", type=Path, help="where both runs go (default: runs/bench-multiturn-TIME)")
     parser.train = train  # its help, when no config is named
     return parser
 
@@ -131,7 +138,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command != "train" and getattr(args, "bench", None) != "sync-vs-async":
+    if rest and args.command != "train" and getattr(args, "bench", None) not in ("sync-vs-async", "multiturn"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "train" and {"-h", "--help"} & set(rest):
@@ -184,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             _bench_trainer(args)
         elif args.command == "bench" and args.bench == "controller":
             _bench_controller(args)
+        elif args.command == "bench" and args.bench == "multiturn":
+            _bench_multiturn(args, rest)
         elif args.command == "bench":
             _bench_sync_vs_async(args, rest)
         else:  # bad input fails here, before anything starts; a failure during the run keeps its traceback
@@ -297,6 +306,14 @@ def _write_bench(path: Path, bench, result: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     print(bench.report(result))
+
+
+def _bench_multiturn(args, overrides: list[str]) -> None:
+    from meshrl.tools.bench import multiturn
+
+    load_config(args.config, overrides)  # bad input fails here, before either run starts
+    run_dir = args.run_dir or Path("runs") / f"bench-multiturn-{time.strftime('%Y%m%d-%H%M%S')}"
+    _write_bench(args.json, multiturn, multiturn.run(args.config, args.steps, args.replicas, run_dir, overrides))
 
 
 def _bench_sync_vs_async(args, overrides: list[str]) -> None:
