@@ -134,12 +134,15 @@ def batch_builder(cfg: ControllerConfig, now: Callable[[], float], accuracy: str
         rewards = [r for _, k in kept for r in k.rewards]  # the rewards of the batch trained
         checks = [c for _, k in kept for c in k.checks]
         turns = [t for _, k in kept for t in k.turns]
+        scored = len(kept) + (f.equal if cfg.drop_equal_reward_groups else 0)  # the groups given rewards
         stats = {
             "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
             "reward_std": population_std(rewards) if rewards else math.nan,
             **check_rates(checks, len(checks), "", accuracy),
             "reward_errors": sum(g.completions - len(g.scored) for g in f.groups),
             "equal_reward_groups": f.equal,
+            # the share of them whose rewards differ: the groups that teach anything (a stalled run's is low)
+            "groups_with_signal": max(scored - f.equal, 0) / scored if scored else math.nan,
             "groups_dropped": f.equal if cfg.drop_equal_reward_groups else 0,
             "groups_stale": f.stale,
             "groups_failed": f.failed,

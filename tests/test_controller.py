@@ -120,6 +120,9 @@ def test_equal_reward_groups_are_counted_and_with_dynamic_sampling_replaced_by_n
     config = fake_config(steps=3, prompts=2, drop_equal_reward_groups=drop, max_sample_rounds=4)
     done = run(config, tmp_path, Script(equal={1, 2, 5}))
     assert sum(r["equal_reward_groups"] for r in done.rows) == 3
+    # the share of each step's scored groups (kept, and dropped for equal rewards) that carry a signal: by
+    # hand, steps of prompts {0, 1}, {2, 3}, {4, 5}; dropping, {0, 1, 2, 3} (1 and 2 dropped), {4, 5, 6}, {7, 8}
+    assert [r["groups_with_signal"] for r in done.rows] == pytest.approx([0.5, 2 / 3, 1.0] if drop else [0.5] * 3)
     if drop:  # not trained; other prompts fill their places, every batch full
         assert_each_group_trained_once(done.trainer.trained, [0, 3, 4, 6, 7, 8], 2)
         assert all(r["episodes"] == 4 for r in done.rows)

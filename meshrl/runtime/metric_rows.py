@@ -42,7 +42,8 @@ class MetricRows:
         if self.recorder:
             self.recorder.write(row["step"], batch.index, batch.records)
         if self.bar is not None:
-            self.bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=f"{row.get('accuracy', float('nan')):.2f}")
+            self.bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=f"{row.get('accuracy', float('nan')):.2f}",
+                                 signal=f"{row.get('groups_with_signal', float('nan')):.2f}")  # groups that teach
 
     def close(self) -> None:
         for sink in (self.loggers, self.recorder):
