@@ -123,7 +123,8 @@ async def train_updates(trainer, reference, updates: list[list[TrainBatch | Batc
     over updates. Each actor call is timed by `span` (a `Tracer.span`) with the trained `version`,
     and bounded by `timeouts.trainer` (the reference's by `timeouts.reference`). `applied["updates"]`
     counts the updates applied so far, for a step that fails part-way."""
-    base_reference = reference is None and config.loss.kl_coef > 0  # LoRA: the trainer's base, adapter off
+    # LoRA: the trainer's own base, its adapter off (without LoRA and a reference the loss refuses the KL)
+    base_reference = reference is None and config.loss.kl_coef > 0 and config.lora.rank > 0
     if reference:
         for group in rounds([b for batches in updates for b in batches], reference_ranks):
             async with span("reference", "reference", version, timeout=timeouts.reference):

@@ -58,3 +58,16 @@ def kill_role_after_steps(run: subprocess.Popen, run_dir, role: str, steps: int)
     finally:
         if run.poll() is None:
             run.kill()
+
+
+def fixed_episodes(tokenizer, batch: int = 0) -> list[Episode]:
+    """Five episodes of different lengths and advantages: three micro-batches of two, the last one short
+    (another `batch`: other responses, the advantages' signs swapped every other batch)."""
+    out = []
+    for i in range(5):
+        prompt = tokenizer.encode_chat(f"What is {i} + {i + 1 + batch}?")
+        response = [100 + 7 * i + 31 * batch + j for j in range(3 + 2 * i)]
+        out.append(Episode(tokens=prompt + response, loss_mask=[False] * len(prompt) + [True] * len(response),
+                           behaviour_logprobs=[0.0] * len(prompt) + [-10.8 - 0.01 * j for j in range(len(response))],
+                           advantage=(-1.0) ** (i + batch) * (0.5 + 0.25 * i), policy_version=0, group_id=i))
+    return out

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from actor_helpers import episode, mismatch
+from actor_helpers import episode, fixed_episodes, mismatch
 from assertions import assert_staleness_bound, read_jsonl
 from safetensors.torch import load_file
 
@@ -23,6 +23,7 @@ from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
 from meshrl.models.lora import ADAPTER_FILE, LoraConfig, is_adapter, merged
 from meshrl.models.model import ChatTokenizer, load_hf_weights, load_policy, resolve_checkpoint
+from meshrl.train_step import train_step
 from meshrl.types import Prompt, Sampling, TrainBatch
 from meshrl.weight_sync import published_weights
 
@@ -146,18 +147,54 @@ def test_vllm_serves_the_base_at_step_0_then_the_trainers_adapter_as_an_adapter_
     asyncio.run(run())
 
 
+def test_a_lora_checkpoint_resumes_exactly(tmp_path):
+    """The adapter and its AdamW state saved and loaded into a trainer whose own adapter started elsewhere
+    (another seed): its next two steps' losses and gradient norms are the saver's, bit for bit (one rank,
+    the same sums). The second step's loss depends on the first's update, so on the optimizer state."""
+    checkpoint, tokenizer = resolve_checkpoint("tiny"), ChatTokenizer(resolve_checkpoint("tiny"))
+
+    async def steps(trainer, config) -> list[tuple[float, float]]:
+        out = []
+        for batch in (1, 2):
+            metrics = await train_step(trainer, None, fixed_episodes(tokenizer, batch), config, tokenizer.pad_id)
+            out.append((metrics["loss"], metrics["grad_norm"]))
+        return out
+
+    async def run():
+        configs = [TrainerConfig(lr=1e-2, num_threads=1, micro_batch_size=2, lora=LORA, seed=seed) for seed in (0, 1)]
+        spawned = [spawn(f"trainer{i}", TitanTrainer, c, WeightSyncConfig(), str(checkpoint))
+                   for i, c in enumerate(configs)]
+        try:
+            (_, saver), (_, restored) = spawned
+            await train_step(saver, None, fixed_episodes(tokenizer), configs[0], tokenizer.pad_id)
+            await saver.save_state.call_one(str(tmp_path / "saved"))
+            going_on = await steps(saver, configs[0])
+            assert await restored.load_state.call_one(str(tmp_path / "saved")) == 0
+            return going_on, await steps(restored, configs[1])
+        finally:
+            for procs, _ in spawned:
+                await procs.stop()
+
+    going_on, resumed = asyncio.run(run())
+    assert resumed == going_on and going_on[0] != going_on[1]
+    files = [f for f in (tmp_path / "saved").rglob("*") if f.is_file()]
+    assert sum(f.stat().st_size for f in files) < 1_000_000  # the adapter and its moments, not the base
+
+
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory) -> Path:
     """`meshrl train --config smoke --trainer.lora.rank 8` with a KL penalty and an entropy bonus (the tiny
     model's replies all earn the same reward at this length: the bonus moves the adapter), generation one
-    step ahead on 2 slowed replicas, so that adapters are loaded while requests run."""
+    step ahead on 2 slowed replicas with long replies, so that adapters are loaded while requests run (the
+    settings test_weight_updates.py's full-weight run had, which provoked swaps in flight on every CI run)."""
     run_dir = tmp_path_factory.mktemp("lora") / "run"
     result = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(run_dir),
                              "--trainer.lora.rank", "8", "--trainer.lr", "1e-2", "--task", "user_task:LongerReplies",
                              "--trainer.loss.kl_coef", "0.05", "--trainer.loss.entropy_coef", "0.01",
                              "--controller.steps", "4", "--controller.max_policy_age", "1", "--checkpoint.every", "2",
-                             "--generator.replicas", "2", "--generator.num_threads", "1", "--generator.cpus", "0;1",
-                             "--generator.impl", "probe_actors:SlowStepGenerator", "--generator.max_tokens", "96"],
+                             "--controller.group_size", "2", "--generator.replicas", "2", "--generator.num_threads", "1",
+                             "--generator.cpus", "0;1", "--generator.impl", "probe_actors:SlowStepGenerator",
+                             "--generator.max_tokens", "200"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 import torch
+from actor_helpers import fixed_episodes
 
 from meshrl.actors import first, spawn_ranks
 from meshrl.actors.reference import ReferenceModel
@@ -13,20 +14,6 @@ from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import LossConfig, ReferenceConfig, TrainerConfig, WeightSyncConfig
 from meshrl.models.model import ChatTokenizer, load_hf_weights, resolve_checkpoint
 from meshrl.train_step import train_step
-from meshrl.types import Episode
-
-
-def episodes(tokenizer: ChatTokenizer, batch: int = 0) -> list[Episode]:
-    """Five episodes of different lengths and advantages: three micro-batches of two, the last one short
-    (another `batch`: other responses, the advantages' signs swapped every other batch)."""
-    out = []
-    for i in range(5):
-        prompt = tokenizer.encode_chat(f"What is {i} + {i + 1 + batch}?")
-        response = [100 + 7 * i + 31 * batch + j for j in range(3 + 2 * i)]
-        out.append(Episode(tokens=prompt + response, loss_mask=[False] * len(prompt) + [True] * len(response),
-                           behaviour_logprobs=[0.0] * len(prompt) + [-10.8 - 0.01 * j for j in range(len(response))],
-                           advantage=(-1.0) ** (i + batch) * (0.5 + 0.25 * i), policy_version=0, group_id=i))
-    return out
 
 
 def one_step(checkpoint, ranks: int, out_dir, kl: bool) -> dict:
@@ -44,7 +31,7 @@ def one_step(checkpoint, ranks: int, out_dir, kl: bool) -> dict:
             meshes.append(ref_procs)
         try:
             tokenizer = ChatTokenizer(checkpoint)
-            metrics = await train_step(trainer, reference, episodes(tokenizer), config, tokenizer.pad_id,
+            metrics = await train_step(trainer, reference, fixed_episodes(tokenizer), config, tokenizer.pad_id,
                                        reference_ranks=ranks)
             await trainer.save.call(str(out_dir))
             return metrics
@@ -100,7 +87,7 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_and_one_of_one_rank_on_two(tmp
     async def steps(trainer, config, tokenizer) -> list[tuple[float, float]]:
         out = []
         for batch in (1, 2):
-            metrics = await train_step(trainer, None, episodes(tokenizer, batch), config, tokenizer.pad_id)
+            metrics = await train_step(trainer, None, fixed_episodes(tokenizer, batch), config, tokenizer.pad_id)
             assert metrics["updates_skipped"] == 0
             out.append((metrics["loss"], metrics["grad_norm"]))
         return out
@@ -114,7 +101,7 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_and_one_of_one_rank_on_two(tmp
         try:
             going_on, resumed = {}, {}
             for ranks, (_, trainer) in spawned.items():
-                await train_step(trainer, None, episodes(tokenizer), configs[ranks], tokenizer.pad_id)
+                await train_step(trainer, None, fixed_episodes(tokenizer), configs[ranks], tokenizer.pad_id)
                 assert await first(trainer.publish_weights.call()) == 1
                 await trainer.save_state.call(str(tmp_path / f"saved_by_{ranks}"))
                 going_on[ranks] = await steps(trainer, configs[ranks], tokenizer)

@@ -118,6 +118,8 @@ class TitanTrainer(Actor):
     async def base_logprobs(self, batch: TrainBatch | BatchRef) -> torch.Tensor | None:
         """With LoRA, the KL penalty's reference for free: as `logprobs`, of the frozen base with the adapter
         switched off (the initial policy, exactly)."""
+        if not self.lora:
+            raise ValueError("base_logprobs is the reference of a LoRA trainer: this one trains full weights")
         await publishes_started()
         micro = await from_buffer(self.buffer, batch, self.clock, self.policy_version)
         with self.clock.span("reference", self.policy_version), adapter_off(self.model):
