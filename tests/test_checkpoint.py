@@ -322,4 +322,6 @@ def test_a_replay_runs_buffer_killed_mid_run_is_restarted_and_a_resume_goes_on_w
     spans = read_jsonl(run_dir / "trace.jsonl")
     taken = [s for s in spans if s["role"] == "trainer" and s["what"] == "from_buffer" and s["clock"] == "actor"]
     trained = [s for s in spans if s["role"] == "trainer" and s["what"] == "train" and s["clock"] == "actor"]
-    assert len(taken) == len(trained) > 0  # every micro-batch trained was taken from the buffer by the rank
+    # every micro-batch trained was taken from the buffer by the rank; one more fetch when the kill came
+    # between a fetch and its pass (that step failed part-way and was trained again)
+    assert 0 < len(trained) <= len(taken) <= len(trained) + 1
