@@ -66,10 +66,13 @@ class MergedAdapter:
     weights, W + scaling B A, in the dtype versions are published in."""
 
     def __init__(self, lora: LoraConfig, to_hf, checkpoint: str, dtype: torch.dtype):
-        from meshrl.models.model import load_hf_weights
+        from safetensors import safe_open
 
-        modules = {name.removeprefix(PEFT_PREFIX) for name in to_hf.hf_name.values()}
-        self.base = {k: v for k, v in load_hf_weights(checkpoint).items() if k.removesuffix(".weight") in modules}
+        wanted = {name.removeprefix(PEFT_PREFIX) + ".weight" for name in to_hf.hf_name.values()}
+        self.base = {}  # the adapted layers' weights only, read as such: not the whole checkpoint
+        for path in sorted(Path(checkpoint).glob("*.safetensors")):
+            with safe_open(path, framework="pt") as f:
+                self.base.update({name: f.get_tensor(name) for name in f.keys() if name in wanted})
         self.scaling, self.dtype = lora.scaling, dtype
 
     def merge(self, weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
