@@ -1,7 +1,8 @@
 """Qwen3 configs: the tiny stand-in that the tests train, and GPU-cluster examples that start from a
-checkpoint the user downloads (docs/models.md). Registered with the others (meshrl/configs/__init__.py)."""
+checkpoint the user downloads (docs/models.md). Registered with the others (meshrl/configs/named.py)."""
 
-from meshrl.configs import Config, ControllerConfig, ModelConfig, register, smoke
+from meshrl.configs import Config, ControllerConfig, ModelConfig, register
+from meshrl.configs.named import smoke
 
 
 @register
