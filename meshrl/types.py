@@ -5,10 +5,14 @@ Each stage adds only what its producer knows: the generator knows tokens and log
 knows rewards, the controller knows groups and advantages. The trainer sees only TrainBatch.
 """
 
+from __future__ import annotations
+
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where a TrainBatch is made: a grader's process never loads torch
+    import torch
 
 
 @dataclass
@@ -160,6 +164,8 @@ class TrainBatch:
 
     @staticmethod
     def collate(episodes: list[Episode], loss_tokens: int, loss_sequences: int, pad_id: int = 0) -> "TrainBatch":
+        import torch
+
         length = max(len(e.tokens) for e in episodes) - 1
 
         def rows(field: str, start: int, stop: int | None, pad, dtype) -> torch.Tensor:  # right-padded, one copy
@@ -177,5 +183,7 @@ class TrainBatch:
 
     def to(self, device: torch.device) -> "TrainBatch":
         """The same batch with every tensor on `device`."""
+        import torch
+
         return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
                                             if isinstance(getattr(self, f.name), torch.Tensor)})

@@ -1,11 +1,17 @@
-"""Monarch actors, one role each. The controller finds each by the "module:Class" its config names."""
+"""Monarch actors, one role each. The controller finds each by the "module:Class" its config names.
+torch is imported where it is used: a grader's process never loads it."""
+
+from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-import torch
 from monarch.actor import this_host
 
 from meshrl.configs.plugins import load_object
+
+if TYPE_CHECKING:
+    import torch
 
 
 def load_actor_class(impl: str):
@@ -63,6 +69,8 @@ def placement(cpus: str, index: int) -> str:
 
 def resolve_device(device: str) -> torch.device:
     """ "auto": CUDA when this process sees a GPU, else the CPU; otherwise the device named ("cuda:1")."""
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -73,6 +81,8 @@ def has_bf16_math(device: torch.device) -> bool:
     AVX512-BF16 or AMX. Elsewhere (AVX2-only CPUs) torch and vLLM emulate them: measured here, a
     SmolLM2 forward and backward took 26x as long as in fp32, and vLLM sampled at a third of its fp32
     speed. No more accurate either: fp32 is the better choice there."""
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
@@ -89,5 +99,7 @@ def cpu_name() -> str:
 
 def pin_cpus(cpus: str, num_threads: int) -> None:
     """Keep this actor's process and torch's threads on `cpus`, so roles do not fight over cores."""
+    import torch
+
     os.sched_setaffinity(0, parse_cpus(cpus))
     torch.set_num_threads(num_threads)

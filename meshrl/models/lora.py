@@ -12,13 +12,17 @@ What the generators load is the adapter alone: PEFT's names (`base_model.model.<
 within each head, which the family's state-dict adapter knows: the row order is read off it).
 """
 
+from __future__ import annotations
+
 import json
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: the config is read by processes that never load it
+    import torch
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -112,15 +116,17 @@ def base_of(name: str) -> str:
     return name.replace(".lora_a.", ".").replace(".lora_b.", ".")
 
 
-@torch.no_grad()
 def init_adapters(model: torch.nn.Module) -> None:
     """A as torch initialises a linear layer (Kaiming uniform), B zero: the adapted model is the base."""
-    for name, param in model.named_parameters():
-        if ".lora_a." in name:
-            bound = 1 / math.sqrt(param.shape[1])  # kaiming_uniform_(a=sqrt(5)), as nn.Linear
-            param.uniform_(-bound, bound)
-        elif ".lora_b." in name:
-            param.zero_()
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_a." in name:
+                bound = 1 / math.sqrt(param.shape[1])  # kaiming_uniform_(a=sqrt(5)), as nn.Linear
+                param.uniform_(-bound, bound)
+            elif ".lora_b." in name:
+                param.zero_()
 
 
 class PeftNames:
@@ -128,6 +134,8 @@ class PeftNames:
     state-dict adapter's `to_hf` is (the weight readers take either)."""
 
     def __init__(self, adapter_names: list[str], base_shapes: dict[str, tuple], state_dict_adapter):
+        import torch
+
         self.hf_name, self.rows = {}, {}
         for base in sorted({base_of(name) for name in adapter_names}):
             out, inp = base_shapes[base]
