@@ -128,15 +128,15 @@ def smoke(tmp_path, *args, stderr: list | None = None) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_users_task_from_its_own_module_trains(tmp_path):
-    rows = smoke(tmp_path / "run", "--task", "user_task:Parity", "--task_args", '{"eval_size": 3}')
-    # its accuracy check is reported as accuracy; its other checks under their own names
-    records = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
-    assert_checks_are_the_means_of_the_records(rows, records, "right")
-    assert {"accuracy", "one_word", "eval_accuracy", "eval_one_word"} <= rows[-1].keys() and "right" not in rows[-1]
-    prompts = [r["prompt"] for r in records]
-    assert set(prompts) == {"Is 3 even or odd? Answer with one word.", "Is 10 even or odd? Answer with one word.",
-                            "Is 17 even or odd? Answer with one word.", "Is 24 even or odd? Answer with one word."}
+def test_a_users_task_from_its_own_module_trains(dataset_run):
+    """The dataset run's task is a user's class (user_task:SlippingDataset, built from --task_args), loaded in
+    the grader's process from the user's module; user_task:Parity, a task written from scratch, is loaded and
+    checked in process above."""
+    rows, records = dataset_run["rows"], dataset_run["records"]
+    # its accuracy check ("correct") is reported as accuracy; its other checks under their own names
+    assert {"accuracy", "has_number", "eval_accuracy", "eval_has_number"} <= rows[-1].keys()
+    assert "correct" not in rows[-1] and "eval_correct" not in rows[-1]
+    assert_checks_are_the_means_of_the_records(rows, records, "correct")
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +161,6 @@ def test_a_jsonl_file_trains_through_the_dataset_task_and_bad_data_stops_before_
     rows, records = dataset_run["rows"], dataset_run["records"]
     assert [r["step"] for r in rows] == [1, 2, 3] and "eval_accuracy" in rows[-1]
     assert "has_number" in records[0]["reward_components"]
-    assert_checks_are_the_means_of_the_records(rows, records, "correct")
     trained = {r["prompt"] for r in records}
     # 3 steps of 2 groups, each a prompt of its own among the 8 short train rows: never an eval row
     assert len(trained) == 6 and trained <= {f"What is {i} + {i}?" for i in range(10) if i not in (1, 4)}
