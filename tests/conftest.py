@@ -5,6 +5,10 @@ import pytest
 
 # Each actor pins its own threads; keep the test process from competing with them.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# vLLM compiles two small sampler helpers (logprob ranks, top-k/top-p) with torch.compile at an engine's
+# first request: about 1 s of CPU in every engine the suite starts, for helpers whose eager form gives the
+# same counts and sorts. meshrl itself compiles nothing. Every process the tests start inherits this.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 # Actor processes import the test modules that define stand-in actors.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
 
