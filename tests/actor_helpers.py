@@ -37,9 +37,9 @@ def vllm_generates(checkpoint) -> str:
     return "" if "GENERATED 4" in loaded.stdout else loaded.stderr[-3000:]
 
 
-def kill_role_after_steps(run: subprocess.Popen, run_dir, role: str, steps: int) -> tuple[str, int]:
+def kill_role_after_steps(run: subprocess.Popen, run_dir, role: str, steps: int) -> tuple[str, str, int]:
     """SIGKILL `role`'s process (as processes.json names it) once the running `meshrl train` has logged
-    `steps` steps, then wait for the run to end: (its stderr, the pid killed)."""
+    `steps` steps, then wait for the run to end: (its stdout, its stderr, the pid killed)."""
     import json
     import signal
     import time
@@ -54,7 +54,7 @@ def kill_role_after_steps(run: subprocess.Popen, run_dir, role: str, steps: int)
             time.sleep(0.05)
         dead = json.loads((run_dir / "processes.json").read_text())[role]
         psutil.Process(dead).send_signal(signal.SIGKILL)
-        return run.communicate(timeout=600)[1], dead
+        return *run.communicate(timeout=600), dead
     finally:
         if run.poll() is None:
             run.kill()

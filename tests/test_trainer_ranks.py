@@ -3,10 +3,12 @@ torchtitan's FSDP2 on the tiny model): one step gives what one rank gives, and a
 another number of ranks (`meshrl train --trainer.ranks 2` end to end: test_train_smoke.py)."""
 
 import asyncio
+import itertools
 
 import pytest
 import torch
 from actor_helpers import fixed_episodes
+from monarch.actor import this_host
 
 from meshrl.actors import first, spawn_ranks
 from meshrl.actors.reference import ReferenceModel
@@ -16,14 +18,43 @@ from meshrl.models.model import ChatTokenizer, load_hf_weights, resolve_checkpoi
 from meshrl.train_step import train_step
 
 
-def one_step(checkpoint, ranks: int, out_dir, kl: bool) -> dict:
-    """One step, the trainer on `ranks` ranks; with the KL penalty (`kl`), the reference on as many."""
+@pytest.fixture(scope="module")
+def rank_procs():
+    """A proc mesh of 1 rank and one of 2 that every test here spawns its trainers on: each process pays
+    its imports (torch, torchtitan) once, not once per test. The 2 ranks' process group is made by the first
+    trainer on them and joined by the others."""
+    async def start(ranks: int):
+        procs = this_host().spawn_procs(per_host={"procs": ranks}, name=f"ranks{ranks}")
+        if ranks > 1:
+            from monarch.spmd import setup_torch_elastic_env_async
+
+            await setup_torch_elastic_env_async(procs)
+        return procs
+
+    async def stop():
+        for procs in meshes.values():
+            await procs.stop()
+
+    meshes = {ranks: asyncio.run(start(ranks)) for ranks in (1, 2)}
+    yield meshes
+    asyncio.run(stop())
+
+
+NAMES = itertools.count()  # each actor spawned on a shared mesh has a name of its own
+
+
+def trainer_on(procs, config: TrainerConfig, checkpoint):
+    return procs.spawn(f"trainer{next(NAMES)}", TitanTrainer, config, WeightSyncConfig(), str(checkpoint))
+
+
+def one_step(procs, checkpoint, ranks: int, out_dir, kl: bool) -> dict:
+    """One step, the trainer on `ranks` ranks (`procs`); with the KL penalty (`kl`), the reference on as many
+    (processes of its own)."""
     async def run():
         # fp32 (no bf16 autocast), so the two runs differ only in the order of their sums
         config = TrainerConfig(lr=1e-3, num_threads=1, ranks=ranks, micro_batch_size=2, bf16_autocast=False,
                                loss=LossConfig(kl_coef=0.5 if kl else 0.0))
-        procs, trainer = await spawn_ranks("trainer", TitanTrainer, ranks, config, WeightSyncConfig(), str(checkpoint))
-        meshes, reference = [procs], None
+        trainer, meshes, reference = trainer_on(procs, config, checkpoint), [], None
         if kl:
             ref_procs, reference = await spawn_ranks("reference", ReferenceModel, ranks,
                                                      ReferenceConfig(bf16_autocast=False, num_threads=1, ranks=ranks),
@@ -43,15 +74,15 @@ def one_step(checkpoint, ranks: int, out_dir, kl: bool) -> dict:
 
 
 @pytest.mark.parametrize("source", ["tiny", "tiny_qwen3", "tiny_qwen3_moe", "qwen2_checkpoint"])
-def test_one_step_on_two_ranks_matches_one_rank(source, tmp_path, request):
+def test_one_step_on_two_ranks_matches_one_rank(source, tmp_path, request, rank_procs):
     """Each family (and the transformers backend), sharded over two ranks (each reading only its rows of
     the checkpoint), trains as one; on the first, with the KL penalty to a reference sharded alike (the
     reference's sharding is the trainer's, whatever the family)."""
     tiny_checkpoint = (request.getfixturevalue(source) if source == "qwen2_checkpoint"
                        else resolve_checkpoint(source))
     kl = source == "tiny"
-    one = one_step(tiny_checkpoint, 1, tmp_path / "one", kl)
-    two = one_step(tiny_checkpoint, 2, tmp_path / "two", kl)
+    one = one_step(rank_procs[1], tiny_checkpoint, 1, tmp_path / "one", kl)
+    two = one_step(rank_procs[2], tiny_checkpoint, 2, tmp_path / "two", kl)
     # Gradients are summed over ranks (each rank's loss carries the whole step's normalisers): an average
     # would halve the gradient norm. AdamW's first update hardly depends on the gradient's scale, so the
     # norm and the loss are what tell a sum from a mean.
@@ -79,7 +110,7 @@ def test_one_step_on_two_ranks_matches_one_rank(source, tmp_path, request):
     assert changed == sum(t.dim() > 1 for t in a.values())
 
 
-def test_a_checkpoint_of_two_ranks_resumes_on_one_and_one_of_one_rank_on_two(tmp_path):
+def test_a_checkpoint_of_two_ranks_resumes_on_one_and_one_of_one_rank_on_two(tmp_path, rank_procs):
     """The trainer's state (policy, AdamW's moments, counters) saved by 2 ranks and loaded on 1, and saved
     by 1 and loaded on 2: the next two steps' losses and gradient norms are those of the trainer that
     saved it, going on (within the sums' order: fp32). The second step's loss depends on the first's
@@ -96,22 +127,17 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_and_one_of_one_rank_on_two(tmp
         tokenizer = ChatTokenizer(resolve_checkpoint("tiny"))
         configs = {ranks: TrainerConfig(lr=1e-3, num_threads=1, ranks=ranks, micro_batch_size=2, bf16_autocast=False)
                    for ranks in (1, 2)}
-        spawned = {ranks: await spawn_ranks(f"trainer{ranks}", TitanTrainer, ranks, configs[ranks],
-                                            WeightSyncConfig(), str(resolve_checkpoint("tiny"))) for ranks in (1, 2)}
-        try:
-            going_on, resumed = {}, {}
-            for ranks, (_, trainer) in spawned.items():
-                await train_step(trainer, None, fixed_episodes(tokenizer), configs[ranks], tokenizer.pad_id)
-                assert await first(trainer.publish_weights.call()) == 1
-                await trainer.save_state.call(str(tmp_path / f"saved_by_{ranks}"))
-                going_on[ranks] = await steps(trainer, configs[ranks], tokenizer)
-            for ranks, (_, trainer) in spawned.items():  # each loads what the other rank count saved
-                assert await first(trainer.load_state.call(str(tmp_path / f"saved_by_{3 - ranks}"))) == 1
-                resumed[ranks] = await steps(trainer, configs[ranks], tokenizer)
-            return going_on, resumed
-        finally:
-            for procs, _ in spawned.values():
-                await procs.stop()
+        spawned = {ranks: trainer_on(rank_procs[ranks], configs[ranks], resolve_checkpoint("tiny")) for ranks in (1, 2)}
+        going_on, resumed = {}, {}
+        for ranks, trainer in spawned.items():
+            await train_step(trainer, None, fixed_episodes(tokenizer), configs[ranks], tokenizer.pad_id)
+            assert await first(trainer.publish_weights.call()) == 1
+            await trainer.save_state.call(str(tmp_path / f"saved_by_{ranks}"))
+            going_on[ranks] = await steps(trainer, configs[ranks], tokenizer)
+        for ranks, trainer in spawned.items():  # each loads what the other rank count saved
+            assert await first(trainer.load_state.call(str(tmp_path / f"saved_by_{3 - ranks}"))) == 1
+            resumed[ranks] = await steps(trainer, configs[ranks], tokenizer)
+        return going_on, resumed
 
     # measured: the losses agree to 1e-7 and the norms to 2e-6 of their value (their sums' order differs
     # between 1 and 2 ranks); a restore that started AdamW afresh moved the second loss by 9e-3

@@ -42,7 +42,7 @@ def join(device: str, cpus: str, num_threads: int) -> Rank:
         where = torch.device("cuda", local_rank)
     if where.type == "cuda":
         torch.cuda.set_device(where)
-    if world > 1:
+    if world > 1 and not dist.is_initialized():  # a second actor in the same processes joins the first's group
         dist.init_process_group("nccl" if where.type == "cuda" else "gloo")
     return Rank(rank, world, where)
 
