@@ -59,7 +59,7 @@ def test_a_controller_the_workers_ca_did_not_sign_spawns_nothing_on_them(tmp_pat
         result = subprocess.run(
             [sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path / "run"),
              "--job.kind", "workers", "--job.workers", hosts.addresses[0], "--job.bind", hosts.bind, *tls,
-             "--job.hosts", "generators:1", "--generator.hosts", "generators", "--job.connect_timeout_s", "20",
+             "--job.hosts", "generators:1", "--generator.hosts", "generators", "--job.connect_timeout_s", "10",
              "--generator.impl", "faulty_actors:MarkingGenerator"], capture_output=True, text=True, timeout=300)
         worker_children = psutil.Process(hosts.workers[0].pid).children(recursive=True)
         assert [p for p in worker_children if "meshrl" not in " ".join(p.cmdline())] == []  # no proc spawned

@@ -15,7 +15,6 @@ from actor_helpers import vllm_generates
 from assertions import assert_each_prompt_trained_once, assert_final_policy_is_the_trained_one, assert_staleness_bound
 
 from meshrl.models.model import cache_dir
-from meshrl.weight_sync.disk import versions
 
 KEYS = {"step", "policy_version", "reward_mean", "reward_std", "accuracy", "format", "last_number", "loss",
         "updates", "tokens_generated", "tokens_trained", "step_time_s", "gen_time_s", "train_time_s", "weight_sync_s",
@@ -94,21 +93,65 @@ def test_smoke_run_on_two_ranks_writes_metrics_plot_and_a_final_policy_vllm_load
     trained_and_served(run_dir, "tiny_qwen3", steps=3)  # the Qwen3 family end to end
 
 
-def test_smoke_runs_with_other_losses_and_estimators(tmp_path):
-    """The KL penalty starts the ReferenceModel actor; GSPO's sequence ratio; RLOO's baseline; an entropy
-    bonus; all on the tiny Qwen3-MoE (the family's end-to-end run too). DAPO with dynamic sampling runs in
-    test_generator_pool.py's dead-trainer run."""
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def judge_run(tmp_path_factory):
+    """The tiny Qwen3-MoE trained on a mix of two reasoning-gym datasets graded by a judge model (the
+    embedded SmolLM2), with GSPO, a KL penalty (which starts the ReferenceModel actor), an entropy bonus and
+    RLOO's baseline: the MoE family's end-to-end run too."""
+    run_dir = tmp_path_factory.mktemp("judge") / "run"
     result = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(run_dir),
-                             "--trainer.loss.name", "gspo", "--trainer.loss.kl_coef", "0.05",
-                             "--trainer.loss.entropy_coef", "0.01", "--controller.advantage", "rloo",
-                             "--model.source", "tiny_qwen3_moe"], capture_output=True, text=True, timeout=600)
+                             "--checkpoint.every", "0", "--task", "reasoning_gym", "--reasoning_gym.datasets",
+                             "chain_sum:1,leg_counting:1", "--reasoning_gym.eval_size", "6",
+                             "--reasoning_gym.format_weight", "0.1", "--grader.impl", "meshrl.actors.judge:JudgeGrader",
+                             "--grader.judge.rule_weight", "0.5", "--trainer.loss.name", "gspo",
+                             "--trainer.loss.kl_coef", "0.05", "--trainer.loss.entropy_coef", "0.01",
+                             "--controller.advantage", "rloo", "--model.source", "tiny_qwen3_moe"],
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return run_dir
+
+
+def test_smoke_runs_with_other_losses_and_estimators(judge_run):
+    """GSPO's sequence ratio, the KL penalty, an entropy bonus and RLOO on the tiny Qwen3-MoE, end to end
+    (the judge run). DAPO with dynamic sampling runs in test_generator_pool.py's dead-trainer run."""
+    rows = [json.loads(line) for line in (judge_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in rows] == [1, 2]
     assert rows[0]["kl"] < 1e-6 < rows[1]["kl"]  # the policy is the reference at step 1 only
     assert all(0 < r["entropy"] <= math.log(49152) and r["tokens_trained"] > 0 for r in rows)
-    trained_and_served(run_dir, "tiny_qwen3_moe")
+    trained_and_served(judge_run, "tiny_qwen3_moe")
+
+
+def test_a_reasoning_gym_mix_graded_by_a_judge_model_trains_and_reports_each_datasets_accuracy(judge_run, tmp_path,
+                                                                                               cli):
+    """Its rewards mix the judge's P(yes) with the task's own reward as configured, and its metrics give
+    each dataset's accuracy."""
+    rollouts = [json.loads(line) for line in (judge_run / "rollouts.jsonl").read_text().splitlines()]
+    assert rollouts
+    for r in rollouts:
+        checks = r["reward_components"]
+        rule = checks["score"] + 0.1 * checks["format"]  # the reasoning-gym task's own reward
+        assert r["reward"] == pytest.approx(0.5 * checks["judge_yes"] + 0.5 * rule)
+        assert checks["judge_parsed"] == 1.0 or checks["judge_yes"] == 0.0  # no yes or no: scored 0
+        # the judge agrees with the task's accuracy check (`correct`) when both say the same
+        assert checks["judge_agrees"] == float((checks["judge_yes"] > 0.5) == (checks["correct"] >= 0.5))
+    assert any(r["reward_components"]["judge_parsed"] for r in rollouts)  # SmolLM2 answers yes or no
+    rows = [json.loads(line) for line in (judge_run / "metrics.jsonl").read_text().splitlines()]
+    assert {"judge_yes", "judge_agrees", "eval_judge_yes"} <= rows[-1].keys()
+    evaluated = {k for row in rows for k in row if k.startswith("eval_accuracy/")}
+    assert evaluated == {"eval_accuracy/chain_sum", "eval_accuracy/leg_counting"}
+    assert {k for row in rows for k in row if k.startswith("accuracy/")} <= {"accuracy/chain_sum", "accuracy/leg_counting"}
+    for row in rows:  # each dataset's accuracy and the judge's figures: the means over the step's replies
+        checks = [r["reward_components"] for r in rollouts if r["step"] == row["step"]]
+        for dataset in ("chain_sum", "leg_counting"):
+            mine = [c[f"correct/{dataset}"] for c in checks if f"correct/{dataset}" in c]
+            assert (f"accuracy/{dataset}" in row) == bool(mine), (row["step"], dataset)
+            assert not mine or row[f"accuracy/{dataset}"] == pytest.approx(sum(mine) / len(mine))
+        assert row["judge_yes"] == pytest.approx(sum(c["judge_yes"] for c in checks) / len(checks))
+    code, _, err = cli("train", "--config", "smoke", "--run-dir", tmp_path / "bad", "--grader.impl",
+                       "meshrl.actors.judge:JudgeGrader", "--grader.judge.rubric", "{answer}?")
+    assert code == 2 and not (tmp_path / "bad").exists()
+    assert err.strip().splitlines() == [
+        "meshrl: error: grader.judge.rubric may use only {question}, {reference} and {reply} (KeyError('answer'))"]
 
 
 @pytest.fixture(scope="module")
