@@ -22,19 +22,24 @@ async def mismatch(trainer, completion: Completion, temperature: float = 1.0) ->
     return metrics["logprob_mismatch"] / metrics["tokens"]
 
 
-def vllm_generates(checkpoint) -> str:
-    """'' if vLLM loads `checkpoint` and greedily generates 4 tokens from it, else what it printed."""
+def vllm_generates(*checkpoints) -> str:
+    """'' if vLLM loads each of `checkpoints` in turn (one process, an engine each) and greedily generates 4
+    tokens from it, else what it printed."""
     load = textwrap.dedent(f"""
         import os
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
         from vllm import LLM, SamplingParams
-        llm = LLM({str(checkpoint)!r}, gpu_memory_utilization=0.2, max_model_len=256, enforce_eager=True)
-        out = llm.generate(["What is 1 + 1?"], SamplingParams(max_tokens=4, temperature=0))
-        print("GENERATED", len(out[0].outputs[0].token_ids))
+        for checkpoint in {[str(c) for c in checkpoints]!r}:
+            llm = LLM(checkpoint, gpu_memory_utilization=0.2, max_model_len=256, enforce_eager=True)
+            out = llm.generate(["What is 1 + 1?"], SamplingParams(max_tokens=4, temperature=0))
+            print("GENERATED", len(out[0].outputs[0].token_ids), flush=True)
+            llm.llm_engine.engine_core.shutdown()
+            del llm
     """)
     loaded = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=300)
-    return "" if "GENERATED 4" in loaded.stdout else loaded.stderr[-3000:]
+    done = loaded.stdout.count("GENERATED 4") == len(checkpoints)
+    return "" if done else loaded.stdout[-1000:] + loaded.stderr[-3000:]
 
 
 def kill_role_after_steps(run: subprocess.Popen, run_dir, role: str, steps: int) -> tuple[str, str, int]:

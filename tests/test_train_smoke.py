@@ -25,11 +25,12 @@ ROLLOUT_FIELDS = {"step", "prompt_index", "group", "prompt", "completion", "rewa
                   "policy_version", "staleness", "finish_reason", "logprob"}
 
 
-def test_smoke_run_on_two_ranks_writes_metrics_plot_and_a_final_policy_vllm_loads(tmp_path):
+@pytest.fixture(scope="module")
+def main_run(tmp_path_factory):
     """The Qwen3 family end to end, trained on 2 ranks (and its KL reference on 2): what vLLM holds after
     each load from the ranks' shared ring is checked bit for bit against the same version saved whole and
     loaded from its file (weight_sync.verify)."""
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path_factory.mktemp("main") / "run"
     result = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "qwen3_smoke", "--run-dir",
                              str(run_dir), "--controller.steps", "3", "--trainer.mini_batches", "2",
                              "--trainer.ranks", "2", "--trainer.num_threads", "1", "--generator.num_threads", "1",
@@ -37,6 +38,11 @@ def test_smoke_run_on_two_ranks_writes_metrics_plot_and_a_final_policy_vllm_load
                              "--weight_sync.verify", "true"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir, result
+
+
+def test_smoke_run_on_two_ranks_writes_metrics_plot_and_a_final_policy_vllm_loads(main_run):
+    run_dir, result = main_run
     # each eval (before training and after the last step) prints three example prompts and replies
     assert result.stdout.count("eval at step ") == 2
     assert result.stdout.count("  prompt: ") == result.stdout.count("  reply: ") == 6
@@ -185,7 +191,7 @@ def test_a_checkpoint_directory_of_another_architecture_trains_through_the_trans
 def trained_and_served(run_dir, source: str, steps: int = 2) -> None:
     """A family's end-to-end checks on a finished 2-step run: trained, the trainer scoring vLLM's samples
     as vLLM did (the step's logprob mismatch), the final policy an HF checkpoint of the same architecture
-    that vLLM serves."""
+    (that vLLM serves it: the last test here, for every run of this file at once)."""
     from meshrl.models.model import resolve_checkpoint
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -200,4 +206,9 @@ def trained_and_served(run_dir, source: str, steps: int = 2) -> None:
     final = run_dir / "final"
     assert json.loads((final / "config.json").read_text())["architectures"] == json.loads(
         (resolve_checkpoint(source) / "config.json").read_text())["architectures"]
-    assert not (failure := vllm_generates(final)), failure
+
+
+def test_vllm_serves_each_familys_final_policy(main_run, judge_run, qwen2_run):
+    """Qwen3, Qwen3-MoE and Qwen2 (the transformers backend's): each run's final/ loaded in a fresh vLLM
+    engine, one after the other in one process, greedily generates."""
+    assert not (failure := vllm_generates(main_run[0] / "final", judge_run / "final", qwen2_run / "final")), failure
