@@ -63,6 +63,12 @@ def test_a_killed_replica_is_replaced_and_every_group_is_trained_exactly_once(tm
     assert_final_policy_is_the_trained_one(tmp_path)
 
 
+# The tiny random model never earns a reward: DAPO's dynamic sampling drops every group (2 rounds of 2
+# prompts a step), and the trainer still steps (on nothing) so the loop goes on.
+DAPO_ON_DISK = ["--trainer.loss.name", "dapo", "--controller.drop_equal_reward_groups", "true",
+                "--controller.max_sample_rounds", "2", "--weight_sync.transport", "disk"]
+
+
 @pytest.fixture(scope="module")
 def dead_trainer(tmp_path_factory) -> dict:
     """A run whose trainer is killed after step 2, with trainer.max_restarts 0 (a restarted trainer:
@@ -80,12 +86,6 @@ def dead_trainer(tmp_path_factory) -> dict:
             run.kill()
     time.sleep(1)
     return {"dir": run_dir, "code": run.returncode, "stderr": stderr, "actors": actors}
-
-
-# The tiny random model never earns a reward: DAPO's dynamic sampling drops every group (2 rounds of 2
-# prompts a step), and the trainer still steps (on nothing) so the loop goes on.
-DAPO_ON_DISK = ["--trainer.loss.name", "dapo", "--controller.drop_equal_reward_groups", "true",
-                "--controller.max_sample_rounds", "2", "--weight_sync.transport", "disk"]
 
 
 def test_a_dead_trainer_out_of_restarts_ends_the_run_with_one_line_and_keeps_what_was_written(dead_trainer):

@@ -8,9 +8,8 @@ import itertools
 import pytest
 import torch
 from actor_helpers import fixed_episodes
-from monarch.actor import this_host
 
-from meshrl.actors import first, spawn_ranks
+from meshrl.actors import first, rank_procs, spawn_ranks
 from meshrl.actors.reference import ReferenceModel
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import LossConfig, ReferenceConfig, TrainerConfig, WeightSyncConfig
@@ -19,23 +18,15 @@ from meshrl.train_step import train_step
 
 
 @pytest.fixture(scope="module")
-def rank_procs():
+def shared_ranks():
     """A proc mesh of 1 rank and one of 2 that every test here spawns its trainers on: each process pays
     its imports (torch, torchtitan) once, not once per test. The 2 ranks' process group is made by the first
     trainer on them and joined by the others."""
-    async def start(ranks: int):
-        procs = this_host().spawn_procs(per_host={"procs": ranks}, name=f"ranks{ranks}")
-        if ranks > 1:
-            from monarch.spmd import setup_torch_elastic_env_async
-
-            await setup_torch_elastic_env_async(procs)
-        return procs
-
     async def stop():
         for procs in meshes.values():
             await procs.stop()
 
-    meshes = {ranks: asyncio.run(start(ranks)) for ranks in (1, 2)}
+    meshes = {ranks: asyncio.run(rank_procs(f"ranks{ranks}", ranks)) for ranks in (1, 2)}
     yield meshes
     asyncio.run(stop())
 
@@ -74,15 +65,15 @@ def one_step(procs, checkpoint, ranks: int, out_dir, kl: bool) -> dict:
 
 
 @pytest.mark.parametrize("source", ["tiny", "tiny_qwen3", "tiny_qwen3_moe", "qwen2_checkpoint"])
-def test_one_step_on_two_ranks_matches_one_rank(source, tmp_path, request, rank_procs):
+def test_one_step_on_two_ranks_matches_one_rank(source, tmp_path, request, shared_ranks):
     """Each family (and the transformers backend), sharded over two ranks (each reading only its rows of
     the checkpoint), trains as one; on the first, with the KL penalty to a reference sharded alike (the
     reference's sharding is the trainer's, whatever the family)."""
     tiny_checkpoint = (request.getfixturevalue(source) if source == "qwen2_checkpoint"
                        else resolve_checkpoint(source))
     kl = source == "tiny"
-    one = one_step(rank_procs[1], tiny_checkpoint, 1, tmp_path / "one", kl)
-    two = one_step(rank_procs[2], tiny_checkpoint, 2, tmp_path / "two", kl)
+    one = one_step(shared_ranks[1], tiny_checkpoint, 1, tmp_path / "one", kl)
+    two = one_step(shared_ranks[2], tiny_checkpoint, 2, tmp_path / "two", kl)
     # Gradients are summed over ranks (each rank's loss carries the whole step's normalisers): an average
     # would halve the gradient norm. AdamW's first update hardly depends on the gradient's scale, so the
     # norm and the loss are what tell a sum from a mean.
@@ -110,7 +101,7 @@ def test_one_step_on_two_ranks_matches_one_rank(source, tmp_path, request, rank_
     assert changed == sum(t.dim() > 1 for t in a.values())
 
 
-def test_a_checkpoint_of_two_ranks_resumes_on_one_and_one_of_one_rank_on_two(tmp_path, rank_procs):
+def test_a_checkpoint_of_two_ranks_resumes_on_one_and_one_of_one_rank_on_two(tmp_path, shared_ranks):
     """The trainer's state (policy, AdamW's moments, counters) saved by 2 ranks and loaded on 1, and saved
     by 1 and loaded on 2: the next two steps' losses and gradient norms are those of the trainer that
     saved it, going on (within the sums' order: fp32). The second step's loss depends on the first's
@@ -127,7 +118,8 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_and_one_of_one_rank_on_two(tmp
         tokenizer = ChatTokenizer(resolve_checkpoint("tiny"))
         configs = {ranks: TrainerConfig(lr=1e-3, num_threads=1, ranks=ranks, micro_batch_size=2, bf16_autocast=False)
                    for ranks in (1, 2)}
-        spawned = {ranks: trainer_on(rank_procs[ranks], configs[ranks], resolve_checkpoint("tiny")) for ranks in (1, 2)}
+        spawned = {ranks: trainer_on(shared_ranks[ranks], configs[ranks], resolve_checkpoint("tiny"))
+                   for ranks in (1, 2)}
         going_on, resumed = {}, {}
         for ranks, trainer in spawned.items():
             await train_step(trainer, None, fixed_episodes(tokenizer), configs[ranks], tokenizer.pad_id)

@@ -25,17 +25,23 @@ def spawn(name: str, cls, *args, host=None):
     return procs, procs.spawn(name, cls, *args)
 
 
-async def spawn_ranks(name: str, cls, ranks: int, *args, hosts=None):
-    """`cls` on a proc mesh of `ranks` processes spread evenly over `hosts` (a host mesh; default the
-    controller's host), each a rank of one torch.distributed job (RANK, WORLD_SIZE, MASTER_ADDR... set
-    before the actors start): (the mesh, the actor mesh with one `procs` dimension, rank order)."""
+async def rank_procs(name: str, ranks: int, hosts=None):
+    """A proc mesh of `ranks` processes spread evenly over `hosts` (a host mesh; default the controller's
+    host), each a rank of one torch.distributed job (RANK, WORLD_SIZE, MASTER_ADDR... set before any actor
+    starts on it)."""
     hosts = hosts or this_host()
-    per_host = ranks // hosts.sizes.get("hosts", 1)
-    procs = hosts.spawn_procs(per_host={"procs": per_host}, name=name)
+    procs = hosts.spawn_procs(per_host={"procs": ranks // hosts.sizes.get("hosts", 1)}, name=name)
     if ranks > 1:
         from monarch.spmd import setup_torch_elastic_env_async
 
         await setup_torch_elastic_env_async(procs)
+    return procs
+
+
+async def spawn_ranks(name: str, cls, ranks: int, *args, hosts=None):
+    """`cls` on a proc mesh of `ranks` ranks (`rank_procs`): (the mesh, the actor mesh with one `procs`
+    dimension, rank order)."""
+    procs = await rank_procs(name, ranks, hosts)
     actors = procs.spawn(name, cls, *args)
     return procs, actors.flatten("procs") if "hosts" in actors.sizes else actors
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from meshrl.types import BatchRef, Completion, GroupEpisodes, Prompt, Sampling, ScoredCompletion, TrainBatch
+
 if TYPE_CHECKING:  # the contracts name tensors; a grader's process (which reads this module) never loads torch
     import torch
-
-from meshrl.types import BatchRef, Completion, GroupEpisodes, Prompt, Sampling, ScoredCompletion, TrainBatch
 
 
 class ReplicaBroken(RuntimeError):
