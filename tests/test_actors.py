@@ -84,10 +84,13 @@ def test_grader_scores_a_group_and_skips_malformed_completions():
             def c(text):
                 return Completion(0, [1], [2], [-0.1], text, 0, "stop")
 
-            scored = await grader.score.call_one([c("Answer: 7"), c(None), c("8")], Sample("What is 3 + 4?", "7"))
-            assert [s.completion.text for s in scored] == ["Answer: 7", "8"]
-            assert [s.reward for s in scored] == pytest.approx([1.1, 0.0])
-            assert scored[0].reward_components == {"correct": 1.0, "format": 1.0, "last_number": 1.0}
+            scored = await grader.score.call_one([c("Answer: 7"), c(None), c("8"), c("Answer: 3")],
+                                                 Sample("What is 3 + 4?", "7"))
+            assert [s.completion.text for s in scored] == ["Answer: 7", "8", "Answer: 3"]
+            assert [s.reward for s in scored] == pytest.approx([1.1, 0.0, 0.1])
+            # the task's checks that need the question ride along: "Answer: 3" copied a number of the question
+            assert scored[0].reward_components == {"correct": 1.0, "format": 1.0, "last_number": 1.0, "copied": 0.0}
+            assert scored[2].reward_components == {"correct": 0.0, "format": 1.0, "last_number": 0.0, "copied": 1.0}
         finally:
             await procs.stop()
 

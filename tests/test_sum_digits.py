@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from meshrl.tasks import make_task
+from meshrl.tasks import Sample, make_task
 from meshrl.tasks.sum_digits import PHRASINGS, SumDigitsConfig
 
 
@@ -23,6 +23,19 @@ def test_reward_pays_for_the_tagged_answer_not_a_bare_number(task):
     # the last "Answer:" wins over earlier ones; the last number need not be the tagged one
     assert task.reward("Answer: 5. Answer: 7, not 9", "7") == (1.5, {"correct": 1.0, "format": 1.0,
                                                                      "last_number": 0.0})
+
+
+def test_copied_is_a_wrong_tagged_answer_taken_from_the_question(task):
+    def copied(prompt, answer, text):
+        return task.prompt_checks(Sample(prompt, answer), text)["copied"]
+
+    assert copied("Add 9 and 9.", "18", "Answer: 9") == 1.0  # the failure a stalled demo shows
+    assert copied("Add 9 and 9.", "18", "Answer: 18") == 0.0  # right
+    assert copied("Add 9 and 9.", "18", "Answer: 7") == 0.0  # wrong, but not from the question
+    assert copied("What is 0 + 7?", "7", "Answer: 7") == 0.0  # a term that is also the sum is right
+    assert copied("Add 9 and 9.", "18", "9") == 0.0  # untagged
+    assert copied("What is 3 + 4?", "7", "Answer: 3. Answer: 7") == 0.0  # the last tagged answer counts
+    assert copied("Add 12 and 5.", "17", "Answer: 1") == 0.0  # whole numbers, not digits
 
 
 def terms_of(prompt: str) -> list[int]:

@@ -43,6 +43,8 @@ class Grader(Actor):
         for completion in completions:
             try:
                 reward, checks = self.task.reward(completion.text, sample.answer)
+                if prompt_checks := getattr(self.task, "prompt_checks", None):
+                    checks = {**checks, **prompt_checks(sample, completion.text)}
                 results.append((float(reward), checks))
             except Exception:
                 logger.exception("reward function failed on %r", completion.text)

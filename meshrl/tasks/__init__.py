@@ -35,6 +35,8 @@ class Task(Protocol):
         """The reward of a reply and the checks it is made of (`accuracy` among them). Raising counts the
         reply as a reward error: it is left out of training and counted."""
 
+    # Optional: `prompt_checks(sample, text) -> dict[str, float]`: checks that need the question itself, reported
+    # beside reward's (not rewarded), as sum_digits' `copied` (its tagged answer is a number of the question).
     # Optional: `keep_only(fits, why)`, called once before the first sample, drops the samples whose
     # prompt does not `fits` (too long for the generator; `why` says so) and says which, as the dataset
     # task does. A task without it has its too-long prompts fail their groups one by one.

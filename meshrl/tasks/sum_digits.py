@@ -68,3 +68,10 @@ class SumDigits:
         checks = {"correct": float(bool(tagged) and tagged[-1] == answer), "format": float(bool(tagged)),
                   "last_number": float(bool(numbers) and numbers[-1] == answer)}
         return checks["correct"] + self.config.format_weight * checks["format"], checks
+
+    def prompt_checks(self, sample: Sample, text: str) -> dict[str, float]:
+        """Not rewarded: `copied`: the tagged answer is wrong and is one of the question's own numbers
+        ("Add 9 and 9." -> "Answer: 9"), the way a run that has learnt the format but not the sum fails."""
+        tagged = _ANSWER.findall(text)
+        return {"copied": float(bool(tagged) and tagged[-1] != sample.answer
+                                and tagged[-1] in _NUMBER.findall(sample.prompt))}
