@@ -170,7 +170,7 @@ def test_the_study_command_lists_dry_runs_and_refuses_unknown_names(tmp_path, cl
     code, listed, _ = cli("study", "--list")
     assert code == 0
     assert [line.split()[0] for line in listed.splitlines()] == ["weight-sync-equivalence", "sync-vs-async",
-                                                                  "difficulty", "replay"]
+                                                                  "difficulty", "replay", "curriculum"]
     code, out, _ = cli("study", "sync-vs-async", "--dry-run", "--dir", tmp_path)
     commands = out.splitlines()
     assert code == 0
@@ -180,7 +180,7 @@ def test_the_study_command_lists_dry_runs_and_refuses_unknown_names(tmp_path, cl
     assert not any(tmp_path.iterdir())  # a dry run starts nothing
     code, _, err = cli("study", "difficult")
     assert code == 2
-    assert "unknown study 'difficult'; known: weight-sync-equivalence, sync-vs-async, difficulty, replay" in err
+    assert "unknown study 'difficult'; known: weight-sync-equivalence, sync-vs-async, difficulty, replay, curriculum" in err
 
 
 def test_mean_spread_and_time_to_reach_by_hand():
@@ -282,3 +282,41 @@ def test_level2_steps_reads_only_the_runs_level_2_prompts_by_its_own_config(tmp_
     (tmp_path / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     # accuracy 1 of 4, one group of two with differing rewards, 3 of 4 looked up both words
     assert level2_steps(tmp_path) == {1: (0.25, 0.5, 0.75)}
+
+
+def test_the_curriculum_report_reads_level_2_alone_by_its_own_config_and_shows_a_right_conversation(tmp_path):
+    from meshrl.configs import load_config, to_dict
+    from meshrl.tools.studies import STUDIES
+    from meshrl.tools.studies.curriculum import STEPS
+
+    study = STUDIES["curriculum"]
+    for name, evals in (("curriculum_seed0", [0.0, 0.1, 0.3, 0.5, 0.4]), ("level2_alone_seed0", [0.0] * 5)):
+        run = next(r for r in study.runs if r.name == name)
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        (run_dir / "config.json").write_text(json.dumps(to_dict(load_config(run.config, run.overrides))))
+        (run_dir / "study_run.json").write_text(json.dumps(run.recipe()))
+        rows = [{"step": s, **({"eval_accuracy": evals[s // 10]} if s % 10 == 0 else {})} for s in range(1, STEPS + 1)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run_dir / "summary.json").write_text(json.dumps({"steps": STEPS, "eval_accuracy_initial": evals[0],
+                                                          "eval_accuracy_final": evals[-1], "eval_tool_call_final": 0.5}))
+        # two conversations a step on prompt 8 * step (level 2 from step 13 under the curriculum, always alone);
+        # under the curriculum the second is right from step 30 on
+        records = [{"step": s, "prompt_index": 8 * s, "prompt": f"q{s}", "completion": f"c{s}.{i}",
+                    "reward": 1.1 if right else 0.1,
+                    "reward_components": {"correct": float(right), "tool_call": 1.0 if s > 20 else 0.0}}
+                   for s in range(1, STEPS + 1) for i in (0, 1)
+                   for right in [name.startswith("curriculum") and i == 1 and s >= 30]]
+        (run_dir / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = write_report(study, tmp_path).read_text()
+    curriculum = next(line for line in text.splitlines() if line.startswith("| curriculum |"))
+    alone = next(line for line in text.splitlines() if line.startswith("| level2_alone |"))
+    # final 0.4, best 0.5, looked up both 0.5, train accuracy on level 2 over steps 36-40: one of two right
+    assert curriculum == "| curriculum | 1 | 0.000 (one run) | 0.400 (one run) | 0.500 | 0.500 (one run) | 0.500 (one run) |"
+    assert alone == "| level2_alone | 1 | 0.000 (one run) | 0.000 (one run) | 0.000 | 0.500 (one run) | 0.000 (one run) |"
+    examples = text.split("## Example conversations")[1]
+    # the curriculum's first level-2 prompt is at step 13 at the latest; at the last step the right one is shown
+    assert f"curriculum, seed 0: step {STEPS}" in examples and f"q{STEPS}\nc{STEPS}.1\n-> reward 1.10 (right)" in examples
+    assert f"q1\nc1.0\n-> reward 0.10 (not right)" in examples  # level 2 alone: step 1, nothing right
+    for png in ("eval_level2.png", "looked_up_both.png", "train_level2.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
