@@ -170,7 +170,8 @@ def test_the_study_command_lists_dry_runs_and_refuses_unknown_names(tmp_path, cl
     code, listed, _ = cli("study", "--list")
     assert code == 0
     assert [line.split()[0] for line in listed.splitlines()] == ["weight-sync-equivalence", "sync-vs-async",
-                                                                  "difficulty", "replay", "curriculum"]
+                                                                  "difficulty", "replay", "curriculum",
+                                                                  "demo-settings"]
     code, out, _ = cli("study", "sync-vs-async", "--dry-run", "--dir", tmp_path)
     commands = out.splitlines()
     assert code == 0
@@ -180,7 +181,8 @@ def test_the_study_command_lists_dry_runs_and_refuses_unknown_names(tmp_path, cl
     assert not any(tmp_path.iterdir())  # a dry run starts nothing
     code, _, err = cli("study", "difficult")
     assert code == 2
-    assert "unknown study 'difficult'; known: weight-sync-equivalence, sync-vs-async, difficulty, replay, curriculum" in err
+    assert ("unknown study 'difficult'; known: weight-sync-equivalence, sync-vs-async, difficulty, replay, curriculum, "
+            "demo-settings") in err
 
 
 def test_mean_spread_and_time_to_reach_by_hand():
@@ -319,4 +321,32 @@ def test_the_curriculum_report_reads_level_2_alone_by_its_own_config_and_shows_a
     assert f"curriculum, seed 0: step {STEPS}" in examples and f"q{STEPS}\nc{STEPS}.1\n-> reward 1.10 (right)" in examples
     assert f"q1\nc1.0\n-> reward 0.10 (not right)" in examples  # level 2 alone: step 1, nothing right
     for png in ("eval_level2.png", "looked_up_both.png", "train_level2.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_demo_settings_report_picks_by_the_worst_seed_among_settings_that_keep_the_arithmetic(tmp_path):
+    from meshrl.tools.studies import STUDIES
+
+    study = STUDIES["demo-settings"]
+    # (final tagged accuracy, last-number accuracy after; untrained 0.6 everywhere)
+    runs = {"demo_seed0": (0.5, 0.6), "demo_seed1": (0.7, 0.65),
+            "lr_1e-4_seed0": (0.95, 0.7), "lr_1e-4_seed1": (0.99, 0.5),  # the best accuracy, arithmetic lost once
+            "lr_5e-5_seed0": (0.9, 0.6), "lr_5e-5_seed1": (0.6, 0.7)}  # worst seed 0.6 beats the demo's 0.5
+    for name, (final, last_number) in runs.items():
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        (run_dir / "study_run.json").write_text(json.dumps(next(r for r in study.runs if r.name == name).recipe()))
+        rows = [{"step": s, "step_time_s": 10.0, "groups_with_signal": 0.25 * (s % 2),
+                 **({"eval_accuracy": final * s / 20} if s % 5 == 0 else {})} for s in range(1, 21)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run_dir / "summary.json").write_text(json.dumps({
+            "steps": 20, "eval_accuracy_initial": 0.0, "eval_accuracy_final": final, "eval_last_number_initial": 0.6,
+            "eval_last_number_final": last_number, "eval_copied_final": 0.1, "wall_time_s": 300}))
+    text = write_report(study, tmp_path).read_text()
+    demo = next(line for line in text.splitlines() if line.startswith("| demo |"))
+    assert demo == ("| demo | 2 | 0.600 ± 0.141 (0.500-0.700, n=2) | 0.500 | 0.625 ± 0.035 (0.600-0.650, n=2) | "
+                    "0.600 ± 0.000 (0.600-0.600, n=2) | 2 of 2 | 0.100 ± 0.000 (0.100-0.100, n=2) | 0.12 | 300 |")
+    assert "| lr_1e-4 | 2 |" in text and "| 1 of 2 |" in text
+    assert "by its worst seed: **lr_5e-5** (worst seed 0.600; target 0.9 on every seed: not met)" in text
+    for png in ("eval_by_step.png", "eval_by_time.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
