@@ -292,7 +292,9 @@ def test_the_curriculum_report_reads_level_2_alone_by_its_own_config_and_shows_a
     from meshrl.tools.studies.curriculum import STEPS
 
     study = STUDIES["curriculum"]
-    for name, evals in (("curriculum_seed0", [0.0, 0.1, 0.3, 0.5, 0.4]), ("level2_alone_seed0", [0.0] * 5)):
+    evals_of = {"curriculum_seed0": [0.0, 0.1, 0.5] + [0.4] * (STEPS // 10 - 2),  # at steps 0, 10, 20, ...
+                "level2_alone_seed0": [0.0] * (STEPS // 10 + 1)}
+    for name, evals in evals_of.items():
         run = next(r for r in study.runs if r.name == name)
         run_dir = tmp_path / name
         run_dir.mkdir()
@@ -303,12 +305,12 @@ def test_the_curriculum_report_reads_level_2_alone_by_its_own_config_and_shows_a
         (run_dir / "summary.json").write_text(json.dumps({"steps": STEPS, "eval_accuracy_initial": evals[0],
                                                           "eval_accuracy_final": evals[-1], "eval_tool_call_final": 0.5}))
         # two conversations a step on prompt 8 * step (level 2 from step 13 under the curriculum, always alone);
-        # under the curriculum the second is right from step 30 on
+        # under the curriculum the second is right over the last ten steps
         records = [{"step": s, "prompt_index": 8 * s, "prompt": f"q{s}", "completion": f"c{s}.{i}",
                     "reward": 1.1 if right else 0.1,
                     "reward_components": {"correct": float(right), "tool_call": 1.0 if s > 20 else 0.0}}
                    for s in range(1, STEPS + 1) for i in (0, 1)
-                   for right in [name.startswith("curriculum") and i == 1 and s >= 30]]
+                   for right in [name.startswith("curriculum") and i == 1 and s > STEPS - 10]]
         (run_dir / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     text = write_report(study, tmp_path).read_text()
     curriculum = next(line for line in text.splitlines() if line.startswith("| curriculum |"))

@@ -3,8 +3,8 @@ curriculum from level 1, where training on level 2 alone finds no signal?
 
 The difficulty study's 10 steps left the question open: its curriculum created groups with a signal on
 level 2 and conversations that looked up both words, but no right level-2 answer within three turns.
-Here both arms have four turns (two lookups, an answer and one to spare) and a longer budget: level 2
-alone, and the curriculum (steps 1-3 level 1, level 2's share rising over steps 4-12, level 2 only
+Here both arms have four turns (two lookups, an answer and one to spare) and three times the budget:
+level 2 alone, and the curriculum (steps 1-3 level 1, level 2's share rising over steps 4-12, level 2 only
 from step 13), two seeds each (the generator's and the trainer's; the prompts and the eval split are
 the same). Both are evaluated on the same held-out level-2 split.
 """
@@ -17,7 +17,7 @@ from meshrl.tools.studies import cell, curve_plot, mean_spread, read_json_lines,
 from meshrl.tools.studies.difficulty import level2_steps
 from meshrl.tools.study import Study, StudyRun, register
 
-STEPS, EVAL_EVERY, SEEDS = 40, 10, (0, 1)
+STEPS, EVAL_EVERY, SEEDS = 30, 10, (0, 1)
 CURRICULUM = "24-95"  # 8 prompts a step: steps 1-3 level 1, level 2's share rising over steps 4-12, then level 2 only
 COMMON = ["--controller.steps", str(STEPS), "--controller.eval_every", str(EVAL_EVERY), "--checkpoint.every", "0",
           "--controller.max_turns", "4", "--zorplex.level", "2"]
