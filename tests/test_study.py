@@ -321,7 +321,7 @@ def test_the_curriculum_report_reads_level_2_alone_by_its_own_config_and_shows_a
     examples = text.split("## Example conversations")[1]
     # the curriculum's first level-2 prompt is at step 13 at the latest; at the last step the right one is shown
     assert f"curriculum, seed 0: step {STEPS}" in examples and f"q{STEPS}\nc{STEPS}.1\n-> reward 1.10 (right)" in examples
-    assert f"q1\nc1.0\n-> reward 0.10 (not right)" in examples  # level 2 alone: step 1, nothing right
+    assert "q1\nc1.0\n-> reward 0.10 (not right)" in examples  # level 2 alone: step 1, nothing right
     for png in ("eval_level2.png", "looked_up_both.png", "train_level2.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
