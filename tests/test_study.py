@@ -298,29 +298,46 @@ def test_the_curriculum_report_reads_level_2_alone_by_its_own_config_and_shows_a
         run = next(r for r in study.runs if r.name == name)
         run_dir = tmp_path / name
         run_dir.mkdir()
-        (run_dir / "config.json").write_text(json.dumps(to_dict(load_config(run.config, run.overrides))))
+        config = load_config(run.config, run.overrides)
+        (run_dir / "config.json").write_text(json.dumps(to_dict(config)))
         (run_dir / "study_run.json").write_text(json.dumps(run.recipe()))
         rows = [{"step": s, **({"eval_accuracy": evals[s // 10]} if s % 10 == 0 else {})} for s in range(1, STEPS + 1)]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (run_dir / "summary.json").write_text(json.dumps({"steps": STEPS, "eval_accuracy_initial": evals[0],
-                                                          "eval_accuracy_final": evals[-1], "eval_tool_call_final": 0.5}))
-        # two conversations a step on prompt 8 * step (level 2 from step 13 under the curriculum, always alone);
-        # under the curriculum the second is right over the last ten steps
-        records = [{"step": s, "prompt_index": 8 * s, "prompt": f"q{s}", "completion": f"c{s}.{i}",
-                    "reward": 1.1 if right else 0.1,
-                    "reward_components": {"correct": float(right), "tool_call": 1.0 if s > 20 else 0.0}}
-                   for s in range(1, STEPS + 1) for i in (0, 1)
-                   for right in [name.startswith("curriculum") and i == 1 and s > STEPS - 10]]
+                                                          "eval_accuracy_final": evals[-1], "eval_tool_call_final": 0.5,
+                                                          "eval_tagged_final": 0.25}))
+        # two conversations a step on prompt 8 * step (level 2 from step 13 under the curriculum, always alone):
+        # the first tags nothing; the second tags its first looked-up value, except under the curriculum over
+        # the last ten steps, where it tags the right sum
+        task = Zorplex(config.zorplex)
+        records = []
+        for s in range(1, STEPS + 1):
+            sample = task.train_sample(8 * s)
+            right = name.startswith("curriculum") and s > STEPS - 10
+            tagged = sample.answer if right else next(iter(sample.info["values"].values()))
+            records += [{"step": s, "prompt_index": 8 * s, "prompt": f"q{s}", "completion": f"c{s}.{i}"
+                         + (f" Answer: {tagged}" if i == 1 else ""), "reward": 1.1 if right and i == 1 else 0.1,
+                         "reward_components": {"correct": float(right and i == 1), "tool_call": float(s > 20)}}
+                        for i in (0, 1)]
         (run_dir / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     text = write_report(study, tmp_path).read_text()
-    curriculum = next(line for line in text.splitlines() if line.startswith("| curriculum |"))
-    alone = next(line for line in text.splitlines() if line.startswith("| level2_alone |"))
-    # final 0.4, best 0.5, looked up both 0.5, train accuracy on level 2 over steps 36-40: one of two right
-    assert curriculum == "| curriculum | 1 | 0.000 (one run) | 0.400 (one run) | 0.500 | 0.500 (one run) | 0.500 (one run) |"
-    assert alone == "| level2_alone | 1 | 0.000 (one run) | 0.000 (one run) | 0.000 | 0.500 (one run) | 0.000 (one run) |"
+    lines = text.splitlines()
+    curriculum, alone = (next(line for line in lines if line.startswith(f"| {arm} | 1 |"))
+                         for arm in ("curriculum", "level2_alone"))
+    # final 0.4, best 0.5, looked up both 0.5, tagged 0.25, train accuracy on level 2 over the last 5 steps:
+    # one of two right
+    assert curriculum == ("| curriculum | 1 | 0.000 (one run) | 0.400 (one run) | 0.500 | 0.500 (one run) | "
+                          "0.250 (one run) | 0.500 (one run) |")
+    assert alone == ("| level2_alone | 1 | 0.000 (one run) | 0.000 (one run) | 0.000 | 0.500 (one run) | "
+                     "0.250 (one run) | 0.000 (one run) |")
+    # the last 5 steps' 10 conversations by their tagged answer: right, a value, another number, none
+    assert "| curriculum | 10 | 0.500 | 0.000 | 0.000 | 0.500 |" in lines
+    assert "| level2_alone | 10 | 0.000 | 0.500 | 0.000 | 0.500 |" in lines
     examples = text.split("## Example conversations")[1]
     # the curriculum's first level-2 prompt is at step 13 at the latest; at the last step the right one is shown
-    assert f"curriculum, seed 0: step {STEPS}" in examples and f"q{STEPS}\nc{STEPS}.1\n-> reward 1.10 (right)" in examples
+    right = task.train_sample(8 * STEPS).answer  # the same prompts in both runs
+    assert f"curriculum, seed 0: step {STEPS}" in examples
+    assert f"q{STEPS}\nc{STEPS}.1 Answer: {right}\n-> reward 1.10 (right)" in examples
     assert "q1\nc1.0\n-> reward 0.10 (not right)" in examples  # level 2 alone: step 1, nothing right
     for png in ("eval_level2.png", "looked_up_both.png", "train_level2.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

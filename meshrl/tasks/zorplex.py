@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from meshrl.tasks import Sample
 
 _CALL = re.compile(r"LOOKUP\[([^\]\n]*)\]")
-_ANSWER = re.compile(r"Answer:\**\s*(-?\d+)")
+ANSWER = re.compile(r"Answer:\**\s*(-?\d+)")
 _SYLLABLES = ("zor", "plex", "quib", "flar", "mun", "tesh", "vok", "bli", "dra", "nix", "gel", "pom", "sna", "rif",
               "tup", "kel", "wob", "yar")
 
@@ -97,7 +97,7 @@ class Zorplex:
         """A tool call gets the word's value (or "unknown word"); an answer, or a turn with neither, ends it."""
         reply = messages[-1]["content"]
         calls = _CALL.findall(reply)
-        if _ANSWER.search(reply) or not calls:
+        if ANSWER.search(reply) or not calls:
             return None
         value = sample.info["values"].get(calls[-1].strip())
         return [{"role": self.config.tool_role, "content": str(value) if value is not None else "unknown word"}]
@@ -106,7 +106,7 @@ class Zorplex:
         """The reward, and its checks (each 0 or 1): `correct`: the last tagged answer is the answer;
         `tagged`: there is a tagged answer; `tool_call`: every word of the question was looked up."""
         replies = [m["content"] for m in messages[len(self.opening(sample)):] if m["role"] == "assistant"]
-        tagged = [a for r in replies for a in _ANSWER.findall(r)]
+        tagged = [a for r in replies for a in ANSWER.findall(r)]
         called = {c.strip() for r in replies for c in _CALL.findall(r)}
         checks = {"correct": float(bool(tagged) and tagged[-1] == sample.answer), "tagged": float(bool(tagged)),
                   "tool_call": float(set(sample.info["values"]) <= called)}

@@ -11,7 +11,11 @@ the same). Both are evaluated on the same held-out level-2 split.
 
 import json
 import statistics
+from collections import Counter
 from pathlib import Path
+
+from meshrl.configs import from_dict
+from meshrl.tasks.zorplex import ANSWER, Zorplex, ZorplexConfig
 
 from meshrl.tools.studies import cell, curve_plot, mean_spread, read_json_lines, read_rows, read_summary, table
 from meshrl.tools.studies.difficulty import level2_steps
@@ -37,14 +41,29 @@ def evals(run_dir: Path, check: str = "accuracy") -> list[tuple[int, float]]:
                                                         if f"eval_{check}" in r]
 
 
+def level2_records(run_dir: Path, steps: range) -> tuple[Zorplex, list[dict]]:
+    """The run's task (by its own config) and its level-2 conversations trained at `steps`."""
+    task = Zorplex(from_dict(ZorplexConfig, json.loads((run_dir / "config.json").read_text())["zorplex"]))
+    return task, [r for r in read_json_lines(run_dir / "rollouts.jsonl")
+                  if r["step"] in steps and task.train_level(r["prompt_index"]) == 2]
+
+
+def answers(run_dir: Path, steps: range) -> Counter:
+    """Level-2 conversations trained at `steps` by their last tagged answer: right, one of the two looked-up
+    values, another number, or none."""
+    task, mine = level2_records(run_dir, steps)
+    kinds = Counter()
+    for r in mine:
+        tagged = ANSWER.findall(r["completion"])
+        values = task.train_sample(r["prompt_index"]).info["values"].values()
+        kinds["none" if not tagged else "right" if r["reward_components"]["correct"] == 1.0
+              else "a value" if int(tagged[-1]) in values else "another number"] += 1
+    return kinds
+
+
 def example(run_dir: Path, step: int) -> str:
     """One level-2 conversation trained at `step`: the first right one, else the first."""
-    from meshrl.configs import from_dict
-    from meshrl.tasks.zorplex import Zorplex, ZorplexConfig
-
-    task = Zorplex(from_dict(ZorplexConfig, json.loads((run_dir / "config.json").read_text())["zorplex"]))
-    mine = [r for r in read_json_lines(run_dir / "rollouts.jsonl")
-            if r["step"] == step and task.train_level(r["prompt_index"]) == 2]
+    _, mine = level2_records(run_dir, range(step, step + 1))
     if not mine:
         return "(no level-2 conversation at this step)"
     chosen = next((r for r in mine if r["reward_components"]["correct"] == 1.0), mine[0])
@@ -56,21 +75,28 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
     done = {run.name for run in runs}
     arms = {arm: [f"{arm}_seed{seed}" for seed in SEEDS if f"{arm}_seed{seed}" in done] for arm in ARMS}
     arms = {arm: names for arm, names in arms.items() if names}
-    curves, both, train, rows = {}, {}, {}, []
+    curves, both, train, rows, kinds = {}, {}, {}, [], []
+    last = range(STEPS - 4, STEPS + 1)
     for arm, names in arms.items():
-        finals, looked, last_train = [], [], []
+        finals, looked, tagged, last_train, pooled = [], [], [], [], Counter()
         for i, name in enumerate(names):
             run_dir = directory / name
             curves[f"{arm} #{i}"] = evals(run_dir)
             finals.append(curves[f"{arm} #{i}"][-1][1])
             looked.append(read_summary(run_dir)["eval_tool_call_final"])
+            tagged.append(read_summary(run_dir)["eval_tagged_final"])
+            pooled += answers(run_dir, last)
             steps = level2_steps(run_dir)
             both[f"{arm} #{i}"] = [(step, looked_up) for step, (_, _, looked_up) in steps.items()]
             train[f"{arm} #{i}"] = [(step, acc) for step, (acc, _, _) in steps.items()]
             last_train.append(statistics.fmean(acc for step, (acc, _, _) in steps.items() if step > STEPS - 5))
         best = max(max(v for _, v in curves[f"{arm} #{i}"]) for i in range(len(names)))
         rows.append([arm, len(names), mean_spread([curves[f"{arm} #{i}"][0][1] for i in range(len(names))]),
-                     mean_spread(finals), cell(best), mean_spread(looked), mean_spread(last_train)])
+                     mean_spread(finals), cell(best), mean_spread(looked), mean_spread(tagged),
+                     mean_spread(last_train)])
+        total = sum(pooled.values())
+        kinds.append([arm, total, *(f"{pooled[k] / total:.3f}" if total else "n/a"
+                                    for k in ("right", "a value", "another number", "none"))])
     colours = {f"{arm} #{i}": COLOURS[arm] for arm in ARMS for i in range(len(SEEDS))}
     curve_plot(curves, directory / "eval_level2.png", "step", "held-out level-2 accuracy (mean@4, temperature 1)",
                "held-out level-2 accuracy, each seed a line", colours)
@@ -88,10 +114,13 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
     return "\n".join([
         f"## Level 2 alone against the curriculum ({CURRICULUM}), {STEPS} steps, max_turns 4\n",
         table(["arm", "seeds", "held-out level-2 accuracy untrained", f"after step {STEPS}",
-               "best at any eval", "held-out: looked up both words", f"train accuracy on level 2, steps {STEPS - 4}-{STEPS}"],
-              rows),
+               "best at any eval", "held-out: looked up both words", "held-out: tagged an answer",
+               f"train accuracy on level 2, steps {STEPS - 4}-{STEPS}"], rows),
         f"\nHeld-out: {EVAL_SIZE} level-2 prompts, 4 answers each at temperature 1, every {EVAL_EVERY} steps. Target: "
         "0.5 through the curriculum.",
+        f"\n## What the level-2 conversations of steps {STEPS - 4}-{STEPS} answered (seeds pooled)\n",
+        table(["arm", "conversations", "right", "tagged one of the looked-up values", "tagged another number",
+               "no tagged answer"], kinds),
         "\n![held-out level-2 accuracy](eval_level2.png)\n", "![looked up both words](looked_up_both.png)\n",
         "![train accuracy on level 2](train_level2.png)",
         "\n## Example conversations (the first right one of the step, else its first)", *examples])
