@@ -106,10 +106,10 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
                "train accuracy on level-2 prompts, each seed a line", colours)
     examples = []
     for arm, names in arms.items():
-        run_dir = directory / names[0]
+        run_dir, seed = directory / names[0], names[0].rsplit("_seed", 1)[1]  # the arm's first finished seed
         first = min(level2_steps(run_dir))
-        examples += [f"\n### {arm}, seed {SEEDS[0]}: step {first} (its first level-2 prompts)\n",
-                     f"```\n{example(run_dir, first)}\n```", f"\n### {arm}, seed {SEEDS[0]}: step {STEPS}\n",
+        examples += [f"\n### {arm}, seed {seed}: step {first} (its first level-2 prompts)\n",
+                     f"```\n{example(run_dir, first)}\n```", f"\n### {arm}, seed {seed}: step {STEPS}\n",
                      f"```\n{example(run_dir, STEPS)}\n```"]
     return "\n".join([
         f"## Level 2 alone against the curriculum ({CURRICULUM}), {STEPS} steps, max_turns 4\n",
