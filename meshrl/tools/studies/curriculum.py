@@ -9,16 +9,13 @@ from step 13), two seeds each (the generator's and the trainer's; the prompts an
 the same). Both are evaluated on the same held-out level-2 split.
 """
 
-import json
 import statistics
 from collections import Counter
 from pathlib import Path
 
-from meshrl.configs import from_dict
-from meshrl.tasks.zorplex import ANSWER, Zorplex, ZorplexConfig
-
-from meshrl.tools.studies import cell, curve_plot, mean_spread, read_json_lines, read_rows, read_summary, table
-from meshrl.tools.studies.difficulty import level2_steps
+from meshrl.tasks.zorplex import ANSWER
+from meshrl.tools.studies import cell, curve_plot, mean_spread, read_rows, read_summary, table
+from meshrl.tools.studies.difficulty import level2_records, level2_steps
 from meshrl.tools.study import Study, StudyRun, register
 
 STEPS, EVAL_EVERY, SEEDS = 30, 10, (0, 1)
@@ -39,13 +36,6 @@ def evals(run_dir: Path, check: str = "accuracy") -> list[tuple[int, float]]:
     summary = read_summary(run_dir)
     return [(0, summary[f"eval_{check}_initial"])] + [(r["step"], r[f"eval_{check}"]) for r in read_rows(run_dir)
                                                         if f"eval_{check}" in r]
-
-
-def level2_records(run_dir: Path, steps: range) -> tuple[Zorplex, list[dict]]:
-    """The run's task (by its own config) and its level-2 conversations trained at `steps`."""
-    task = Zorplex(from_dict(ZorplexConfig, json.loads((run_dir / "config.json").read_text())["zorplex"]))
-    return task, [r for r in read_json_lines(run_dir / "rollouts.jsonl")
-                  if r["step"] in steps and task.train_level(r["prompt_index"]) == 2]
 
 
 def answers(run_dir: Path, steps: range) -> Counter:

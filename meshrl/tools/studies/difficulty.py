@@ -27,15 +27,20 @@ RUNS = [StudyRun("zorplex_level1", "zorplex_smollm2", COMMON),
         StudyRun("sum_digits_3terms", "sum_digits_smollm2", COMMON + ["--sum_digits.num_terms", "3"])]
 
 
+def level2_records(run_dir: Path, steps: range | None = None) -> tuple[Zorplex, list[dict]]:
+    """The run's task (by its own config) and its level-2 conversations trained (at `steps`, else at any)."""
+    task = Zorplex(from_dict(ZorplexConfig, json.loads((run_dir / "config.json").read_text())["zorplex"]))
+    return task, [r for r in read_json_lines(run_dir / "rollouts.jsonl")
+                  if (steps is None or r["step"] in steps) and task.train_level(r["prompt_index"]) == 2]
+
+
 def level2_steps(run_dir: Path) -> dict[int, tuple[float, float, float]]:
     """Per step, over the level-2 prompts only (of a zorplex run at level 2): the train accuracy, the
     share of their groups whose rewards were not all equal (a learning signal), and the share of
     conversations that looked up both words. Which prompts were level 2: the run's own task config."""
-    task = Zorplex(from_dict(ZorplexConfig, json.loads((run_dir / "config.json").read_text())["zorplex"]))
     groups: dict[tuple[int, int], list[dict]] = {}
-    for r in read_json_lines(run_dir / "rollouts.jsonl"):
-        if task.train_level(r["prompt_index"]) == 2:
-            groups.setdefault((r["step"], r["prompt_index"]), []).append(r)
+    for r in level2_records(run_dir)[1]:
+        groups.setdefault((r["step"], r["prompt_index"]), []).append(r)
     out = {}
     for step in sorted({step for step, _ in groups}):
         mine = [g for (s, _), g in groups.items() if s == step]
