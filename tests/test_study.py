@@ -12,7 +12,7 @@ from meshrl.tasks.zorplex import Zorplex, ZorplexConfig
 from meshrl.tools.cli import main
 from meshrl.tools.studies import mean_spread, time_to_reach
 from meshrl.tools.studies.weight_sync_equivalence import publish_to_served, same_samples
-from meshrl.tools.study import Study, StudyFailed, StudyRun, finished, run_study, write_report
+from meshrl.tools.study import Study, StudyFailed, StudyRun, finished, run_study, selected, write_report
 from meshrl.weight_sync.disk import DiskHandle, DiskReader, read_version, versions, write_version
 from meshrl.weight_sync.verify import bitwise_differences
 
@@ -70,6 +70,18 @@ def test_a_study_stopped_midway_goes_on_without_redoing_finished_runs(tmp_path):
     third = FakeTrain()  # everything finished: nothing runs, the report is written again
     run_study(study, tmp_path, third, say.append)
     assert third.calls == [] and reported[-1] == [0.0, 1.0, 2.0]
+
+
+def test_a_part_of_a_study_runs_alone_and_the_report_covers_every_finished_run(tmp_path):
+    reported = []
+    study = tiny_study(reported)
+    first = FakeTrain()
+    run_study(study, tmp_path, first, lambda line: None, runs=selected(study, "run2"))
+    assert first.calls == ["run2"] and reported == [[2.0]]
+    second = FakeTrain()
+    text = run_study(study, tmp_path, second, lambda line: None, runs=selected(study, "run[01]")).read_text()
+    assert second.calls == ["run0", "run1"] and reported[-1] == [0.0, 1.0, 2.0]
+    assert "Not finished yet" not in text
 
 
 def test_a_report_only_from_the_runs_finished_so_far_names_the_others_and_needs_one(tmp_path, capsys):
@@ -179,6 +191,12 @@ def test_the_study_command_lists_dry_runs_and_refuses_unknown_names(tmp_path, cl
     assert sum("--controller.max_policy_age 2" in c for c in commands) == 3
     assert {c.split("--generator.seed ")[1].split()[0] for c in commands} == {"0", "1", "2"}
     assert not any(tmp_path.iterdir())  # a dry run starts nothing
+    code, out, _ = cli("study", "sync-vs-async", "--dry-run", "--dir", tmp_path, "--runs", "async_*_seed0, sync_seed2")
+    assert code == 0
+    assert [c.split("--run-dir ")[1].split()[0] for c in out.splitlines()] == [
+        str(tmp_path / name) for name in ("async_age1_seed0", "async_age2_seed0", "sync_seed2")]  # the study's order
+    code, _, err = cli("study", "sync-vs-async", "--dry-run", "--runs", "sync_seed0,lr_*")
+    assert code == 2 and "no run of study sync-vs-async matches lr_*; its runs: sync_seed0, " in err
     code, _, err = cli("study", "difficult")
     assert code == 2
     assert ("unknown study 'difficult'; known: weight-sync-equivalence, sync-vs-async, difficulty, replay, curriculum, "

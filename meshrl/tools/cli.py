@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
                                                 "study goes on from its first unfinished run")
     study.add_argument("--dry-run", action="store_true", help="print the runs' commands, run nothing")
     study.add_argument("--report-only", action="store_true", help="write report.md from the finished runs only")
+    study.add_argument("--runs", metavar="PATTERNS", help="run only the runs whose names match these shell patterns, "
+                                                          "comma separated (e.g. 'lr_*_seed0'); the report covers "
+                                                          "every finished run")
     certs = sub.add_parser("certs", help="create a CA and a key and certificate for TLS between a controller "
                                          "and its workers")
     certs.add_argument("dir", type=Path, metavar="DIR", help="where ca.crt, ca.key, tls.crt and tls.key go (a CA "
@@ -227,7 +230,7 @@ def _worker(args) -> int:
 
 def _study(args) -> int:
     from meshrl.tools.studies import STUDIES  # the registry, once every study has registered itself
-    from meshrl.tools.study import StudyFailed, run_study, write_report
+    from meshrl.tools.study import StudyFailed, run_study, selected, write_report
 
     if args.list or not args.name:
         for study in STUDIES.values():
@@ -236,15 +239,16 @@ def _study(args) -> int:
     if args.name not in STUDIES:
         return _error(f"unknown study {args.name!r}; known: {', '.join(STUDIES)}")
     study, directory = STUDIES[args.name], args.dir or Path("runs") / f"study-{args.name}"
-    for run in study.runs:
-        run.steps()  # every run's config and overrides checked before the first starts
-    if args.dry_run:
-        print("\n".join(" ".join(run.command(directory / run.name)) for run in study.runs))
-        return 0
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # stopped like a Ctrl-C (a closed terminal too): its run stops cleanly
-        signal.signal(sig, signal.default_int_handler)
     try:
-        path = write_report(study, directory) if args.report_only else run_study(study, directory)
+        runs = selected(study, args.runs)
+        for run in runs:
+            run.steps()  # every run's config and overrides checked before the first starts
+        if args.dry_run:
+            print("\n".join(" ".join(run.command(directory / run.name)) for run in runs))
+            return 0
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # stopped like a Ctrl-C (a closed terminal too): its run stops cleanly
+            signal.signal(sig, signal.default_int_handler)
+        path = write_report(study, directory) if args.report_only else run_study(study, directory, runs=runs)
     except StudyFailed as e:
         return _error(str(e))
     except KeyboardInterrupt:

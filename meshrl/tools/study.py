@@ -9,6 +9,7 @@ started again; that run starts over. Each run is a process of its own, so one th
 log and stops the study with one line. The report names the machine and repeats the commands.
 """
 
+import fnmatch
 import json
 import os
 import platform
@@ -95,27 +96,41 @@ class StudyFailed(RuntimeError):
     pass
 
 
+def selected(study: Study, patterns: str | None) -> list[StudyRun]:
+    """The study's runs whose names match one of `patterns` (shell patterns, comma separated: `lr_*_seed0,demo_*`),
+    in the study's order; all of them for None. StudyFailed for a pattern that matches no run."""
+    if patterns is None:
+        return study.runs
+    wanted = [p.strip() for p in patterns.split(",") if p.strip()]
+    if unmatched := [p for p in wanted if not any(fnmatch.fnmatchcase(run.name, p) for run in study.runs)]:
+        raise StudyFailed(f"no run of study {study.name} matches {', '.join(unmatched)}; its runs: "
+                          f"{', '.join(run.name for run in study.runs)}")
+    return [run for run in study.runs if any(fnmatch.fnmatchcase(run.name, p) for p in wanted)]
+
+
 def run_study(study: Study, directory: Path, train: Callable[[list[str], Path], int] = train_process,
-              say: Callable[[str], None] = print) -> Path:
-    """Every run of `study` not finished yet, one after the other, then report.md; returns its path."""
+              say: Callable[[str], None] = print, runs: list[StudyRun] | None = None) -> Path:
+    """Every run of `study` (or of `runs`, a part of it) not finished yet, one after the other, then report.md
+    from all the study's finished runs; returns its path."""
     directory.mkdir(parents=True, exist_ok=True)
-    for i, run in enumerate(study.runs, 1):
+    runs = study.runs if runs is None else runs
+    for i, run in enumerate(runs, 1):
         run_dir = directory / run.name
         if finished(run_dir, run):
-            say(f"[{i}/{len(study.runs)}] {run.name}: finished before, kept")
+            say(f"[{i}/{len(runs)}] {run.name}: finished before, kept")
             continue
         if run_dir.exists():  # stopped midway: it starts over
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True)
         (run_dir / "study_run.json").write_text(json.dumps(run.recipe()))
         command = run.command(run_dir)
-        say(f"[{i}/{len(study.runs)}] {run.name}: {' '.join(command)}")
+        say(f"[{i}/{len(runs)}] {run.name}: {' '.join(command)}")
         start = time.monotonic()
         code = train(command, run_dir / "train.log")
         if code != 0 or not finished(run_dir, run):
             raise StudyFailed(f"run {run.name} ended with exit code {code} before its last step; its output is in "
                               f"{run_dir / 'train.log'}; `meshrl study {study.name} --dir {directory}` goes on from it")
-        say(f"[{i}/{len(study.runs)}] {run.name}: done in {time.monotonic() - start:.0f} s")
+        say(f"[{i}/{len(runs)}] {run.name}: done in {time.monotonic() - start:.0f} s")
     return write_report(study, directory)
 
 
