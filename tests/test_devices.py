@@ -2,6 +2,7 @@
 names the CPU, and a GPU host trains on its GPU (that test runs only where CUDA is)."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -61,6 +62,30 @@ def test_vllm_gets_bf16_only_where_the_device_has_bf16_math():
 
     assert vllm_dtype("auto") == ("bfloat16" if has_bf16_math(resolve_device("auto")) else "float32")
     assert vllm_dtype("bfloat16") == "bfloat16" and vllm_dtype("float32") == "float32"
+
+
+def test_free_heap_memory_scattered_below_a_live_block_goes_back_to_the_system():
+    """What a trainer's step leaves behind (meshrl/actors/__init__.py: return_free_memory): freed blocks
+    that glibc's free() keeps because a live block lies above them."""
+    import ctypes
+
+    from meshrl.actors import return_free_memory
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+
+    def resident_mb() -> float:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    blocks = [libc.malloc(64 * 1024) for _ in range(2000)]  # 125 MB below glibc's mmap threshold: its heap
+    for block in blocks:
+        ctypes.memset(block, 1, 64 * 1024)
+    for block in blocks[:-1]:
+        libc.free(block)
+    kept = resident_mb()
+    assert return_free_memory()
+    assert kept - resident_mb() > 100
+    libc.free(blocks[-1])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")

@@ -109,3 +109,16 @@ def pin_cpus(cpus: str, num_threads: int) -> None:
 
     os.sched_setaffinity(0, parse_cpus(cpus))
     torch.set_num_threads(num_threads)
+
+
+def return_free_memory() -> bool:
+    """Give the C heap's free pages back to the system (glibc's `malloc_trim`; False where there is none).
+    Batches whose lengths vary from step to step leave the freed blocks of torch's CPU tensors scattered
+    over glibc's 64 MB arena heaps, and a trainer's resident memory then grows step after step: 7.5 to
+    9.5 GB for SmolLM2-135M on four-turn Zorplex, most of it free but never returned."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except AttributeError:  # not glibc (musl, macOS)
+        return False
