@@ -2,7 +2,6 @@
 names the CPU, and a GPU host trains on its GPU (that test runs only where CUDA is)."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -69,22 +68,18 @@ def test_free_heap_memory_scattered_below_a_live_block_goes_back_to_the_system()
     that glibc's free() keeps because a live block lies above them."""
     import ctypes
 
-    from meshrl.actors import return_free_memory
+    from meshrl.actors import resident_gb, return_free_memory
 
     libc = ctypes.CDLL(None)
     libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
-
-    def resident_mb() -> float:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
     blocks = [libc.malloc(64 * 1024) for _ in range(2000)]  # 125 MB below glibc's mmap threshold: its heap
     for block in blocks:
         ctypes.memset(block, 1, 64 * 1024)
     for block in blocks[:-1]:
         libc.free(block)
-    kept = resident_mb()
+    kept = resident_gb()
     assert return_free_memory()
-    assert kept - resident_mb() > 100
+    assert (kept - resident_gb()) * 1024 > 100
     libc.free(blocks[-1])
 
 

@@ -19,7 +19,7 @@ from meshrl.models.model import cache_dir
 KEYS = {"step", "policy_version", "reward_mean", "reward_std", "accuracy", "format", "last_number", "copied", "loss",
         "updates", "tokens_generated", "tokens_trained", "step_time_s", "gen_time_s", "train_time_s", "weight_sync_s",
         "logprob_mismatch", "clip_fraction_low", "clip_fraction_high", "clip_fraction_by_update",
-        "behaviour_weight_mean", "tis_fraction", "behaviour_kl"}
+        "behaviour_weight_mean", "tis_fraction", "behaviour_kl", "trainer_memory_gb"}
 EVAL_KEYS = {"eval_accuracy", "eval_format", "eval_last_number", "eval_copied"}
 ROLLOUT_FIELDS = {"step", "prompt_index", "group", "prompt", "completion", "reward", "reward_components",
                   "policy_version", "staleness", "finish_reason", "logprob"}

@@ -122,3 +122,9 @@ def return_free_memory() -> bool:
         return bool(ctypes.CDLL(None).malloc_trim(0))
     except AttributeError:  # not glibc (musl, macOS)
         return False
+
+
+def resident_gb() -> float:
+    """This process's resident memory (host RAM), GiB."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30

@@ -26,7 +26,7 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 from torch.distributed.tensor import DTensor
 
-from meshrl.actors import return_free_memory
+from meshrl.actors import resident_gb, return_free_memory
 from meshrl.actors.distributed import all_gather, from_buffer, join, load_on_ranks, local, to_buffer
 from meshrl.actors.trace import ActorClock
 from meshrl.checkpoint import SafeReader, load_safely
@@ -154,7 +154,8 @@ class TitanTrainer(Actor):
             self.updates += 1
         self.optimizer.zero_grad(set_to_none=True)
         return_free_memory()  # the step's activations and gradients, freed, go back to the system
-        return {"updates": self.updates, "grad_norm": float(grad_norm), "skipped": skipped}
+        return {"updates": self.updates, "grad_norm": float(grad_norm), "skipped": skipped,
+                "memory_gb": resident_gb()}
 
     @endpoint
     async def weight_ring(self) -> RingHandle | DiskHandle | None:
