@@ -6,8 +6,9 @@ from meshrl.models.lora import LoraConfig
 
 
 @register
-def sum_digits_smollm2() -> Config:
-    """The demo: SmolLM2-135M learns to answer two-digit sums in the requested 'Answer: N' format."""
+def sum_digits_smollm2_v1() -> Config:
+    """The demo's settings until 2026-11-26 (lr 2e-5, 0.2 of reward for the format alone): the base whose
+    settings `meshrl study demo-settings` changes one at a time, and of the SmolLM2 demos of other tasks."""
     config = Config()
     config.trainer.lr = 2e-5
     config.trainer.mini_batches = 2  # two updates per step: the format is learnt in about half the steps
@@ -16,10 +17,21 @@ def sum_digits_smollm2() -> Config:
 
 
 @register
+def sum_digits_smollm2() -> Config:
+    """The demo: SmolLM2-135M learns to answer one-digit sums in the requested 'Answer: N' format. Its
+    settings come from `meshrl study demo-settings` (docs/studies.md): a learning rate of 5e-5, and no
+    reward for the format alone, so only a right sum pays and a tagged number of the question does not."""
+    config = sum_digits_smollm2_v1()
+    config.trainer.lr = 5e-5
+    config.sum_digits.format_weight = 0.0
+    return config
+
+
+@register
 def sum_digits_smollm2_lora() -> Config:
     """The demo with a LoRA adapter of rank 16 on the frozen base (docs/training.md: LoRA): 10 times the
     full fine-tune's learning rate, as LoRA usually needs; only the adapter is published."""
-    config = sum_digits_smollm2()
+    config = sum_digits_smollm2_v1()
     config.trainer.lora = LoraConfig(rank=16, alpha=32.0)
     config.trainer.lr = 2e-4
     return config
@@ -30,7 +42,7 @@ def zorplex_smollm2() -> Config:
     """The tool-use demo: SmolLM2-135M looks up made-up words' values over several turns (level 1, one
     worked example in the opening) and learns to do it reliably. Evaluated on sampled answers (mean@4
     at temperature 1): greedy, the untrained model already gets most of them right."""
-    config = sum_digits_smollm2()
+    config = sum_digits_smollm2_v1()
     config.task = "zorplex"
     config.generator.max_tokens = 32
     config.controller.max_turns = 3
@@ -45,7 +57,7 @@ def reasoning_gym_smollm2() -> Config:
     untrained model never gave one in <answer> tags (0 of 704 sampled replies over 11 steps of this
     config with the tags, once the instruction's own tags repeated were not counted), and the format
     pays at first, as in the demo."""
-    config = sum_digits_smollm2()
+    config = sum_digits_smollm2_v1()
     config.task = "reasoning_gym"
     config.reasoning_gym.datasets = "chain_sum"
     config.reasoning_gym.dataset_args = '{"chain_sum": {"min_terms": 2, "max_terms": 2, "max_digits": 1}}'

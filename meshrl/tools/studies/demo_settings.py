@@ -1,7 +1,7 @@
 """`meshrl study demo-settings`: under which settings does the demo (SmolLM2-135M, sum_digits, 20 steps)
 learn to tag its sums fastest without losing the arithmetic it already has?
 
-One factor at a time from the demo's config (`sum_digits_smollm2`): the learning rate (1e-5 to 1e-4),
+One factor at a time from the demo's earlier config (`sum_digits_smollm2_v1`, the study's base): the learning rate (1e-5 to 1e-4),
 the loss (DAPO) and its aggregation (per sequence), the reward paid for the format alone
 (`sum_digits.format_weight` 0 and 0.5), and prompts per step against group size at the same 64
 samples a step; then the two changes that did best on their first seed, together; three seeds each (the engine's and the trainer's; the prompts and the eval split are
@@ -29,7 +29,7 @@ ARMS = {"demo": [],
         "4x16": ["--controller.prompts_per_step", "4", "--controller.group_size", "16"],
         # the two single changes that did best on their first seed (2026-11-26), together
         "lr_5e-5+format_0": ["--trainer.lr", "5e-5", "--sum_digits.format_weight", "0"]}
-RUNS = [StudyRun(f"{arm}_seed{seed}", "sum_digits_smollm2", COMMON + extra + ["--generator.seed", str(seed),
+RUNS = [StudyRun(f"{arm}_seed{seed}", "sum_digits_smollm2_v1", COMMON + extra + ["--generator.seed", str(seed),
                                                                             "--trainer.seed", str(seed)])
         for seed in SEEDS for arm, extra in ARMS.items()]  # every arm's first seed first
 
