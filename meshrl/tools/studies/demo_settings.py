@@ -1,11 +1,12 @@
 """`meshrl study demo-settings`: under which settings does the demo (SmolLM2-135M, sum_digits, 20 steps)
 learn to tag its sums fastest without losing the arithmetic it already has?
 
-One factor at a time from the demo's earlier config (`sum_digits_smollm2_v1`, the study's base): the learning rate (1e-5 to 1e-4),
-the loss (DAPO) and its aggregation (per sequence), the reward paid for the format alone
-(`sum_digits.format_weight` 0 and 0.5), and prompts per step against group size at the same 64
-samples a step; then the two changes that did best on their first seed, together; three seeds each (the engine's and the trainer's; the prompts and the eval split are
-the same). The demo's own eval: greedy, 128 held-out prompts, every 5 steps.
+One factor at a time from the demo's config when the study began (`sum_digits_smollm2_v1`): the
+learning rate (1e-5 to 1e-4), the loss (DAPO) and its aggregation (per sequence), the reward paid for
+the format alone (`sum_digits.format_weight` 0 and 0.5), and prompts per step against group size at
+the same 64 samples a step; then the two changes that did best on their first seed, together. Three
+seeds each (the engine's and the trainer's; the prompts and the eval split are the same). The demo's
+own eval: greedy, 128 held-out prompts, every 5 steps.
 """
 
 import itertools
@@ -83,8 +84,9 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
                "wall time (s)"], rows),
         f"\n{verdict}",
         "\nHeld-out: the demo's 128 prompts, greedy. A seed keeps the arithmetic when its last-number accuracy "
-        "after the last step is not below its untrained model's. Settings: the demo's (`demo`: lr 2e-5, "
-        "ppo_clip averaged per token, format_weight 0.2, 8 prompts x 8 samples), each other row changes one; "
+        "after the last step is not below its untrained model's. Settings: the demo's when the study began "
+        "(`demo`: `sum_digits_smollm2_v1`, lr 2e-5, ppo_clip averaged per token, format_weight 0.2, 8 prompts x 8 "
+        "samples), each other row changes one; "
         "`lr_5e-5+format_0` makes the two changes that did best on their first seed together.",
         "\n![held-out accuracy by step](eval_by_step.png)\n", "![held-out accuracy by training time](eval_by_time.png)"])
 
