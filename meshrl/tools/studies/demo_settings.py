@@ -69,7 +69,7 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
                f"Best setting that kept the arithmetic on every seed, by its worst seed: **{best}** (worst seed "
                f"{min(f['final'] for f in kept[best]):.3f}; target {TARGET} on every seed: "
                f"{'met' if min(f['final'] for f in kept[best]) >= TARGET else 'not met'}).")
-    colours = dict(zip(ARMS, [f"C{i}" for i in range(len(ARMS))]))
+    colours = dict(zip(ARMS, [f"C{i}" for i in range(10)] + ["black"]))  # matplotlib's cycle has ten
     line_colours = {f"{arm} #{i}": colours[arm] for arm in ARMS for i in range(len(SEEDS))}
     for key, path, xlabel in (("by_step", "eval_by_step.png", "step"),
                               ("by_time", "eval_by_time.png", "training time (s): the steps' wall time")):
