@@ -112,7 +112,8 @@ def pin_cpus(cpus: str, num_threads: int) -> None:
 
 
 def return_free_memory() -> bool:
-    """Give the C heap's free pages back to the system (glibc's `malloc_trim`; False where there is none).
+    """Give the C heap's free pages back to the system (glibc's `malloc_trim`): whether any went back
+    (False too where the C library is not glibc).
     Batches whose lengths vary from step to step leave the freed blocks of torch's CPU tensors scattered
     over glibc's 64 MB arena heaps, and a trainer's resident memory then grows step after step: 7.5 to
     9.5 GB for SmolLM2-135M on four-turn Zorplex, most of it free but never returned."""
