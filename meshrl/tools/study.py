@@ -101,11 +101,13 @@ def selected(study: Study, patterns: str | None) -> list[StudyRun]:
     in the study's order; all of them for None. StudyFailed for a pattern that matches no run."""
     if patterns is None:
         return study.runs
-    wanted = [p.strip() for p in patterns.split(",") if p.strip()]
-    if unmatched := [p for p in wanted if not any(fnmatch.fnmatchcase(run.name, p) for run in study.runs)]:
+    matches = {p.strip(): fnmatch.filter([run.name for run in study.runs], p.strip())
+               for p in patterns.split(",") if p.strip()}
+    if unmatched := [p for p, names in matches.items() if not names]:
         raise StudyFailed(f"no run of study {study.name} matches {', '.join(unmatched)}; its runs: "
                           f"{', '.join(run.name for run in study.runs)}")
-    return [run for run in study.runs if any(fnmatch.fnmatchcase(run.name, p) for p in wanted)]
+    wanted = {name for names in matches.values() for name in names}
+    return [run for run in study.runs if run.name in wanted]
 
 
 def run_study(study: Study, directory: Path, train: Callable[[list[str], Path], int] = train_process,
