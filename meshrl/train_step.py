@@ -137,7 +137,7 @@ async def train_updates(trainer, reference, updates: list[list[TrainBatch | Batc
         for group in rounds(batches, config.ranks):
             async with span("trainer", "pi_old", version, timeout=timeouts.trainer):
                 await computed(trainer, group, "old_logprobs")
-    sums, clip_by_update, losses, grad_norms, skipped, memory = defaultdict(float), [], [], [], 0, 0.0
+    sums, clip_by_update, losses, grad_norms, skipped, memory, lr = defaultdict(float), [], [], [], 0, 0.0, None
     for batches in updates:
         update = defaultdict(float)
         for group in rounds(batches, config.ranks):
@@ -155,6 +155,7 @@ async def train_updates(trainer, reference, updates: list[list[TrainBatch | Batc
         grad_norms.append(result["grad_norm"])
         skipped += result["skipped"]
         memory = max(memory, result.get("memory_gb", 0.0))
+        lr = result.get("lr", lr)
         clip_by_update.append((update["clip_low"] + update["clip_high"]) / max(update["tokens"], 1))
         for k, v in update.items():
             sums[k] += v
@@ -175,5 +176,6 @@ async def train_updates(trainer, reference, updates: list[list[TrainBatch | Batc
         "entropy": sums["entropy"] / tokens,
         **({"kl": sums["kl"] / tokens} if reference or base_reference else {}),
         "grad_norm": sum(grad_norms) / len(grad_norms),
-        **({"trainer_memory_gb": memory} if memory else {}),  # rank 0's resident memory after its updates
+        **({"trainer_memory_gb": memory} if memory else {}),
+        **({"lr": lr} if lr is not None else {}),  # the learning rate of the step's last update  # rank 0's resident memory after its updates
     }

@@ -6,6 +6,7 @@ are not applied, counted, and stop the run."""
 
 import asyncio
 import json
+import math
 import random
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from meshrl.actors import spawn
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.checkpoint import load_safely, rng_states, set_rng_states
 from meshrl.configs import TrainerConfig, WeightSyncConfig
+from meshrl.lr_schedule import LrScheduleConfig
 from meshrl.train_step import train_step
 from meshrl.types import Episode
 from meshrl.weight_sync.disk import read_version
@@ -68,7 +70,9 @@ def assert_identical(a: dict, b: dict) -> None:
 
 
 def test_restored_trainer_and_its_next_step_equal_the_uninterrupted_trainer_bit_for_bit(tiny_checkpoint, tmp_path):
-    config = TrainerConfig(lr=1e-2, num_threads=1, mini_batches=2, micro_batch_size=2)
+    # a warmup and a cosine decay over the 6 updates: the restored trainer must continue the schedule too
+    config = TrainerConfig(lr=1e-2, num_threads=1, mini_batches=2, micro_batch_size=2,
+                           lr_schedule=LrScheduleConfig(warmup_updates=1, decay="cosine", total_updates=6))
     batches = [batch_of_episodes(seed) for seed in range(3)]
 
     async def step(trainer, episodes) -> dict:
@@ -99,6 +103,8 @@ def test_restored_trainer_and_its_next_step_equal_the_uninterrupted_trainer_bit_
     assert any(".optim.state." in k for k in a2_state) and any(".model." in k for k in a2_state)
     assert_identical(a2_state, b2_state)  # the model and all of AdamW's state, as saved
     assert a3["loss"] != 0 and a3["loss"] == b3["loss"] and a3["grad_norm"] == b3["grad_norm"]
+    # the step's last update is the schedule's last (index 5): 4/5 of the way down a half cosine
+    assert a3["lr"] == b3["lr"] == pytest.approx(1e-2 * 0.5 * (1 + math.cos(math.pi * 4 / 5)))
     assert_identical(flat_state(tmp_path / "a3", tmp_path / "a3.pt"), flat_state(tmp_path / "b3", tmp_path / "b3.pt"))
     assert torch.load(tmp_path / "b3" / "rank0.pt")["policy_version"] == 3
 

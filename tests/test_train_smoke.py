@@ -1,8 +1,9 @@
 """`meshrl train` end to end on the smoke configs: real actors, real vLLM, real torchtitan, tiny models.
 Each run switches on several features, so that one start-up serves several promises: the main run
-trains the tiny Qwen3 on 2 trainer and 2 reference ranks with 2 updates a step, its versions checked bit
-for bit as vLLM holds them; the others try the other losses and estimators, the Qwen3-MoE family, the
-plain path through files, and a checkpoint directory of another architecture logging to W&B offline."""
+trains the tiny Qwen3 on 2 trainer and 2 reference ranks with 2 updates a step under a decaying lr, its
+versions checked bit for bit as vLLM holds them; the others try the other losses and estimators, the
+Qwen3-MoE family, the plain path through files, and a checkpoint directory of another architecture
+logging to W&B offline."""
 
 import json
 import math
@@ -19,7 +20,7 @@ from meshrl.models.model import cache_dir
 KEYS = {"step", "policy_version", "reward_mean", "reward_std", "accuracy", "format", "last_number", "copied", "loss",
         "updates", "tokens_generated", "tokens_trained", "step_time_s", "gen_time_s", "train_time_s", "weight_sync_s",
         "logprob_mismatch", "clip_fraction_low", "clip_fraction_high", "clip_fraction_by_update",
-        "behaviour_weight_mean", "tis_fraction", "behaviour_kl", "trainer_memory_gb"}
+        "behaviour_weight_mean", "tis_fraction", "behaviour_kl", "trainer_memory_gb", "lr"}
 EVAL_KEYS = {"eval_accuracy", "eval_format", "eval_last_number", "eval_copied"}
 ROLLOUT_FIELDS = {"step", "prompt_index", "group", "prompt", "completion", "reward", "reward_components",
                   "policy_version", "staleness", "finish_reason", "logprob"}
@@ -35,7 +36,7 @@ def main_run(tmp_path_factory):
                              str(run_dir), "--controller.steps", "3", "--trainer.mini_batches", "2",
                              "--trainer.ranks", "2", "--trainer.num_threads", "1", "--generator.num_threads", "1",
                              "--trainer.loss.kl_coef", "0.01", "--reference.ranks", "2", "--reference.num_threads", "1",
-                             "--weight_sync.verify", "true"],
+                             "--weight_sync.verify", "true", "--trainer.lr_schedule.decay", "linear"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir, result
@@ -53,6 +54,9 @@ def test_smoke_run_on_two_ranks_writes_metrics_plot_and_a_final_policy_vllm_load
     # versions count published steps, not optimizer updates (two per step here)
     assert [r["policy_version"] for r in rows] == [1, 2, 3]
     assert all(r["updates"] == 2 and len(r["clip_fraction_by_update"]) == 2 for r in rows)
+    # a linear decay over the run's 6 updates: each step's last update (1, 3, 5) is 1/6, 3/6, 5/6 of the way down
+    lr = json.loads((run_dir / "config.json").read_text())["trainer"]["lr"]
+    assert [r["lr"] for r in rows] == pytest.approx([lr * 5 / 6, lr * 3 / 6, lr * 1 / 6])
     assert all(r["tokens_generated"] > 0 and r["tokens_trained"] > r["tokens_generated"] for r in rows)
     assert EVAL_KEYS <= rows[-1].keys() and not EVAL_KEYS & rows[0].keys()
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -92,7 +92,8 @@ class Trainer(Protocol):
         base with the adapter switched off, the initial policy."""
 
     async def optim_step(self, skip: bool = False) -> dict:
-        """One optimizer update: {"updates", "grad_norm", "skipped"}, and optionally "memory_gb" (the
+        """One optimizer update: {"updates", "grad_norm", "skipped"}, and optionally "lr" (the learning rate
+        it applied, or would have) and "memory_gb" (the
         process's resident memory after it, the step's `trainer_memory_gb`). Not applied (the gradients
         dropped, `skipped` true) when `skip` says the loss was NaN or infinite, or the gradient norm is."""
 

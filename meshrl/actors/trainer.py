@@ -33,6 +33,7 @@ from meshrl.checkpoint import SafeReader, load_safely
 from meshrl.configs import TrainerConfig, WeightSyncConfig
 from meshrl.losses import (autocast, check, on_positions, policy_logprobs, policy_loss, response_logits, token_entropy,
                            token_logprobs)
+from meshrl.lr_schedule import lr_scheduler
 from meshrl.models.lora import adapter_config, adapter_off, is_adapter, save_adapter
 from meshrl.models.model import save_checkpoint
 from meshrl.types import BatchRef, TrainBatch
@@ -64,6 +65,7 @@ class TitanTrainer(Actor):
         self.lora = config.lora if config.lora.rank else None  # an adapter on the frozen base (meshrl/models/lora.py)
         trained = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay)
+        self.scheduler = lr_scheduler(self.optimizer, config.lr_schedule)  # None: a constant lr
         # This rank's rows of each tensor the generators load (with LoRA, the adapter's only), in torchtitan's
         # names and the dtype they serve, written into the ring its host's ranks share.
         full, self.to_hf = published_weights(self.checkpoint, weight_sync.dtype, config.lora)
@@ -148,13 +150,16 @@ class TitanTrainer(Actor):
         if isinstance(grad_norm, DTensor):  # each rank holds its shards' part: the norm of them all
             grad_norm = grad_norm.full_tensor()
         skipped = skip or not torch.isfinite(grad_norm).item()
+        lr = self.optimizer.param_groups[0]["lr"]
         if not skipped:
             torch.nn.utils.clip_grads_with_norm_(params, self.config.max_grad_norm, grad_norm)
             self.optimizer.step()
             self.updates += 1
+            if self.scheduler is not None:
+                self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return_free_memory()  # the step's activations and gradients, freed, go back to the system
-        return {"updates": self.updates, "grad_norm": float(grad_norm), "skipped": skipped,
+        return {"updates": self.updates, "grad_norm": float(grad_norm), "skipped": skipped, "lr": lr,
                 "memory_gb": resident_gb()}
 
     @endpoint
@@ -265,6 +270,8 @@ class TitanTrainer(Actor):
         mine = Path(path) / f"rank{self.rank}.pt"
         extra = load_safely(mine if mine.exists() else Path(path) / "rank0.pt")
         self.updates = extra["updates"]
+        if self.scheduler is not None:  # the schedule's place; the lr itself came back with the optimizer's state
+            self.scheduler.load_state_dict({"last_epoch": self.updates})
         set_rng_states(extra, self.device)
         self.policy_version = extra["policy_version"] - 1
         return await self._publish()

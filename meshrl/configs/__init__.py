@@ -15,6 +15,7 @@ from typing import Callable
 from meshrl.advantages import ESTIMATORS, STEP_WISE
 from meshrl.configs.job import JobConfig
 from meshrl.configs.overrides import ConfigError, apply_overrides
+from meshrl.lr_schedule import LrScheduleConfig
 from meshrl.models.lora import LoraConfig
 from meshrl.tasks.dataset import DatasetConfig
 from meshrl.tasks.reasoning_gym import ReasoningGymConfig
@@ -158,7 +159,8 @@ class TrainerConfig:
     """The trainer (the checkpoint family's torchtitan model, AdamW)."""
 
     impl: str = "meshrl.actors.trainer:TitanTrainer"  # the actor class, module:Class
-    lr: float = 1e-5  # AdamW learning rate
+    lr: float = 1e-5  # AdamW learning rate (the peak, with a warmup or decay in lr_schedule)
+    lr_schedule: LrScheduleConfig = field(default_factory=LrScheduleConfig)
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # gradient clipping by global norm
     loss: LossConfig = field(default_factory=LossConfig)
@@ -182,6 +184,7 @@ class TrainerConfig:
                  max_bad_steps=1, max_restarts=0)
         self.loss.check()
         self.lora.check()
+        self.lr_schedule.check()
 
 
 @dataclass

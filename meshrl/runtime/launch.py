@@ -77,10 +77,19 @@ async def spawn_ranked(role: str, config: Config, classes: dict[str, type], chec
     """The trainer's or the reference's proc mesh and actor mesh (`ranks` processes on its hosts), at the
     start or in a dead one's place."""
     if role == "trainer":
-        args = (config.trainer, config.weight_sync, str(checkpoint))
+        args = (trainer_config(config), config.weight_sync, str(checkpoint))
     else:
         args = (config.reference, str(checkpoint))
     return await spawn_ranks(role, classes[role], args[0].ranks, *args, hosts=hosts.of(role))
+
+
+def trainer_config(config: Config):
+    """`config.trainer` with its lr schedule's length filled in: by default the run's optimizer updates."""
+    schedule = config.trainer.lr_schedule
+    if schedule.total_updates:
+        return config.trainer
+    total = config.controller.steps * config.trainer.mini_batches
+    return dataclasses.replace(config.trainer, lr_schedule=dataclasses.replace(schedule, total_updates=total))
 
 
 def spawn_buffer(config: Config, classes: dict[str, type], hosts: Hosts, pad_id: int):

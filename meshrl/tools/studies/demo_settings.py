@@ -29,7 +29,11 @@ ARMS = {"demo": [],
         "16x4": ["--controller.prompts_per_step", "16", "--controller.group_size", "4"],
         "4x16": ["--controller.prompts_per_step", "4", "--controller.group_size", "16"],
         # the two single changes that did best on their first seed (2026-11-26), together
-        "lr_5e-5+format_0": ["--trainer.lr", "5e-5", "--sum_digits.format_weight", "0"]}
+        "lr_5e-5+format_0": ["--trainer.lr", "5e-5", "--sum_digits.format_weight", "0"],
+        # that pair peaked at step 15 or 20 and fell back: a higher lr for the first half, decaying over the second
+        "lr_7e-5+format_0+decay": ["--trainer.lr", "7e-5", "--sum_digits.format_weight", "0",
+                                   "--trainer.lr_schedule.decay", "linear", "--trainer.lr_schedule.decay_ratio", "0.5",
+                                   "--trainer.lr_schedule.min_lr_factor", "0.1"]}
 RUNS = [StudyRun(f"{arm}_seed{seed}", "sum_digits_smollm2_v1", COMMON + extra + ["--generator.seed", str(seed),
                                                                             "--trainer.seed", str(seed)])
         for seed in SEEDS for arm, extra in ARMS.items()]  # every arm's first seed first
@@ -69,7 +73,7 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
                f"Best setting that kept the arithmetic on every seed, by its worst seed: **{best}** (worst seed "
                f"{min(f['final'] for f in kept[best]):.3f}; target {TARGET} on every seed: "
                f"{'met' if min(f['final'] for f in kept[best]) >= TARGET else 'not met'}).")
-    colours = dict(zip(ARMS, [f"C{i}" for i in range(10)] + ["black"]))  # matplotlib's cycle has ten
+    colours = dict(zip(ARMS, [f"C{i}" for i in range(10)] + ["black", "magenta"]))  # matplotlib's cycle has ten
     line_colours = {f"{arm} #{i}": colours[arm] for arm in ARMS for i in range(len(SEEDS))}
     for key, path, xlabel in (("by_step", "eval_by_step.png", "step"),
                               ("by_time", "eval_by_time.png", "training time (s): the steps' wall time")):
