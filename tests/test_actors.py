@@ -10,7 +10,7 @@ from meshrl.actors import spawn
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.grader import Grader
 from meshrl.actors.trainer import TitanTrainer
-from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
+from meshrl.configs import GeneratorConfig, GraderConfig, TrainerConfig, WeightSyncConfig
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
 from meshrl.tasks import Sample
 from meshrl.tasks.sum_digits import SumDigitsConfig
@@ -77,20 +77,24 @@ def test_trainer_weights_reach_vllm_and_change_its_output(source, generator_clas
     asyncio.run(run())
 
 
-def test_grader_scores_a_group_and_skips_malformed_completions():
+def test_grader_scores_a_group_skips_malformed_completions_and_zeroes_truncated_ones_when_asked():
     async def run():
-        procs, grader = spawn("grader", Grader, "sum_digits", SumDigitsConfig(format_weight=0.1))
+        procs, grader = spawn("grader", Grader, "sum_digits", SumDigitsConfig(format_weight=0.1),
+                              GraderConfig(zero_truncated=True))
         try:
-            def c(text):
-                return Completion(0, [1], [2], [-0.1], text, 0, "stop")
+            def c(text, finish_reason="stop"):
+                return Completion(0, [1], [2], [-0.1], text, 0, finish_reason)
 
-            scored = await grader.score.call_one([c("Answer: 7"), c(None), c("8"), c("Answer: 3")],
+            scored = await grader.score.call_one([c("Answer: 7"), c(None), c("8"), c("Answer: 3"),
+                                                  c("Answer: 7 and so on", "length")],
                                                  Sample("What is 3 + 4?", "7"))
-            assert [s.completion.text for s in scored] == ["Answer: 7", "8", "Answer: 3"]
-            assert [s.reward for s in scored] == pytest.approx([1.1, 0.0, 0.1])
+            assert [s.completion.text for s in scored] == ["Answer: 7", "8", "Answer: 3", "Answer: 7 and so on"]
+            # the reply cut off at its token limit earns nothing (zero_truncated), though it is right
+            assert [s.reward for s in scored] == pytest.approx([1.1, 0.0, 0.1, 0.0])
             # the task's checks that need the question ride along: "Answer: 3" copied a number of the question
             assert scored[0].reward_components == {"correct": 1.0, "format": 1.0, "last_number": 1.0, "copied": 0.0}
             assert scored[2].reward_components == {"correct": 0.0, "format": 1.0, "last_number": 0.0, "copied": 1.0}
+            assert scored[3].reward_components == scored[0].reward_components  # its checks are the task's
         finally:
             await procs.stop()
 

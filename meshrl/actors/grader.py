@@ -29,6 +29,7 @@ class Grader(Actor):
 
     def __init__(self, task: str, task_config, config: GraderConfig | None = None):
         self.task = make_task(task, task_config)
+        self.zero_truncated = config is not None and config.zero_truncated
 
     @endpoint
     async def score(self, completions: list[Completion], sample: Sample) -> list[ScoredCompletion]:
@@ -38,13 +39,17 @@ class Grader(Actor):
                 if reward is not None]
 
     def rewards(self, completions: list[Completion], sample: Sample) -> list[tuple[float | None, dict]]:
-        """The task's (reward, checks) of each completion; (None, {}) where its reward function raised (logged)."""
+        """The task's (reward, checks) of each completion; (None, {}) where its reward function raised (logged).
+        With `zero_truncated`, a completion cut off at its token limit scores 0, its checks unchanged (as
+        verifiers' zero_truncated_completions): a reply that babbles on after its answer earns nothing."""
         results = []
         for completion in completions:
             try:
                 reward, checks = self.task.reward(completion.text, sample.answer)
                 if prompt_checks := getattr(self.task, "prompt_checks", None):
                     checks = {**checks, **prompt_checks(sample, completion.text)}
+                if self.zero_truncated and completion.finish_reason == "length":
+                    reward = 0.0
                 results.append((float(reward), checks))
             except Exception:
                 logger.exception("reward function failed on %r", completion.text)

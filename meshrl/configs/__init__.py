@@ -123,6 +123,7 @@ class GraderConfig:
     max_restarts: int = 3  # a replica failing more than this many times in a row, each within controller.restart_window_s of its start, stops the run (a crash loop)
     hosts: str = ""  # the job.hosts group the replicas go on, round-robin over its hosts; "": the controller's host
     timeout_s: float = 300.0  # one group's grading: past it the replica is replaced
+    zero_truncated: bool = False  # a completion cut off at generator.max_tokens scores 0 (its checks stay the task's): the model learns to end its reply (single-turn tasks)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
 
     def check(self) -> None:
