@@ -92,9 +92,12 @@ def test_grader_scores_a_group_skips_malformed_completions_and_zeroes_truncated_
             # the reply cut off at its token limit earns nothing (zero_truncated), though it is right
             assert [s.reward for s in scored] == pytest.approx([1.1, 0.0, 0.1, 0.0])
             # the task's checks that need the question ride along: "Answer: 3" copied a number of the question
-            assert scored[0].reward_components == {"correct": 1.0, "format": 1.0, "last_number": 1.0, "copied": 0.0}
-            assert scored[2].reward_components == {"correct": 0.0, "format": 1.0, "last_number": 0.0, "copied": 1.0}
-            assert scored[3].reward_components == scored[0].reward_components  # its checks are the task's
+            # and the grader's own: `truncated`
+            assert scored[0].reward_components == {"correct": 1.0, "format": 1.0, "last_number": 1.0, "copied": 0.0,
+                                                   "truncated": 0.0}
+            assert scored[2].reward_components == {"correct": 0.0, "format": 1.0, "last_number": 0.0, "copied": 1.0,
+                                                   "truncated": 0.0}
+            assert scored[3].reward_components == scored[0].reward_components | {"truncated": 1.0}
         finally:
             await procs.stop()
 

@@ -20,8 +20,8 @@ from meshrl.models.model import cache_dir
 KEYS = {"step", "policy_version", "reward_mean", "reward_std", "accuracy", "format", "last_number", "copied", "loss",
         "updates", "tokens_generated", "tokens_trained", "step_time_s", "gen_time_s", "train_time_s", "weight_sync_s",
         "logprob_mismatch", "clip_fraction_low", "clip_fraction_high", "clip_fraction_by_update",
-        "behaviour_weight_mean", "tis_fraction", "behaviour_kl", "trainer_memory_gb", "lr"}
-EVAL_KEYS = {"eval_accuracy", "eval_format", "eval_last_number", "eval_copied"}
+        "behaviour_weight_mean", "tis_fraction", "behaviour_kl", "trainer_memory_gb", "lr", "truncated"}
+EVAL_KEYS = {"eval_accuracy", "eval_format", "eval_last_number", "eval_copied", "eval_truncated"}
 ROLLOUT_FIELDS = {"step", "prompt_index", "group", "prompt", "completion", "reward", "reward_components",
                   "policy_version", "staleness", "finish_reason", "logprob"}
 
@@ -86,9 +86,9 @@ def test_smoke_run_on_two_ranks_writes_metrics_plot_and_a_final_policy_vllm_load
     records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [step for step in (1, 2, 3) for _ in range(8)]
     assert_staleness_bound(rows, records, 0)
-    assert all(ROLLOUT_FIELDS <= r.keys() and r["finish_reason"] in ("stop", "length")
-               and "Answer:" in r["prompt"] and set(r["reward_components"]) == {"correct", "format", "last_number", "copied"}
-               for r in records)
+    assert all(ROLLOUT_FIELDS <= r.keys() and r["finish_reason"] in ("stop", "length") and "Answer:" in r["prompt"]
+               and set(r["reward_components"]) == {"correct", "format", "last_number", "copied", "truncated"}
+               and r["reward_components"]["truncated"] == (r["finish_reason"] == "length") for r in records)
     assert_each_prompt_trained_once(records, range(6), 4)  # each step trains its own prompts
     assert [r["policy_version"] for r in records] == [v for v in (0, 1, 2) for _ in range(8)]
 

@@ -39,16 +39,19 @@ class Grader(Actor):
                 if reward is not None]
 
     def rewards(self, completions: list[Completion], sample: Sample) -> list[tuple[float | None, dict]]:
-        """The task's (reward, checks) of each completion; (None, {}) where its reward function raised (logged).
-        With `zero_truncated`, a completion cut off at its token limit scores 0, its checks unchanged (as
-        verifiers' zero_truncated_completions): a reply that babbles on after its answer earns nothing."""
+        """The task's (reward, checks) of each completion, its checks with `truncated` (cut off at its token
+        limit, not rewarded) added; (None, {}) where its reward function raised (logged). With
+        `zero_truncated` a truncated completion scores 0 (verifiers' zero_truncated_completions): a reply
+        that babbles on after its answer earns nothing."""
         results = []
         for completion in completions:
             try:
                 reward, checks = self.task.reward(completion.text, sample.answer)
                 if prompt_checks := getattr(self.task, "prompt_checks", None):
                     checks = {**checks, **prompt_checks(sample, completion.text)}
-                if self.zero_truncated and completion.finish_reason == "length":
+                truncated = completion.finish_reason == "length"
+                checks = {**checks, "truncated": float(truncated)}
+                if self.zero_truncated and truncated:
                     reward = 0.0
                 results.append((float(reward), checks))
             except Exception:
