@@ -378,11 +378,13 @@ def test_the_demo_settings_report_picks_by_the_worst_seed_among_settings_that_ke
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (run_dir / "summary.json").write_text(json.dumps({
             "steps": 20, "eval_accuracy_initial": 0.0, "eval_accuracy_final": final, "eval_last_number_initial": 0.6,
-            "eval_last_number_final": last_number, "eval_copied_final": 0.1, "wall_time_s": 300}))
+            "eval_last_number_final": last_number, "eval_copied_final": 0.1, "wall_time_s": 300,
+            **({"eval_truncated_final": 0.25} if name != "demo_seed1" else {})}))  # a run from before the metric
     text = write_report(study, tmp_path).read_text()
     demo = next(line for line in text.splitlines() if line.startswith("| demo |"))
     assert demo == ("| demo | 2 | 0.600 ± 0.141 (0.500-0.700, n=2) | 0.500 | 0.625 ± 0.035 (0.600-0.650, n=2) | "
-                    "0.600 ± 0.000 (0.600-0.600, n=2) | 2 of 2 | 0.100 ± 0.000 (0.100-0.100, n=2) | 0.12 | 300 |")
+                    "0.600 ± 0.000 (0.600-0.600, n=2) | 2 of 2 | 0.100 ± 0.000 (0.100-0.100, n=2) | 0.250 (one run) | 0.12 | "
+                    "300 |")
     assert "| lr_1e-4 | 2 |" in text and "| 1 of 2 |" in text
     assert "by its worst seed: **lr_5e-5** (worst seed 0.600; target 0.9 on every seed: not met)" in text
     for png in ("eval_by_step.png", "eval_by_time.png"):

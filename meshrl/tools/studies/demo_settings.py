@@ -48,7 +48,7 @@ def run_figures(run_dir: Path) -> dict:
                                                        if "eval_accuracy" in r]
     return {"final": summary["eval_accuracy_final"], "last_number": summary["eval_last_number_final"],
             "last_number_untrained": summary["eval_last_number_initial"],
-            "copied": summary.get("eval_copied_final"), "signal": statistics.fmean(r["groups_with_signal"] for r in rows),
+            "copied": summary.get("eval_copied_final"), "truncated": summary.get("eval_truncated_final"), "signal": statistics.fmean(r["groups_with_signal"] for r in rows),
             "wall_s": summary["wall_time_s"], "by_step": evals,
             "by_time": [(times.get(step, 0.0), value) for step, value in evals]}
 
@@ -65,6 +65,7 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
     rows = [[arm, len(fs), mean_spread([f["final"] for f in fs]), cell(min(f["final"] for f in fs)),
              mean_spread([f["last_number"] for f in fs]), mean_spread([f["last_number_untrained"] for f in fs]),
              f"{sum(keeps_arithmetic(f) for f in fs)} of {len(fs)}", mean_spread([f["copied"] for f in fs]),
+             mean_spread([f["truncated"] for f in fs]),
              f"{statistics.fmean(f['signal'] for f in fs):.2f}", f"{statistics.fmean(f['wall_s'] for f in fs):.0f}"]
             for arm, fs in figures.items()]
     kept = {arm: fs for arm, fs in figures.items() if all(keeps_arithmetic(f) for f in fs)}
@@ -84,7 +85,8 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
         f"## One setting changed at a time from the demo's, {STEPS} steps, {len(SEEDS)} seeds each\n",
         table(["setting", "seeds", f"tagged-answer accuracy at step {STEPS}", "worst seed",
                "last-number accuracy", "untrained last-number", "seeds keeping the arithmetic",
-               "tagged a number of the question (copied)", "groups with a signal (mean over steps)",
+               "tagged a number of the question (copied)", "cut off at max_tokens (truncated; n/a: not yet measured)",
+               "groups with a signal (mean over steps)",
                "wall time (s)"], rows),
         f"\n{verdict}",
         "\nHeld-out: the demo's 128 prompts, greedy. A seed keeps the arithmetic when its last-number accuracy "
