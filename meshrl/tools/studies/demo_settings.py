@@ -33,7 +33,13 @@ ARMS = {"demo": [],
         # that pair peaked at step 15 or 20 and fell back: a higher lr for the first half, decaying over the second
         "lr_7e-5+format_0+decay": ["--trainer.lr", "7e-5", "--sum_digits.format_weight", "0",
                                    "--trainer.lr_schedule.decay", "linear", "--trainer.lr_schedule.decay_ratio", "0.5",
-                                   "--trainer.lr_schedule.min_lr_factor", "0.1"]}
+                                   "--trainer.lr_schedule.min_lr_factor", "0.1"],
+        # and replies cut off at max_tokens score 0: it had learnt to babble on after its answer
+        "lr_7e-5+format_0+decay+zero_truncated": ["--trainer.lr", "7e-5", "--sum_digits.format_weight", "0",
+                                                  "--trainer.lr_schedule.decay", "linear",
+                                                  "--trainer.lr_schedule.decay_ratio", "0.5",
+                                                  "--trainer.lr_schedule.min_lr_factor", "0.1",
+                                                  "--grader.zero_truncated", "true"]}
 RUNS = [StudyRun(f"{arm}_seed{seed}", "sum_digits_smollm2_v1", COMMON + extra + ["--generator.seed", str(seed),
                                                                             "--trainer.seed", str(seed)])
         for seed in SEEDS for arm, extra in ARMS.items()]  # every arm's first seed first
@@ -74,7 +80,7 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
                f"Best setting that kept the arithmetic on every seed, by its worst seed: **{best}** (worst seed "
                f"{min(f['final'] for f in kept[best]):.3f}; target {TARGET} on every seed: "
                f"{'met' if min(f['final'] for f in kept[best]) >= TARGET else 'not met'}).")
-    colours = dict(zip(ARMS, [f"C{i}" for i in range(10)] + ["black", "magenta"]))  # matplotlib's cycle has ten
+    colours = dict(zip(ARMS, [f"C{i}" for i in range(10)] + ["black", "magenta", "lime"]))  # matplotlib's cycle has ten
     line_colours = {f"{arm} #{i}": colours[arm] for arm in ARMS for i in range(len(SEEDS))}
     for key, path, xlabel in (("by_step", "eval_by_step.png", "step"),
                               ("by_time", "eval_by_time.png", "training time (s): the steps' wall time")):
