@@ -4,7 +4,9 @@ learn to tag its sums fastest without losing the arithmetic it already has?
 One factor at a time from the demo's config when the study began (`sum_digits_smollm2_v1`): the
 learning rate (1e-5 to 1e-4), the loss (DAPO) and its aggregation (per sequence), the reward paid for
 the format alone (`sum_digits.format_weight` 0 and 0.5), and prompts per step against group size at
-the same 64 samples a step; then the two changes that did best on their first seed, together. Three
+the same 64 samples a step; then the two changes that did best on their first seed, together, and
+with a decaying learning rate, zero reward for replies cut off at the token limit and a little for the
+format (the arms after it, each tried because the one before fell short). Three
 seeds each (the engine's and the trainer's; the prompts and the eval split are the same). The demo's
 own eval: greedy, 128 held-out prompts, every 5 steps.
 """
@@ -106,7 +108,10 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
         "after the last step is not below its untrained model's. Settings: the demo's when the study began "
         "(`demo`: `sum_digits_smollm2_v1`, lr 2e-5, ppo_clip averaged per token, format_weight 0.2, 8 prompts x 8 "
         "samples), each other row changes one; "
-        "`lr_5e-5+format_0` makes the two changes that did best on their first seed together.",
+        "`lr_5e-5+format_0` makes the two changes that did best on their first seed together; "
+        "`lr_7e-5+format_0+decay` starts higher and decays linearly over the second half of the run to 0.1 of "
+        "its peak (`trainer.lr_schedule`); `+zero_truncated` scores a reply cut off at max_tokens 0 "
+        "(`grader.zero_truncated`); `format_0.1` pays 0.1 for a tagged number of any value.",
         "\n![held-out accuracy by step](eval_by_step.png)\n", "![held-out accuracy by training time](eval_by_time.png)"])
 
 
