@@ -49,9 +49,13 @@ ARMS = {"demo": [],
                                                     "--trainer.lr_schedule.decay_ratio", "0.5",
                                                     "--trainer.lr_schedule.min_lr_factor", "0.1",
                                                     "--grader.zero_truncated", "true"]}
+# The budget: the demo's recipe (the arm before format_0.1) over more steps, its decay stretched with them
+BUDGET_STEPS = 30
+BUDGET = {f"demo_recipe_{BUDGET_STEPS}_steps": ARMS["lr_7e-5+format_0+decay+zero_truncated"]
+          + ["--controller.steps", str(BUDGET_STEPS)]}
 RUNS = [StudyRun(f"{arm}_seed{seed}", "sum_digits_smollm2_v1", COMMON + extra + ["--generator.seed", str(seed),
                                                                             "--trainer.seed", str(seed)])
-        for seed in SEEDS for arm, extra in ARMS.items()]  # every arm's first seed first
+        for arms in (ARMS, BUDGET) for seed in SEEDS for arm, extra in arms.items()]  # every arm's first seed first
 
 
 def run_figures(run_dir: Path) -> dict:
@@ -63,7 +67,8 @@ def run_figures(run_dir: Path) -> dict:
                                                        if "eval_accuracy" in r]
     return {"final": summary["eval_accuracy_final"], "last_number": summary["eval_last_number_final"],
             "last_number_untrained": summary["eval_last_number_initial"],
-            "copied": summary.get("eval_copied_final"), "truncated": summary.get("eval_truncated_final"), "signal": statistics.fmean(r["groups_with_signal"] for r in rows),
+            "copied": summary.get("eval_copied_final"), "truncated": summary.get("eval_truncated_final"),
+            "signal": statistics.fmean(r["groups_with_signal"] for r in rows),
             "wall_s": summary["wall_time_s"], "by_step": evals,
             "by_time": [(times.get(step, 0.0), value) for step, value in evals]}
 
@@ -74,9 +79,10 @@ def keeps_arithmetic(f: dict) -> bool:
 
 def report(directory: Path, runs: list[StudyRun]) -> str:
     done = {run.name for run in runs}
-    figures = {arm: [run_figures(directory / f"{arm}_seed{seed}") for seed in SEEDS if f"{arm}_seed{seed}" in done]
-               for arm in ARMS}
-    figures = {arm: fs for arm, fs in figures.items() if fs}
+    every = {arm: [run_figures(directory / f"{arm}_seed{seed}") for seed in SEEDS if f"{arm}_seed{seed}" in done]
+             for arm in [*ARMS, *BUDGET]}
+    every = {arm: fs for arm, fs in every.items() if fs}
+    figures = {arm: fs for arm, fs in every.items() if arm in ARMS}
     rows = [[arm, len(fs), mean_spread([f["final"] for f in fs]), cell(min(f["final"] for f in fs)),
              mean_spread([f["last_number"] for f in fs]), mean_spread([f["last_number_untrained"] for f in fs]),
              f"{sum(keeps_arithmetic(f) for f in fs)} of {len(fs)}", mean_spread([f["copied"] for f in fs]),
@@ -89,11 +95,12 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
                f"Best setting that kept the arithmetic on every seed, by its worst seed: **{best}** (worst seed "
                f"{min(f['final'] for f in kept[best]):.3f}; target {TARGET} on every seed: "
                f"{'met' if min(f['final'] for f in kept[best]) >= TARGET else 'not met'}).")
-    colours = dict(zip(ARMS, [f"C{i}" for i in range(10)] + ["black", "magenta", "lime", "navy"]))  # matplotlib's cycle has ten
-    line_colours = {f"{arm} #{i}": colours[arm] for arm in ARMS for i in range(len(SEEDS))}
+    colours = dict(zip([*ARMS, *BUDGET], [f"C{i}" for i in range(10)]  # matplotlib's cycle has ten
+                       + ["black", "magenta", "lime", "navy", "grey"]))
+    line_colours = {f"{arm} #{i}": colours[arm] for arm in colours for i in range(len(SEEDS))}
     for key, path, xlabel in (("by_step", "eval_by_step.png", "step"),
                               ("by_time", "eval_by_time.png", "training time (s): the steps' wall time")):
-        curve_plot({f"{arm} #{i}": f[key] for arm, fs in figures.items() for i, f in enumerate(fs)},
+        curve_plot({f"{arm} #{i}": f[key] for arm, fs in every.items() for i, f in enumerate(fs)},
                    directory / path, xlabel, "held-out tagged-answer accuracy (greedy)",
                    "the demo's held-out accuracy, each seed a line", line_colours)
     return "\n".join([
@@ -112,7 +119,28 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
         "`lr_7e-5+format_0+decay` starts higher and decays linearly over the second half of the run to 0.1 of "
         "its peak (`trainer.lr_schedule`); `+zero_truncated` scores a reply cut off at max_tokens 0 "
         "(`grader.zero_truncated`); `format_0.1` pays 0.1 for a tagged number of any value.",
+        *budget_section({arm: fs for arm, fs in every.items() if arm in BUDGET}),
         "\n![held-out accuracy by step](eval_by_step.png)\n", "![held-out accuracy by training time](eval_by_time.png)"])
+
+
+def budget_section(figures: dict) -> list[str]:
+    """Each seed of the longer runs: its accuracy every 5 steps, where it first reached the target, and
+    whether it was still there at the end."""
+    if not figures:
+        return []
+    rows = []
+    for arm, fs in figures.items():
+        for i, f in enumerate(fs):
+            reached = next((step for step, value in f["by_step"] if value >= TARGET), None)
+            rows.append([arm, i, " / ".join(cell(v) for step, v in f["by_step"] if step % 5 == 0 and step >= 10),
+                         reached if reached is not None else "never", f"{f['last_number']:.3f}",
+                         f"{f['last_number_untrained']:.3f}", f"{f['wall_s']:.0f}"])
+    return [f"\n## The budget: the same recipe over {BUDGET_STEPS} steps\n",
+            table(["run", "seed", f"tagged-answer accuracy at steps 10 / 15 / ... / {BUDGET_STEPS}",
+                   f"first step at {TARGET} or above", "last-number accuracy at the end", "untrained last-number",
+                   "wall time (s)"], rows),
+            f"\n`demo_recipe_{BUDGET_STEPS}_steps`: `lr_7e-5+format_0+decay+zero_truncated` with "
+            f"`--controller.steps {BUDGET_STEPS}` (its decay spans the second half of the {BUDGET_STEPS} steps)."]
 
 
 register(Study("demo-settings", "Which settings (learning rate, loss and aggregation, format reward, prompts x "
