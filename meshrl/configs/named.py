@@ -2,6 +2,7 @@
 the cluster examples and the benches' workloads. Registered in meshrl/configs/__init__.py's CONFIGS."""
 
 from meshrl.configs import Config, ControllerConfig, ModelConfig, register
+from meshrl.lr_schedule import LrScheduleConfig
 from meshrl.models.lora import LoraConfig
 
 
@@ -19,11 +20,15 @@ def sum_digits_smollm2_v1() -> Config:
 @register
 def sum_digits_smollm2() -> Config:
     """The demo: SmolLM2-135M learns to answer one-digit sums in the requested 'Answer: N' format. Its
-    settings come from `meshrl study demo-settings` (docs/studies.md): a learning rate of 5e-5, and no
-    reward for the format alone, so only a right sum pays and a tagged number of the question does not."""
+    settings come from `meshrl study demo-settings` (docs/studies.md): no reward for the format alone, so
+    only a right sum pays and a tagged number of the question does not; a learning rate of 7e-5 for the
+    first half, decaying linearly to 7e-6 over the second (a constant one overshoots once the format is
+    learnt); and a reply cut off at max_tokens scores 0, so the model stops after its answer."""
     config = sum_digits_smollm2_v1()
-    config.trainer.lr = 5e-5
     config.sum_digits.format_weight = 0.0
+    config.trainer.lr = 7e-5
+    config.trainer.lr_schedule = LrScheduleConfig(decay="linear", decay_ratio=0.5, min_lr_factor=0.1)
+    config.grader.zero_truncated = True
     return config
 
 
