@@ -29,6 +29,9 @@ class FakeTrain:
         name = run_dir.name
         self.calls.append(name)
         (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.5}) + "\n")
+        for kept in ("checkpoints/step-1", "final"):  # as a real run leaves them
+            (run_dir / kept).mkdir(parents=True)
+            (run_dir / kept / "model.safetensors").write_bytes(b"weights")
         if name == self.interrupt_at:
             (run_dir / "summary.json").write_text(json.dumps({"steps": 1, "stopped_by": "SIGINT"}))
             raise KeyboardInterrupt
@@ -55,6 +58,10 @@ def test_a_study_stopped_midway_goes_on_without_redoing_finished_runs(tmp_path):
         run_study(study, tmp_path, interrupted, say.append)
     assert interrupted.calls == ["run0", "run1"] and not (tmp_path / "report.md").exists()
     assert finished(tmp_path / "run0", study.runs[0]) and not finished(tmp_path / "run1", study.runs[1])
+    # a finished run's checkpoints (for a resume it will never need) are removed, its final policy kept; an
+    # unfinished run keeps its own for `meshrl train --resume`
+    assert not (tmp_path / "run0" / "checkpoints").exists() and (tmp_path / "run0" / "final").is_dir()
+    assert (tmp_path / "run1" / "checkpoints" / "step-1").is_dir()
     before = (tmp_path / "run0" / "summary.json").stat().st_mtime_ns
 
     again = FakeTrain()

@@ -5,8 +5,9 @@ directory under the study's, and a function that turns their files into `report.
 and plots. A run whose summary.json says it trained every step, in a directory that records the run's
 config and overrides as the study has them now (study_run.json), is finished and never redone: a study
 stopped midway (Ctrl-C, a crash, a machine taken away) goes on from the first unfinished run when
-started again; that run starts over. Each run is a process of its own, so one that fails leaves its
-log and stops the study with one line. The report names the machine and repeats the commands.
+started again; that run starts over. A finished run's checkpoints are removed (its final policy
+stays). Each run is a process of its own, so one that fails leaves its log and stops the study with
+one line. The report names the machine and repeats the commands.
 """
 
 import fnmatch
@@ -132,6 +133,9 @@ def run_study(study: Study, directory: Path, train: Callable[[list[str], Path], 
         if code != 0 or not finished(run_dir, run):
             raise StudyFailed(f"run {run.name} ended with exit code {code} before its last step; its output is in "
                               f"{run_dir / 'train.log'}; `meshrl study {study.name} --dir {directory}` goes on from it")
+        # its checkpoints serve only a resume, which a finished run never needs: a SmolLM2 run's is 1.7 GB,
+        # and thirty of them filled this machine's disk; its final policy (final/) stays
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         say(f"[{i}/{len(runs)}] {run.name}: done in {time.monotonic() - start:.0f} s")
     return write_report(study, directory)
 
