@@ -1,5 +1,6 @@
-"""The trainer's learning-rate schedule (meshrl/lr_schedule.py): torchtitan's scheduler counted in optimizer
-updates, checked against factors computed by hand, and its length filled in from the run's steps."""
+"""The trainer's learning-rate schedule (meshrl/configs/lr_schedule.py): torchtitan's scheduler counted
+in optimizer updates, checked against factors computed by hand, and its length filled in from the run's
+steps."""
 
 import math
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from meshrl.configs import load_config
-from meshrl.lr_schedule import LrScheduleConfig, lr_scheduler
+from meshrl.configs.lr_schedule import LrScheduleConfig, lr_scheduler
 from meshrl.runtime.launch import trainer_config
 
 

@@ -2,7 +2,7 @@
 the cluster examples and the benches' workloads. Registered in meshrl/configs/__init__.py's CONFIGS."""
 
 from meshrl.configs import Config, ControllerConfig, ModelConfig, register
-from meshrl.lr_schedule import LrScheduleConfig
+from meshrl.configs.lr_schedule import LrScheduleConfig
 from meshrl.models.lora import LoraConfig
 
 
