@@ -107,9 +107,10 @@ def test_dynamic_sampling_drops_groups_without_signal_and_weights_go_by_the_plai
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert all(r["groups_dropped"] == r["equal_reward_groups"] == 4 and r["tokens_trained"] == 0
                and math.isnan(r["reward_mean"]) and math.isnan(r["accuracy"]) for r in rows)
-    # each version a file (the newest kept); the generators loaded each version the steps sampled with
+    # each version a file (the newest kept); the generators loaded each version the steps sampled with (step s
+    # samples version s - 1: the last step's own version may still be being written when the kill comes)
     steps = [r["step"] for r in rows]
-    assert versions(run_dir / "weights") and max(versions(run_dir / "weights")) >= steps[-1]
+    assert versions(run_dir / "weights") and max(versions(run_dir / "weights")) >= steps[-1] - 1
     placement = json.loads((run_dir / "placement.json").read_text())
     assert placement["generator0"]["weight_transport"] == placement["generator1"]["weight_transport"] == "disk"
     pulls = [s for s in read_jsonl(run_dir / "trace.jsonl") if s["role"] == "generator" and s["what"] == "pull"]
