@@ -176,6 +176,6 @@ async def train_updates(trainer, reference, updates: list[list[TrainBatch | Batc
         "entropy": sums["entropy"] / tokens,
         **({"kl": sums["kl"] / tokens} if reference or base_reference else {}),
         "grad_norm": sum(grad_norms) / len(grad_norms),
-        **({"trainer_memory_gb": memory} if memory else {}),
-        **({"lr": lr} if lr is not None else {}),  # the learning rate of the step's last update  # rank 0's resident memory after its updates
+        **({"trainer_memory_gb": memory} if memory else {}),  # rank 0's resident memory after its updates
+        **({"lr": lr} if lr is not None else {}),  # the learning rate of the step's last update
     }

@@ -93,9 +93,9 @@ class Trainer(Protocol):
 
     async def optim_step(self, skip: bool = False) -> dict:
         """One optimizer update: {"updates", "grad_norm", "skipped"}, and optionally "lr" (the learning rate
-        it applied, or would have) and "memory_gb" (the
-        process's resident memory after it, the step's `trainer_memory_gb`). Not applied (the gradients
-        dropped, `skipped` true) when `skip` says the loss was NaN or infinite, or the gradient norm is."""
+        it applied, or would have) and "memory_gb" (the process's resident memory after it, the step's
+        `trainer_memory_gb`). Not applied (the gradients dropped, `skipped` true) when `skip` says the loss
+        was NaN or infinite, or the gradient norm is."""
 
     async def drop_gradients(self) -> None:
         """Forget the gradients accumulated since the last optim_step (a step that failed part-way is

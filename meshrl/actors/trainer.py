@@ -31,9 +31,9 @@ from meshrl.actors.distributed import all_gather, from_buffer, join, load_on_ran
 from meshrl.actors.trace import ActorClock
 from meshrl.checkpoint import SafeReader, load_safely
 from meshrl.configs import TrainerConfig, WeightSyncConfig
+from meshrl.configs.lr_schedule import lr_scheduler
 from meshrl.losses import (autocast, check, on_positions, policy_logprobs, policy_loss, response_logits, token_entropy,
                            token_logprobs)
-from meshrl.configs.lr_schedule import lr_scheduler
 from meshrl.models.lora import adapter_config, adapter_off, is_adapter, save_adapter
 from meshrl.models.model import save_checkpoint
 from meshrl.types import BatchRef, TrainBatch

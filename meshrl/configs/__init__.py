@@ -14,8 +14,8 @@ from typing import Callable
 
 from meshrl.advantages import ESTIMATORS, STEP_WISE
 from meshrl.configs.job import JobConfig
-from meshrl.configs.overrides import ConfigError, apply_overrides
 from meshrl.configs.lr_schedule import LrScheduleConfig
+from meshrl.configs.overrides import ConfigError, apply_overrides
 from meshrl.models.lora import LoraConfig
 from meshrl.tasks.dataset import DatasetConfig
 from meshrl.tasks.reasoning_gym import ReasoningGymConfig
