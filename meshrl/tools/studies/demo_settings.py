@@ -20,6 +20,11 @@ from meshrl.tools.study import Study, StudyRun, register
 
 STEPS, SEEDS, TARGET = 20, (0, 1, 2), 0.9
 COMMON = ["--controller.steps", str(STEPS), "--controller.eval_every", "5", "--checkpoint.every", "0"]
+# the parts of the arms after the single changes (the flags' order is part of a run's recipe: kept as run)
+PEAK_7E5 = ["--trainer.lr", "7e-5"]
+DECAY = ["--trainer.lr_schedule.decay", "linear", "--trainer.lr_schedule.decay_ratio", "0.5",
+         "--trainer.lr_schedule.min_lr_factor", "0.1"]  # linear over the second half, down to 0.1 of the peak
+ZERO_TRUNCATED = ["--grader.zero_truncated", "true"]
 ARMS = {"demo": [],
         "lr_1e-5": ["--trainer.lr", "1e-5"],
         "lr_5e-5": ["--trainer.lr", "5e-5"],
@@ -33,22 +38,14 @@ ARMS = {"demo": [],
         # the two single changes that did best on their first seed (2026-11-26), together
         "lr_5e-5+format_0": ["--trainer.lr", "5e-5", "--sum_digits.format_weight", "0"],
         # that pair peaked at step 15 or 20 and fell back: a higher lr for the first half, decaying over the second
-        "lr_7e-5+format_0+decay": ["--trainer.lr", "7e-5", "--sum_digits.format_weight", "0",
-                                   "--trainer.lr_schedule.decay", "linear", "--trainer.lr_schedule.decay_ratio", "0.5",
-                                   "--trainer.lr_schedule.min_lr_factor", "0.1"],
+        "lr_7e-5+format_0+decay": PEAK_7E5 + ["--sum_digits.format_weight", "0"] + DECAY,
         # and replies cut off at max_tokens score 0: it had learnt to babble on after its answer
-        "lr_7e-5+format_0+decay+zero_truncated": ["--trainer.lr", "7e-5", "--sum_digits.format_weight", "0",
-                                                  "--trainer.lr_schedule.decay", "linear",
-                                                  "--trainer.lr_schedule.decay_ratio", "0.5",
-                                                  "--trainer.lr_schedule.min_lr_factor", "0.1",
-                                                  "--grader.zero_truncated", "true"],
+        "lr_7e-5+format_0+decay+zero_truncated": PEAK_7E5 + ["--sum_digits.format_weight", "0"] + DECAY
+        + ZERO_TRUNCATED,
         # its seeds that found the format late (step 8-10, nothing paid until a right tagged sum) ended
         # below 0.9: a little for the format alone, so that every tagged reply is a signal from step 1
-        "lr_7e-5+format_0.1+decay+zero_truncated": ["--trainer.lr", "7e-5", "--sum_digits.format_weight", "0.1",
-                                                    "--trainer.lr_schedule.decay", "linear",
-                                                    "--trainer.lr_schedule.decay_ratio", "0.5",
-                                                    "--trainer.lr_schedule.min_lr_factor", "0.1",
-                                                    "--grader.zero_truncated", "true"]}
+        "lr_7e-5+format_0.1+decay+zero_truncated": PEAK_7E5 + ["--sum_digits.format_weight", "0.1"] + DECAY
+        + ZERO_TRUNCATED}
 # The budget: the demo's recipe (the arm before format_0.1) over more steps, its decay stretched with them
 BUDGET_STEPS = 30
 BUDGET = {f"demo_recipe_{BUDGET_STEPS}_steps": ARMS["lr_7e-5+format_0+decay+zero_truncated"]
