@@ -5,8 +5,8 @@ One factor at a time from the demo's config when the study began (`sum_digits_sm
 learning rate (1e-5 to 1e-4), the loss (DAPO) and its aggregation (per sequence), the reward paid for
 the format alone (`sum_digits.format_weight` 0 and 0.5), and prompts per step against group size at
 the same 64 samples a step; then the two changes that did best on their first seed, together, and
-with a decaying learning rate, zero reward for replies cut off at the token limit and a little for the
-format (the arms after it, each tried because the one before fell short). Three
+with a decaying learning rate, zero reward for replies cut off at the token limit, a little for the
+format, and dynamic sampling (the arms after it, each tried because the one before fell short). Three
 seeds each (the engine's and the trainer's; the prompts and the eval split are the same). The demo's
 own eval: greedy, 128 held-out prompts, every 5 steps.
 """
@@ -45,8 +45,14 @@ ARMS = {"demo": [],
         # its seeds that found the format late (step 8-10, nothing paid until a right tagged sum) ended
         # below 0.9: a little for the format alone, so that every tagged reply is a signal from step 1
         "lr_7e-5+format_0.1+decay+zero_truncated": PEAK_7E5 + ["--sum_digits.format_weight", "0.1"] + DECAY
-        + ZERO_TRUNCATED}
-# The budget: the demo's recipe (the arm before format_0.1) over more steps, its decay stretched with them
+        + ZERO_TRUNCATED,
+        # that paid for the format with the sums: back to format 0, and instead a step trains only groups
+        # with a signal, more prompts sampled in their place (DAPO's dynamic sampling): the seeds that found
+        # the format late had trained whole steps on 0 to 2 groups of 8
+        "demo_recipe+dynamic_sampling": PEAK_7E5 + ["--sum_digits.format_weight", "0"] + DECAY + ZERO_TRUNCATED
+        + ["--controller.drop_equal_reward_groups", "true"]}
+# The budget: the recipe before dynamic sampling (the arm before format_0.1) over more steps, its decay
+# stretched with them
 BUDGET_STEPS = 30
 BUDGET = {f"demo_recipe_{BUDGET_STEPS}_steps": ARMS["lr_7e-5+format_0+decay+zero_truncated"]
           + ["--controller.steps", str(BUDGET_STEPS)]}
@@ -93,7 +99,7 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
                f"{min(f['final'] for f in kept[best]):.3f}; target {TARGET} on every seed: "
                f"{'met' if min(f['final'] for f in kept[best]) >= TARGET else 'not met'}).")
     colours = dict(zip([*ARMS, *BUDGET], [f"C{i}" for i in range(10)]  # matplotlib's cycle has ten
-                       + ["black", "magenta", "lime", "navy", "saddlebrown"]))
+                       + ["black", "magenta", "lime", "navy", "saddlebrown", "gold", "darkviolet"]))
     line_colours = {f"{arm} #{i}": colours[arm] for arm in colours for i in range(len(SEEDS))}
     for key, path, xlabel in (("by_step", "eval_by_step.png", "step"),
                               ("by_time", "eval_by_time.png", "training time (s): the steps' wall time")):
@@ -115,7 +121,10 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
         "`lr_5e-5+format_0` makes the two changes that did best on their first seed together; "
         "`lr_7e-5+format_0+decay` starts higher and decays linearly over the second half of the run to 0.1 of "
         "its peak (`trainer.lr_schedule`); `+zero_truncated` scores a reply cut off at max_tokens 0 "
-        "(`grader.zero_truncated`); `format_0.1` pays 0.1 for a tagged number of any value.",
+        "(`grader.zero_truncated`); `format_0.1` pays 0.1 for a tagged number of any value; "
+        "`demo_recipe+dynamic_sampling` (the demo's config since 2026-11-26) is `lr_7e-5+format_0+decay+zero_truncated` "
+        "training only groups with a signal, up to 4 blocks of 8 prompts sampled a step to fill its 8 "
+        "(`controller.drop_equal_reward_groups`).",
         *budget_section({arm: fs for arm, fs in every.items() if arm in BUDGET}),
         "\n![held-out accuracy by step](eval_by_step.png)\n", "![held-out accuracy by training time](eval_by_time.png)"])
 
