@@ -12,8 +12,8 @@ def plot_curves(rows: list[dict], initial_eval: dict[str, float], path: Path) ->
 
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["reward_mean"] for r in rows], label="reward mean (train samples)")
-    ax.plot(steps, [r["accuracy"] for r in rows], label="accuracy (train samples)")
+    ax.plot(steps, [r["reward_mean"] for r in rows], label="reward mean (groups trained)")
+    ax.plot(steps, [r["accuracy"] for r in rows], label="accuracy (groups trained)")
     for key in initial_eval:
         evals = [(0, initial_eval[key])] + [(r["step"], r[key]) for r in rows if key in r]
         ax.plot(*zip(*evals), "o--", label=f"{key.removeprefix('eval_').replace('_', ' ')} (eval, held out)")
