@@ -99,7 +99,7 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
                f"{min(f['final'] for f in kept[best]):.3f}; target {TARGET} on every seed: "
                f"{'met' if min(f['final'] for f in kept[best]) >= TARGET else 'not met'}).")
     colours = dict(zip([*ARMS, *BUDGET], [f"C{i}" for i in range(10)]  # matplotlib's cycle has ten
-                       + ["black", "magenta", "lime", "navy", "saddlebrown", "gold", "darkviolet"]))
+                       + ["black", "magenta", "lime", "navy", "darkviolet", "saddlebrown"]))
     line_colours = {f"{arm} #{i}": colours[arm] for arm in colours for i in range(len(SEEDS))}
     for key, path, xlabel in (("by_step", "eval_by_step.png", "step"),
                               ("by_time", "eval_by_time.png", "training time (s): the steps' wall time")):
