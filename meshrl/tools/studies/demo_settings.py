@@ -25,6 +25,8 @@ PEAK_7E5 = ["--trainer.lr", "7e-5"]
 DECAY = ["--trainer.lr_schedule.decay", "linear", "--trainer.lr_schedule.decay_ratio", "0.5",
          "--trainer.lr_schedule.min_lr_factor", "0.1"]  # linear over the second half, down to 0.1 of the peak
 ZERO_TRUNCATED = ["--grader.zero_truncated", "true"]
+# the demo's recipe before dynamic sampling: an arm of its own, the 30-step budget's, and under dynamic sampling's
+RECIPE = PEAK_7E5 + ["--sum_digits.format_weight", "0"] + DECAY + ZERO_TRUNCATED
 ARMS = {"demo": [],
         "lr_1e-5": ["--trainer.lr", "1e-5"],
         "lr_5e-5": ["--trainer.lr", "5e-5"],
@@ -40,8 +42,7 @@ ARMS = {"demo": [],
         # that pair peaked at step 15 or 20 and fell back: a higher lr for the first half, decaying over the second
         "lr_7e-5+format_0+decay": PEAK_7E5 + ["--sum_digits.format_weight", "0"] + DECAY,
         # and replies cut off at max_tokens score 0: it had learnt to babble on after its answer
-        "lr_7e-5+format_0+decay+zero_truncated": PEAK_7E5 + ["--sum_digits.format_weight", "0"] + DECAY
-        + ZERO_TRUNCATED,
+        "lr_7e-5+format_0+decay+zero_truncated": RECIPE,
         # its seeds that found the format late (step 8-10, nothing paid until a right tagged sum) ended
         # below 0.9: a little for the format alone, so that every tagged reply is a signal from step 1
         "lr_7e-5+format_0.1+decay+zero_truncated": PEAK_7E5 + ["--sum_digits.format_weight", "0.1"] + DECAY
@@ -49,13 +50,11 @@ ARMS = {"demo": [],
         # that paid for the format with the sums: back to format 0, and instead a step trains only groups
         # with a signal, more prompts sampled in their place (DAPO's dynamic sampling): the seeds that found
         # the format late had trained whole steps on 0 to 2 groups of 8
-        "demo_recipe+dynamic_sampling": PEAK_7E5 + ["--sum_digits.format_weight", "0"] + DECAY + ZERO_TRUNCATED
-        + ["--controller.drop_equal_reward_groups", "true"]}
+        "demo_recipe+dynamic_sampling": RECIPE + ["--controller.drop_equal_reward_groups", "true"]}
 # The budget: the recipe before dynamic sampling (the arm before format_0.1) over more steps, its decay
 # stretched with them
 BUDGET_STEPS = 30
-BUDGET = {f"demo_recipe_{BUDGET_STEPS}_steps": ARMS["lr_7e-5+format_0+decay+zero_truncated"]
-          + ["--controller.steps", str(BUDGET_STEPS)]}
+BUDGET = {f"demo_recipe_{BUDGET_STEPS}_steps": RECIPE + ["--controller.steps", str(BUDGET_STEPS)]}
 RUNS = [StudyRun(f"{arm}_seed{seed}", "sum_digits_smollm2_v1", COMMON + extra + ["--generator.seed", str(seed),
                                                                             "--trainer.seed", str(seed)])
         for arms in (ARMS, BUDGET) for seed in SEEDS for arm, extra in arms.items()]  # every arm's first seed first
