@@ -94,12 +94,12 @@ class RolloutCollector:
             task.cancel()
         await asyncio.gather(*self.groups.values(), return_exceptions=True)
 
-    async def evaluate(self, step: int) -> dict[str, float]:
-        """The newest policy on the task's fixed eval split (`eval_samples` per prompt at `eval_temperature`;
+    async def evaluate(self, step: int, split: str = "validation") -> dict[str, float]:
+        """The newest policy on the task's held-out `split` (`eval_samples` per prompt at `eval_temperature`;
         greedy by default): each reward check's mean as `eval_<check>` (the task's accuracy check as
         `eval_accuracy`); a group that failed counts as wrong. Prints the rates and three example completions."""
         cfg = self.controller
-        samples = self.task.eval_samples()
+        samples = self.task.eval_samples(split)
         sampling = Sampling(n=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
                             max_tokens=self.generator.max_tokens)
 
@@ -114,7 +114,7 @@ class RolloutCollector:
         scored = [s for g in groups for s in g.scored]
         rates = check_rates([s.reward_components for s in scored], sum(g.completions for g in groups), "eval_",
                             self.task.accuracy)  # failed: 0
-        lines = [f"eval at step {step}: " + "  ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in rates.items())]
+        lines = [f"{split} eval at step {step} ({len(samples)} prompts): " + "  ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in rates.items())]
         for g in groups[:3]:
             reply = g.scored[0].completion.text.strip() if g.scored else "(failed, or its reward function did)"
             lines += [f"  prompt: {samples[g.prompt_index].prompt}", f"  reply:  {reply!r}"]

@@ -29,8 +29,9 @@ class Parity:
     def train_sample(self, index: int) -> Sample:
         return self._sample(7 * index + 3)
 
-    def eval_samples(self) -> list[Sample]:
-        return [self._sample(1000 + i) for i in range(self.config.eval_size)]
+    def eval_samples(self, split: str = "validation") -> list[Sample]:
+        start = 1000 if split == "validation" else 2000
+        return [self._sample(start + i) for i in range(self.config.eval_size)]
 
     def reward(self, text: str, answer: str) -> tuple[float, dict[str, float]]:
         words = text.lower().split()
@@ -52,8 +53,9 @@ class LongerReplies:
     def train_sample(self, index: int) -> Sample:
         return Sample(f"Question {index}: say something.", "")
 
-    def eval_samples(self) -> list[Sample]:
-        return [self.train_sample(1000 + i) for i in range(2)]
+    def eval_samples(self, split: str = "validation") -> list[Sample]:
+        start = 1000 if split == "validation" else 2000
+        return [self.train_sample(start + i) for i in range(2)]
 
     def reward(self, text: str, answer: str) -> tuple[float, dict[str, float]]:
         return min(len(text) / 100, 1.0), {"long": float(len(text) > 50)}
@@ -76,8 +78,9 @@ class FakeTool:
     def train_sample(self, index: int) -> Sample:
         return Sample(f"Question {index}: say something.", "")
 
-    def eval_samples(self) -> list[Sample]:
-        return [self.train_sample(1000 + i) for i in range(2)]
+    def eval_samples(self, split: str = "validation") -> list[Sample]:
+        start = 1000 if split == "validation" else 2000
+        return [self.train_sample(start + i) for i in range(2)]
 
     def opening(self, sample: Sample) -> list[dict]:
         return [{"role": "user", "content": sample.prompt}]

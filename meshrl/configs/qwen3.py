@@ -18,7 +18,7 @@ def _gsm8k(source: str) -> Config:
     replicas (vLLM), one of trainer ranks (FSDP2), weights over RDMA, sampling one step ahead."""
     config = Config(model=ModelConfig(source=source))
     config.task = "dataset"
-    config.dataset.path, config.dataset.eval_path = "gsm8k/train.jsonl", "gsm8k/test.jsonl"
+    config.dataset.path, config.dataset.test_path = "gsm8k/train.jsonl", "gsm8k/test.jsonl"  # validation: 64 train rows
     config.dataset.prompt_field, config.dataset.answer_field, config.dataset.reward = "question", "answer", "numeric"
     config.controller = ControllerConfig(steps=200, prompts_per_step=64, group_size=16, max_policy_age=1,
                                          eval_every=20)

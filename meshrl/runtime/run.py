@@ -35,6 +35,7 @@ from meshrl.configs import Config, to_dict
 from meshrl.controller import Controller
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
 from meshrl.restarts import Respawner
+from meshrl.rollout import RolloutCollector
 from meshrl.runtime.gpu_plan import plan_gpus
 from meshrl.runtime.jobs import Hosts, gpus_per_host, make_job, plan
 from meshrl.runtime.launch import (Actors, actor_classes, generator_args, note_fault, spawn_actors, spawn_buffer,
@@ -106,14 +107,7 @@ class Run:
         failure, error, saved = None, None, False
         try:
             try:
-                self.hosts = await self._start_job()
-                self.config.weight_sync.dtype = await weight_dtype(self.config, self.hosts,
-                                                                   local=not self.placement["generator"].group)
-                self.actors = await spawn_actors(self.gpus.apply(self.config), self.classes, self.model_path, self.hosts,
-                                                 self.tokenizer.pad_id)
-                self.signals.install()
-                self.signals.on_hard_stop = self._hard_stop
-                await self._start_pools()
+                await self._start()
                 c = self.controller = Controller(
                     self.config, self.task, self.tokenizer, *self.pools, self.actors.trainer, self.actors.reference,
                     self.actors.buffer, self.tracer, self.signals,
@@ -141,6 +135,35 @@ class Run:
             kept = "metrics, rollouts, trace" + (" and the policy (final/)" if saved else "")
             raise RoleFailed(f"{failure} (after {rows.done} steps; {kept} are in {self.run_dir})")
         return summary
+
+    async def evaluate(self, split: str) -> dict[str, float]:
+        """The run's model (a finished run's policy, `meshrl eval`) on the task's held-out `split`, with
+        the rates the eval during training reports; nothing is trained, and no process is left behind."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.config), indent=2))
+        self.tracer = Tracer(self.run_dir, resume=False)
+        monarch.actor.unhandled_fault_hook = note_fault
+        self.signals.task = asyncio.current_task()  # a Ctrl-C ends it, its actors stopped below
+        try:
+            await self._start()
+            collector = RolloutCollector(self.config.controller, self.config.generator, self.task, self.tokenizer,
+                                         *self.pools, self.tracer, None, self.timeouts)
+            return await collector.evaluate(0, split)
+        finally:
+            await self._stop_actors()
+            self.signals.release()
+            self.tracer.close()
+
+    async def _start(self) -> None:
+        """The job's hosts, every role's actors on them and the generator and grader pools."""
+        self.hosts = await self._start_job()
+        self.config.weight_sync.dtype = await weight_dtype(self.config, self.hosts,
+                                                           local=not self.placement["generator"].group)
+        self.actors = await spawn_actors(self.gpus.apply(self.config), self.classes, self.model_path, self.hosts,
+                                         self.tokenizer.pad_id)
+        self.signals.install()
+        self.signals.on_hard_stop = self._hard_stop
+        await self._start_pools()
 
     def _summary(self, initial: dict, wall_time: float, failure: str | None = None, plot: bool = True) -> dict:
         """summary.json (and curves.png): eval rates before and after, steps, time, how it ended."""
@@ -283,8 +306,9 @@ class Run:
         threading.Timer(4.0, os._exit, (code,)).start()  # whatever hangs below, the process ends
         try:
             self.tracer.close(plot=False)
-            self.rows.close()
-            self._summary(self.controller.initial if self.controller else {}, 0.0, plot=False)
+            if hasattr(self, "rows"):  # a training run's, not an eval's
+                self.rows.close()
+                self._summary(self.controller.initial if self.controller else {}, 0.0, plot=False)
             for child in psutil.Process().children(recursive=True):  # local actors; remote ones with the job
                 try:
                     child.kill()

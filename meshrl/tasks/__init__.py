@@ -1,5 +1,7 @@
-"""Tasks: where prompts and rewards come from. A task maps a training index to a Sample, holds a fixed
-eval split, and scores a reply with named checks. An environment is a multi-turn task: it answers the
+"""Tasks: where prompts and rewards come from. A task maps a training index to a Sample, holds two fixed
+held-out splits (validation, evaluated during training and used to choose settings; test, reported once
+they are chosen: `meshrl eval RUN_DIR --split test`) disjoint from training and from each other
+(meshrl/tasks/splits.py), and scores a reply with named checks. An environment is a multi-turn task: it answers the
 model's turns (a tool's result, say) until the conversation ends, then scores the whole conversation. Chosen by name (`--task sum_digits`, `--task
 dataset`, `--task reasoning_gym`) or by `module:Class` (`--task mypkg.tasks:MyTask`), so a task in a user's own package needs
 no edit here; built-in tasks have a config section of their own (`--sum_digits.num_terms 3`), a
@@ -28,8 +30,9 @@ class Task(Protocol):
     def train_sample(self, index: int) -> Sample:
         """The training sample at `index` (0, 1, ...): the same index gives the same sample."""
 
-    def eval_samples(self) -> list[Sample]:
-        """The fixed held-out split."""
+    def eval_samples(self, split: str = "validation") -> list[Sample]:
+        """The fixed held-out split `split` ("validation" or "test"): no prompt of it is a training prompt or
+        one of the other split's."""
 
     def reward(self, text: str, answer: str) -> tuple[float, dict[str, float]]:
         """The reward of a reply and the checks it is made of (`accuracy` among them). Raising counts the
@@ -53,7 +56,7 @@ class Environment(Protocol):
 
     def train_sample(self, index: int) -> Sample: ...
 
-    def eval_samples(self) -> list[Sample]: ...
+    def eval_samples(self, split: str = "validation") -> list[Sample]: ...
 
     def opening(self, sample: Sample) -> list[dict]:
         """The messages that open the conversation ({"role": ..., "content": ...}; the chat template is

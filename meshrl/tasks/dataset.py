@@ -2,8 +2,10 @@
 library (offline), with a reward chosen by name or given as `module:function`.
 
 Training takes the file's rows in a shuffled order, a new order each pass (seeded: the same index is
-the same row on a rerun or a resume). The eval split is a second file, or the last `eval_size` rows
-of the first, which training then never sees. Bad data (a missing or empty field, an unreadable
+the same row on a rerun or a resume). The validation split is a file of its own (`eval_path`) or the
+last `eval_size` rows of `path`; the test split a file of its own (`test_path`) or the `test_size` rows
+before those. No prompt text is in two splits: a training row whose prompt is also a held-out row's is
+dropped (counted once in the log), and so is a test row whose prompt is a validation row's. Bad data (a missing or empty field, an unreadable
 row, an empty file) is one error naming the file and the row, before anything starts; rows whose
 prompts are too long for the generator are skipped at load, their count and row numbers said once.
 """
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from meshrl.tasks import Sample
+from meshrl.tasks.splits import check_split
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +31,10 @@ class DatasetConfig:
     """Prompts and answers from a JSONL or Parquet file (`--task dataset`)."""
 
     path: str = ""  # the training rows: a .jsonl (or .json lines) or .parquet file
-    eval_path: str = ""  # held-out rows, same format; "": the last eval_size rows of `path`
-    eval_size: int = 64  # held-out rows taken from `path` when there is no eval_path (at most this many of eval_path)
+    eval_path: str = ""  # validation rows, same format; "": the last eval_size rows of `path`
+    eval_size: int = 64  # validation rows taken from `path` when there is no eval_path (at most this many of eval_path)
+    test_path: str = ""  # test rows, same format; "": the test_size rows of `path` before the validation rows
+    test_size: int = 64  # test rows taken from `path` when there is no test_path (at most this many of test_path)
     prompt_field: str = "prompt"  # the user's message
     answer_field: str = "answer"  # the reference answer
     reward: str = "exact"  # exact (normalised text) | numeric (the last number) | math (math-verify) | module:function
@@ -172,48 +177,67 @@ class DatasetTask:
     def __init__(self, config: DatasetConfig):
         if not config.path:
             raise ValueError("task dataset needs --dataset.path (a JSONL or Parquet file)")
-        rows = read_rows(config.path, config.prompt_field, config.answer_field)
-        numbered = list(enumerate(rows, 1))  # (row number in its file, sample)
-        if config.eval_path:
-            self.eval = list(enumerate(read_rows(config.eval_path, config.prompt_field, config.answer_field),
-                                       1))[:config.eval_size]
-            self.train, self.eval_file = numbered, config.eval_path
-        else:
-            if len(rows) <= config.eval_size:
-                raise ValueError(f"{config.path} has {len(rows)} rows: too few to hold out dataset.eval_size "
-                                 f"({config.eval_size}) for eval and train on the rest; give a dataset.eval_path")
-            self.train, self.eval = numbered[:-config.eval_size], numbered[-config.eval_size:]
-            self.eval_file = config.path
+        if config.eval_size < 1 or config.test_size < 0:
+            raise ValueError("dataset.eval_size must be at least 1 and dataset.test_size at least 0")
+        fields = config.prompt_field, config.answer_field
+        rows = list(enumerate(read_rows(config.path, *fields), 1))  # (row number in its file, sample)
+        self.rows, self.files, end = {}, {"train": config.path}, len(rows)
+        for split, file, size in (("validation", config.eval_path, config.eval_size),
+                                  ("test", config.test_path, config.test_size)):
+            if file:
+                self.rows[split], self.files[split] = list(enumerate(read_rows(file, *fields), 1))[:size], file
+            else:
+                self.rows[split], self.files[split], end = rows[max(end - size, 0):end], config.path, end - size
+        if end < 1:
+            raise ValueError(f"{config.path} has {len(rows)} rows: too few to hold out dataset.eval_size "
+                             f"({config.eval_size}) for validation and dataset.test_size ({config.test_size}) for "
+                             "test and train on the rest; give a dataset.eval_path and dataset.test_path")
+        validation = {s.prompt for _, s in self.rows["validation"]}
+        self.rows["test"] = self._without(self.rows["test"], validation, "test")
+        self.rows["train"] = self._without(rows[:end], validation | {s.prompt for _, s in self.rows["test"]}, "train")
         self.path = config.path
         self.score = reward_function(config.reward)
         self.seed = config.seed
         self.orders: dict[int, list[int]] = {}
 
+    def _without(self, rows: list[tuple[int, Sample]], held_out: set[str], split: str) -> list[tuple[int, Sample]]:
+        """`rows` less those whose prompt is in `held_out` (a later split's), which the log counts once."""
+        kept = [(n, s) for n, s in rows if s.prompt not in held_out]
+        if len(kept) < len(rows):
+            logger.warning("%s: %d of its %d %s rows dropped: their prompts are also held-out rows'",
+                           self.files[split], len(rows) - len(kept), len(rows), split)
+        if not kept:
+            raise ValueError(f"{self.files[split]}: every {split} row's prompt is a held-out row's too")
+        return kept
+
     def keep_only(self, fits: Callable[[str], bool], why: str) -> None:
         """Skip the rows whose prompt does not `fits` (`why` says how), saying how many and which, once,
         so that no group is sent that the generator must refuse. Called before the first sample."""
-        for split, file in (("train", self.path), ("eval", self.eval_file)):
-            rows = getattr(self, split)
+        for split, rows in self.rows.items():
             kept = [(n, s) for n, s in rows if fits(s.prompt)]
             if len(kept) < len(rows):
                 skipped = [n for n, s in rows if not fits(s.prompt)]
-                logger.warning("%s: %d of its %d %s rows skipped, their prompts %s: rows %s", file, len(skipped),
-                               len(rows), split, why, ", ".join(map(str, skipped[:10])) + (", ..." if len(skipped) > 10
-                                                                                             else ""))
-            if not kept:
-                raise ValueError(f"{file}: no {split} row has a prompt that fits: all are {why}")
-            setattr(self, split, kept)
+                logger.warning("%s: %d of its %d %s rows skipped, their prompts %s: rows %s", self.files[split],
+                               len(skipped), len(rows), split, why,
+                               ", ".join(map(str, skipped[:10])) + (", ..." if len(skipped) > 10 else ""))
+            if rows and not kept:
+                raise ValueError(f"{self.files[split]}: no {split} row has a prompt that fits: all are {why}")
+            self.rows[split] = kept
 
     def train_sample(self, index: int) -> Sample:
-        epoch, position = divmod(index, len(self.train))
+        train = self.rows["train"]
+        epoch, position = divmod(index, len(train))
         if epoch not in self.orders:
-            order = list(range(len(self.train)))
+            order = list(range(len(train)))
             random.Random(f"{self.seed}-{epoch}").shuffle(order)
             self.orders[epoch] = order
-        return self.train[self.orders[epoch][position]][1]
+        return train[self.orders[epoch][position]][1]
 
-    def eval_samples(self) -> list[Sample]:
-        return [s for _, s in self.eval]
+    def eval_samples(self, split: str = "validation") -> list[Sample]:
+        if not self.rows[check_split(split)]:
+            raise ValueError(f"the dataset task has no {split} rows: give dataset.{split.replace('validation', 'eval')}"
+                             f"_path or dataset.{split.replace('validation', 'eval')}_size")
+        return [s for _, s in self.rows[split]]
 
     def reward(self, text: str, answer: str) -> tuple[float, dict[str, float]]:
         return self.score(text, answer)

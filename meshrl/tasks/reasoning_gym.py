@@ -2,10 +2,12 @@
 countdown, logic puzzles, graphs, ...) by name, or a weighted mix of several, each rewarded by the
 dataset's own scorer. What many RL papers and frameworks train and report on, with no task code here.
 
-Training samples come from each dataset generated with `seed`, the fixed eval split from the same
-datasets generated with a seed that no training index reaches (reasoning-gym seeds entry i with
-seed + i: training indices stay below `TRAIN_SIZE`, the eval seed is `seed + TRAIN_SIZE`). A small
-problem space can still repeat a question across the two; that is the dataset's own doing.
+Training samples come from each dataset generated with `seed`, the validation and test splits from
+the same datasets generated with seeds that no training index reaches (reasoning-gym seeds entry i
+with seed + i: training indices stay below `TRAIN_SIZE`, validation's seed is `seed + TRAIN_SIZE`,
+test's `seed + 2 * TRAIN_SIZE`). A small problem space repeats questions across seeds, so the question
+texts are held out too: test leaves out validation's questions, and a training index whose question is
+held out takes the next index (by a fixed stride) whose question is not.
 
 The prompt is the dataset's question followed by an answer instruction: by default reasoning-gym's
 own, the final answer between <answer> and </answer>, the last such tag of the reply being the answer
@@ -24,8 +26,11 @@ import re
 from dataclasses import dataclass
 
 from meshrl.tasks import Sample
+from meshrl.tasks.splits import SPLITS, check_split, distinct
 
 TRAIN_SIZE = 10**9
+STRIDE = 1_000_003  # a prime: the indices a held-out question's training index moves to
+MOVES = 1000  # training indices tried before the problem space is called too small to hold out
 INSTRUCTIONS = {"tags": "Give your final answer between <answer> and </answer> tags.",
                 "line": "Put your final answer after 'Answer:'."}
 _LINE = re.compile(r"Answer:\**\s*([^\n]*)")
@@ -48,7 +53,7 @@ class ReasoningGymConfig:
     dataset_args: str = ""  # JSON: each dataset's own settings, {"basic_arithmetic": {"max_terms": 3}}
     answer_format: str = "tags"  # tags: between <answer> and </answer> (reasoning-gym's) | line: after "Answer:"
     format_weight: float = 0.1  # reward for an answer where the format says, right or wrong; the score adds to it
-    eval_size: int = 64  # held-out eval samples, from the datasets by weight
+    eval_size: int = 64  # distinct questions at most in each held-out split (validation, test), from the datasets by weight
     seed: int = 0  # which samples
 
 
@@ -95,9 +100,10 @@ class ReasoningGym:
             raise ValueError(f"reasoning_gym.dataset_args is not JSON ({e})") from None
         if extra := set(args) - set(self.mix):
             raise ValueError(f"reasoning_gym.dataset_args names datasets not in the mix: {sorted(extra)}")
-        self.splits = {"train": {}, "eval": {}}
+        self.splits = {split: {} for split in SPLITS}
         for name in self.mix:
-            for split, seed in (("train", config.seed), ("eval", config.seed + TRAIN_SIZE)):
+            for n, split in enumerate(SPLITS):
+                seed = config.seed + n * TRAIN_SIZE
                 try:
                     self.splits[split][name] = library.create_dataset(name, **args.get(name, {}), seed=seed,
                                                                       size=TRAIN_SIZE)
@@ -116,11 +122,28 @@ class ReasoningGym:
         reference = json.dumps({"dataset": name, "split": split, "index": index, "answer": entry["answer"]})
         return Sample(f"{entry['question']}\n\n{self.instruction}", reference, {"dataset": name, "reference": entry["answer"]})
 
-    def train_sample(self, index: int) -> Sample:
-        return self._sample("train", index % TRAIN_SIZE)
+    def _held_out(self) -> list[list[Sample]]:
+        """Validation's samples, then test's without validation's questions (made once)."""
+        if not hasattr(self, "held_out"):
+            size, question = self.config.eval_size, lambda sample: sample.prompt
+            validation = distinct(lambda i: self._sample("validation", i), question, size)
+            test = distinct(lambda i: self._sample("test", i), question, size, {s.prompt for s in validation})
+            self.held_out = [validation, test]
+            self.held_out_questions = {s.prompt for s in validation + test}
+        return self.held_out
 
-    def eval_samples(self) -> list[Sample]:
-        return [self._sample("eval", i) for i in range(self.config.eval_size)]
+    def train_sample(self, index: int) -> Sample:
+        self._held_out()
+        for move in range(MOVES):
+            sample = self._sample("train", (index + move * STRIDE) % TRAIN_SIZE)
+            if sample.prompt not in self.held_out_questions:
+                return sample
+        raise ValueError(f"reasoning_gym {self.config.datasets}: {MOVES} training indices from {index} all hold a "
+                         "question of the validation or test split: the problem space is too small to hold out "
+                         "reasoning_gym.eval_size questions twice")
+
+    def eval_samples(self, split: str = "validation") -> list[Sample]:
+        return self._held_out()[1 if check_split(split) == "test" else 0]
 
     def reward(self, text: str, answer: str) -> tuple[float, dict[str, float]]:
         """The reward, and its checks: `score` (the dataset's scorer, 0 to 1), `correct` (score 1),

@@ -6,6 +6,13 @@ well but almost never uses that format (greedy: never; sampled: 1 to 5% of the t
 the wording), so the reward pays for the format: `correct` only counts the tagged answer, and a
 tagged answer of any value earns `format_weight`. A bare right number earns nothing. The questions
 come in several wordings so that the format is not learnt for one of them only.
+
+Splits (meshrl/tasks/splits.py): the numbers of a sum, in any order, are one item, in one split by
+their hash (about 60% train, 20% validation, 20% test: with two one-digit terms 55, 18 and 27 of the
+100 ordered pairs); so "3 + 4" in test means neither "3 + 4" nor "4 + 3" is ever trained on. Training
+and validation use the first four wordings; test uses all five, the last (`TEST_PHRASING`) one that
+training never sees. An eval split holds up to `eval_size` distinct prompts (72 for validation and
+128 of 135 for test with two one-digit terms).
 """
 
 import random
@@ -13,6 +20,7 @@ import re
 from dataclasses import dataclass
 
 from meshrl.tasks import Sample
+from meshrl.tasks.splits import check_split, distinct, split_of
 
 _NUMBER = re.compile(r"-?\d+")
 _ANSWER = re.compile(r"Answer:\**\s*(-?\d+)")  # "Answer: 7", also in markdown bold: "**Answer:** 7"
@@ -26,6 +34,7 @@ PHRASINGS = (
     "Calculate {sum}. Reply with one line: Answer: <the sum>",
     'What is the sum of {terms}? Finish with "Answer: " and the number.',
 )
+TEST_PHRASING = PHRASINGS[-1]  # in the test split only
 
 
 @dataclass
@@ -35,8 +44,8 @@ class SumDigitsConfig:
     num_terms: int = 2  # numbers to add
     digits: int = 1  # each term has 1..digits digits
     format_weight: float = 0.2  # reward for a tagged answer of any value; a right tagged answer adds 1
-    eval_size: int = 128  # held-out eval prompts
-    seed: int = 0  # which prompts
+    eval_size: int = 128  # distinct prompts at most in each held-out split (validation, test)
+    seed: int = 0  # which training prompts, in which order, and which eval prompts when a split has more
 
 
 class SumDigits:
@@ -47,17 +56,24 @@ class SumDigits:
             raise ValueError("sum_digits needs num_terms >= 2 and digits >= 1")
         self.config = config
 
-    def _sample(self, rng: random.Random) -> Sample:
-        terms = [str(rng.randint(0, 10**self.config.digits - 1)) for _ in range(self.config.num_terms)]
-        listed = ", ".join(terms[:-1]) + " and " + terms[-1]
-        prompt = rng.choice(PHRASINGS).format(sum=" + ".join(terms), terms=listed)
-        return Sample(prompt, str(sum(map(int, terms))))
+    def _sample(self, rng: random.Random, split: str) -> Sample:
+        """A sum whose numbers belong to `split`, in one of the split's wordings."""
+        while True:
+            terms = [rng.randint(0, 10**self.config.digits - 1) for _ in range(self.config.num_terms)]
+            if split_of(tuple(sorted(terms))) == split:
+                break
+        listed = ", ".join(map(str, terms[:-1])) + f" and {terms[-1]}"
+        phrasings = PHRASINGS if split == "test" else PHRASINGS[:-1]
+        prompt = rng.choice(phrasings).format(sum=" + ".join(map(str, terms)), terms=listed)
+        return Sample(prompt, str(sum(terms)))
 
     def train_sample(self, index: int) -> Sample:
-        return self._sample(random.Random(f"train-{self.config.seed}-{index}"))
+        return self._sample(random.Random(f"train-{self.config.seed}-{index}"), "train")
 
-    def eval_samples(self) -> list[Sample]:
-        return [self._sample(random.Random(f"eval-{self.config.seed}-{i}")) for i in range(self.config.eval_size)]
+    def eval_samples(self, split: str = "validation") -> list[Sample]:
+        check_split(split)
+        return distinct(lambda i: self._sample(random.Random(f"{split}-{self.config.seed}-{i}"), split),
+                        lambda s: s.prompt, self.config.eval_size)
 
     def reward(self, text: str, answer: str) -> tuple[float, dict[str, float]]:
         """The reward, and the checks it is made of (each 0 or 1):

@@ -11,7 +11,11 @@ the same level; with it the model calls the tool often enough, at level 1, for R
 on: train prompts before index START are at level 1, from END on all at `level`, and between the
 share at `level` rises linearly (a step takes `controller.prompts_per_step` prompts). A schedule
 over prompt indices, not a feedback loop: each prompt's level follows from its index alone, so a
-resumed run samples the same prompts. The eval split is always at `level`.
+resumed run samples the same prompts. The eval splits are always at `level`.
+
+Splits (meshrl/tasks/splits.py): each made-up word (306 of two syllables) and each value (10 to 99)
+belongs to one split by its hash, and a sample of a split takes its words and values from that split
+only, so no word a validation or test question names and no value it hides is ever trained on.
 """
 
 import random
@@ -19,6 +23,7 @@ import re
 from dataclasses import dataclass
 
 from meshrl.tasks import Sample
+from meshrl.tasks.splits import SPLITS, check_split, distinct, split_of
 
 _CALL = re.compile(r"LOOKUP\[([^\]\n]*)\]")
 ANSWER = re.compile(r"Answer:\**\s*(-?\d+)")
@@ -31,6 +36,7 @@ SYSTEM = ("You can look up the value of a made-up word with the tool: write LOOK
 QUESTIONS = {1: ("What is the value of {0}?", "Look up {0} and tell me its value.", "Find the value of {0}."),
              2: ("What is the sum of the values of {0} and {1}?", "Add the values of {0} and {1}.",
                  "What do the values of {0} and {1} add up to?")}
+VALUES = {split: [v for v in range(10, 100) if split_of(("value", v)) == split] for split in SPLITS}
 EXAMPLES = {1: ({"blick": 42}, "What is the value of blick?"),
             2: ({"blick": 42, "snarf": 17}, "What is the sum of the values of blick and snarf?")}
 
@@ -43,7 +49,7 @@ class ZorplexConfig:
     example: bool = True  # open with one worked example of the tool at the same level
     tool_role: str = "tool"  # the chat role of the tool's replies
     tool_weight: float = 0.1  # reward for looking up every word the question names; a right tagged answer adds 1
-    eval_size: int = 64  # held-out eval samples
+    eval_size: int = 64  # distinct prompts at most in each held-out split (validation, test)
     seed: int = 0  # which words and values
     curriculum: str = ""  # "START-END": train prompts below index START at level 1, from END all at `level`, the share at `level` rising linearly between; "": all at `level`
 
@@ -58,17 +64,18 @@ class Zorplex:
         self.config = config
         self.schedule = _schedule(config.curriculum)
 
-    def _sample(self, rng: random.Random, level: int) -> Sample:
+    def _sample(self, rng: random.Random, level: int, split: str) -> Sample:
+        """`level` distinct words of `split`, each with a value of `split`."""
         words = []
         while len(words) < level:
             word = "".join(rng.sample(_SYLLABLES, 2))
-            words += [word] if word not in words else []
-        values = {w: rng.randint(10, 99) for w in words}
+            words += [word] if word not in words and split_of(("word", word)) == split else []
+        values = {w: rng.choice(VALUES[split]) for w in words}
         question = rng.choice(QUESTIONS[level]).format(*words)
         return Sample(question, str(sum(values.values())), {"values": values})
 
     def train_sample(self, index: int) -> Sample:
-        return self._sample(random.Random(f"train-{self.config.seed}-{index}"), self.train_level(index))
+        return self._sample(random.Random(f"train-{self.config.seed}-{index}"), self.train_level(index), "train")
 
     def train_level(self, index: int) -> int:
         """The level of train prompt `index`: `level`, or under a curriculum 1 or `level` by its schedule."""
@@ -78,9 +85,10 @@ class Zorplex:
         share = min(1.0, max(0.0, (index - start + 1) / (end - start + 1)))
         return self.config.level if random.Random(f"level-{self.config.seed}-{index}").random() < share else 1
 
-    def eval_samples(self) -> list[Sample]:
-        return [self._sample(random.Random(f"eval-{self.config.seed}-{i}"), self.config.level)
-                for i in range(self.config.eval_size)]
+    def eval_samples(self, split: str = "validation") -> list[Sample]:
+        check_split(split)
+        return distinct(lambda i: self._sample(random.Random(f"{split}-{self.config.seed}-{i}"), self.config.level,
+                                               split), lambda s: s.prompt, self.config.eval_size)
 
     def opening(self, sample: Sample) -> list[dict]:
         messages = [{"role": "system", "content": SYSTEM}]

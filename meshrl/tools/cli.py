@@ -1,4 +1,4 @@
-"""`meshrl` command line: train, report, study, bench, prepare-model, configs."""
+"""`meshrl` command line: train, eval, report, study, bench, prepare-model, configs."""
 
 import argparse
 import asyncio
@@ -71,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
                                                                 "holding a key this CA signed may use the worker")
     worker.add_argument("--insecure", action="store_true", help="listen on tcp://HOST:PORT and run whatever any "
                                                                 "client that reaches the port asks")
+    evaluate = sub.add_parser("eval", help="score a run's policy on a held-out split of its task (validation or test)")
+    evaluate.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory (its config.json and final/)")
+    evaluate.add_argument("--split", default="test", choices=["validation", "test"], help="the held-out split")
+    evaluate.add_argument("--policy", type=Path, help="an HF checkpoint or LoRA adapter to score (default RUN_DIR/final)")
     merge = sub.add_parser("merge", help="a LoRA run's adapter merged into its base, as an HF checkpoint")
     merge.add_argument("adapter", type=Path, help="the adapter directory (RUN_DIR/final of a trainer.lora run)")
     merge.add_argument("out", type=Path, help="where to write the merged checkpoint")
@@ -176,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
             print(merge_adapter(args.adapter, args.out))
         elif args.command == "worker":
             return _worker(args)
+        elif args.command == "eval":
+            from meshrl.tools.evaluate import eval_command
+
+            return eval_command(args.run_dir, args.split, args.policy)
         elif args.command == "study":
             return _study(args)
         elif args.command == "chaos":

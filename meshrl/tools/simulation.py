@@ -292,8 +292,8 @@ class FakeTask:
     def train_sample(self, index: int) -> Sample:
         return Sample(f"prompt {index}", "1")
 
-    def eval_samples(self) -> list[Sample]:
-        return [Sample(f"prompt {-1 - i}", "1") for i in range(2)]
+    def eval_samples(self, split: str = "validation") -> list[Sample]:
+        return [Sample(f"{split} prompt {i}", "1") for i in range(2)]
 
 
 class FakeTokenizer:
