@@ -24,25 +24,28 @@ def lrs(config: LrScheduleConfig, lr: float = 1.0) -> list[float]:
     return applied
 
 
-def test_a_linear_decay_falls_by_one_share_of_the_updates_each_update_and_stops_above_the_floor():
-    # 4 updates, no warmup: 1, then 1 - 1/4, 1 - 2/4, 1 - 3/4 (the end, 0, comes after the last update)
-    assert lrs(LrScheduleConfig(decay="linear", total_updates=4), lr=2.0) == pytest.approx([2.0, 1.5, 1.0, 0.5])
+def test_a_linear_decay_falls_by_one_share_of_the_updates_each_update_and_ends_at_the_floor():
+    # 4 updates, no warmup: 1, then 1 - 1/3, 1 - 2/3, and the last update at the floor, 0
+    assert lrs(LrScheduleConfig(decay="linear", total_updates=4), lr=2.0) == pytest.approx([2.0, 4 / 3, 2 / 3, 0.0])
+    # the demo's: 40 updates, the last 20 decaying linearly from 7e-5 to 7e-6, the last update at 7e-6
+    demo = lrs(LrScheduleConfig(decay="linear", decay_ratio=0.5, min_lr_factor=0.1, total_updates=40), lr=7e-5)
+    assert demo[:20] == pytest.approx([7e-5] * 20) and demo[-1] == pytest.approx(7e-6)
+    assert demo[20:] == pytest.approx([7e-6 + 6.3e-5 * (1 - k / 20) for k in range(1, 21)])
 
 
 def test_a_warmup_rises_linearly_then_a_cosine_decays_to_the_min_lr_factor():
-    # warmup 2: 1/2, 2/2; one update at the peak; then update k takes progress (k - 2) / 8 of a half cosine,
-    # scaled between 0.1 and 1
-    expected = [0.5, 1.0, 1.0] + [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (k - 2) / 8)) for k in range(3, 10)]
+    # warmup 2: 1/2, 2/2; one update at the peak; then update k takes progress (k - 2) / 7 of a half cosine,
+    # scaled between 0.1 and 1 (torchtitan shortens the decay to the 7 updates left after the warmup)
+    expected = [0.5, 1.0, 1.0] + [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (k - 2) / 7)) for k in range(3, 10)]
     got = lrs(LrScheduleConfig(warmup_updates=2, decay="cosine", min_lr_factor=0.1, total_updates=10))
     assert got == pytest.approx(expected)
-    assert got[-1] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 7 / 8)))  # 0.134, above the floor
+    assert got[-1] == pytest.approx(0.1)  # the floor, on the last update
 
 
 def test_a_decay_over_the_last_half_holds_the_peak_until_then():
-    # 8 updates, decay_ratio 0.5: 4 decay updates at the end, the 4 before at the peak (torchtitan counts one
-    # more stable update, so the decay's 1/4 steps begin at update 5), linear down to 0.2
+    # 8 updates, decay_ratio 0.5: the first 4 at the peak, then 4 decaying by 1/4 each, linear down to 0.2 on the last
     got = lrs(LrScheduleConfig(decay="linear", decay_ratio=0.5, min_lr_factor=0.2, total_updates=8))
-    assert got == pytest.approx([1, 1, 1, 1, 1, 0.2 + 0.8 * 3 / 4, 0.2 + 0.8 * 2 / 4, 0.2 + 0.8 * 1 / 4])
+    assert got == pytest.approx([1, 1, 1, 1, 0.2 + 0.8 * 3 / 4, 0.2 + 0.8 * 2 / 4, 0.2 + 0.8 * 1 / 4, 0.2])
 
 
 def test_a_warmup_without_decay_holds_the_peak_and_no_schedule_builds_no_scheduler():

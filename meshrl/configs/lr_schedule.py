@@ -3,7 +3,9 @@
 A run whose accuracy peaks and then falls back (the demo at a constant lr 5e-5, docs/studies.md) needs
 a smaller lr at its end than at its start. The schedule is torchtitan's (`LRSchedulersContainer`, torch's
 `LambdaLR` over warmup, stable and decay phases), counted in optimizer updates, not controller steps:
-a step takes `trainer.mini_batches` of them. It is a function of the updates applied so far alone, so a
+a step takes `trainer.mini_batches` of them. Built over one update fewer than the run has, so that the
+run's last update is applied at exactly the floor (`min_lr_factor` × trainer.lr); over the run's own
+count torchtitan's last update would stay one decay step above it (1.0e-5, not 7e-6, in the demo). It is a function of the updates applied so far alone, so a
 resumed or restarted trainer continues it exactly.
 """
 
@@ -19,7 +21,7 @@ class LrScheduleConfig:
     warmup_updates: int = 0  # the first updates' lr rises linearly to trainer.lr: update i (from 0) takes (i + 1) / warmup_updates of it
     decay: str = "none"  # after the warmup: none (constant) | linear | sqrt | cosine, from trainer.lr down to min_lr_factor × it at the run's end
     decay_ratio: float = 1.0  # the share of the updates the decay takes, the last ones; before it the lr holds at its peak (warmup-stable-decay)
-    min_lr_factor: float = 0.0  # the decay's end, as a share of trainer.lr (the last update's lr is a little above it)
+    min_lr_factor: float = 0.0  # the decay's end, as a share of trainer.lr: the lr of the run's last update
     total_updates: int = 0  # the updates the schedule spans; 0: the run's, controller.steps × trainer.mini_batches
 
     def check(self) -> None:
@@ -48,4 +50,7 @@ def lr_scheduler(optimizer, config: LrScheduleConfig):
     schedule = LRSchedulersContainer.Config(
         warmup_steps=config.warmup_updates, decay_ratio=0.0 if config.decay == "none" else config.decay_ratio,
         decay_type="linear" if config.decay == "none" else config.decay, min_lr_factor=config.min_lr_factor)
-    return schedule.build(optimizers=[optimizer], training_steps=config.total_updates)
+    # update i (from 0) is applied at torchtitan's factor for step i: over total_updates - 1 steps the
+    # last one, i = total_updates - 1, is the decay's end (with no decay, the peak: over all of them)
+    steps = config.total_updates - (config.decay != "none")
+    return schedule.build(optimizers=[optimizer], training_steps=max(steps, 1))

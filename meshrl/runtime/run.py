@@ -32,6 +32,7 @@ from meshrl.actors.replicas import (ReplicaPool, RoleFailed, error_line, monarch
 from meshrl.actors.timeouts import CallTimeout, StopSignals, Timeouts, bounded, deadline
 from meshrl.actors.trace import Tracer
 from meshrl.configs import Config, to_dict
+from meshrl.configs.recipe import recipe_hash
 from meshrl.controller import Controller
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
 from meshrl.restarts import Respawner
@@ -56,6 +57,7 @@ class Run:
         """Everything checked before anything starts: the config, the placement, the task, each role's
         implementation, the model. `resume_from`: a checkpoint of this run to go on from."""
         config.check()
+        self.recipe = recipe_hash(config)  # before the run's own paths are filled in
         if (config.weight_sync.transport == "disk" or config.weight_sync.verify) and not config.weight_sync.disk_dir:
             config.weight_sync.disk_dir = str((run_dir / "weights").absolute())
         self.placement = plan(config)
@@ -172,7 +174,7 @@ class Run:
             plot_curves(rows, initial, self.run_dir / "curves.png")
         final = {k: v for k, v in rows[-1].items() if k.startswith("eval_")} if rows else {}
         summary = {**{f"{k}_initial": v for k, v in initial.items()}, **{f"{k}_final": v for k, v in final.items()},
-                   "steps": len(rows), "wall_time_s": wall_time,
+                   "steps": len(rows), "wall_time_s": wall_time, "config_hash": self.recipe,
                    **({"stopped_by": self.signals.stopped_by} if self.signals.stopped_by else {}),
                    **({"failed": failure} if failure else {})}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -3,8 +3,8 @@ adapter) scored on one of its task's held-out splits with the run's own settings
 generators, graders and rates as the eval during training. The eval during training uses validation,
 which chooses settings; test is for the figures reported once they are chosen.
 
-It runs in a directory of its own (RUN_DIR/eval-SPLIT: its config, trace and `eval.json`), so the
-training run's files are left as they were.
+It runs in a directory of its own (RUN_DIR/eval-SPLIT, or RUN_DIR/eval-SPLIT-NAME for `--policy
+.../NAME`: its config, trace and `eval.json`), so the training run's files are left as they were.
 """
 
 import asyncio
@@ -24,19 +24,20 @@ def eval_run(run_dir: Path, split: str = "test", policy: Path | None = None):
     check_split(split)
     if not (run_dir / "config.json").is_file():
         raise ValueError(f"{run_dir} is not a run directory (no config.json)")
+    out = run_dir / (f"eval-{split}" if policy is None else f"eval-{split}-{policy.name}")
     policy = policy or run_dir / "final"
     if not policy.is_dir():
         raise ValueError(f"{policy} not found: the run has not saved a policy yet (--policy names another)")
     config = from_dict(Config, json.loads((run_dir / "config.json").read_text()))
     if (policy / "adapter_config.json").is_file():  # a LoRA run's adapter: its base with it merged in
-        merged = run_dir / f"eval-{split}" / "merged"
+        merged = out / "merged"
         if not (merged / "config.json").is_file():
             merge_adapter(policy, merged)
         policy, config.trainer.lora.rank = merged, 0
     config.model.source = str(policy.absolute())
     config.job.kind = "local" if config.job.kind != "workers" else config.job.kind
     config.checkpoint.every, config.weight_sync.verify = 0, False
-    return Run(config, run_dir / f"eval-{split}")
+    return Run(config, out)
 
 
 def evaluate(run, split: str) -> dict:

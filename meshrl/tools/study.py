@@ -2,8 +2,10 @@
 
 A study (meshrl/tools/studies/) is a list of runs, each a `meshrl train` command with its own run
 directory under the study's, and a function that turns their files into `report.md` with tables
-and plots. A run whose summary.json says it trained every step, in a directory that records the run's
-config and overrides as the study has them now (study_run.json), is finished and never redone: a study
+and plots. A run whose summary.json says it trained every step of the recipe the study has now (its
+config and overrides, study_run.json, and its resolved config's hash, summary.json's `config_hash`) is
+finished and never redone; one whose recipe has changed since is stale, redone when the study runs and
+named as such in a report written without it: a study
 stopped midway (Ctrl-C, a crash, a machine taken away) goes on from the first unfinished run when
 started again; that run starts over. A finished run's checkpoints are removed (its final policy
 stays). Each run is a process of its own, so one that fails leaves its log and stops the study with
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from meshrl.configs import load_config
+from meshrl.configs.recipe import recipe_hash
 
 
 @dataclass
@@ -37,6 +40,9 @@ class StudyRun:
 
     def steps(self) -> int:
         return load_config(self.config, self.overrides).controller.steps
+
+    def config_hash(self) -> str:
+        return recipe_hash(load_config(self.config, self.overrides))
 
     def recipe(self) -> dict:
         """What the run trains (its config and overrides; not where): kept in its directory as study_run.json."""
@@ -61,12 +67,26 @@ def register(study: Study) -> Study:
 
 def finished(run_dir: Path, run: StudyRun) -> bool:
     """Whether `run` trained all its steps in `run_dir` and ended on its own (not stopped, not failed),
-    with the config and overrides the study has now (a study whose runs were changed since runs them again)."""
-    path, recipe = run_dir / "summary.json", run_dir / "study_run.json"
-    if not (path.is_file() and recipe.is_file()) or json.loads(recipe.read_text()) != run.recipe():
+    with the recipe the study has now (a study whose runs were changed since runs them again)."""
+    return ended(run_dir, run) and not stale(run_dir, run)
+
+
+def ended(run_dir: Path, run: StudyRun) -> bool:
+    """Whether a run trained all its steps in `run_dir` and ended on its own, whatever its recipe."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
         return False
     summary = json.loads(path.read_text())
     return summary.get("steps") == run.steps() and "stopped_by" not in summary and "failed" not in summary
+
+
+def stale(run_dir: Path, run: StudyRun) -> bool:
+    """Whether the run in `run_dir` trained another recipe than `run`'s now: other config or overrides, or
+    the same ones resolving to other settings (a named config changed, or a default), or no hash at all."""
+    recipe, summary = run_dir / "study_run.json", run_dir / "summary.json"
+    if not (recipe.is_file() and summary.is_file()) or json.loads(recipe.read_text()) != run.recipe():
+        return True
+    return json.loads(summary.read_text()).get("config_hash") != run.config_hash()
 
 
 def train_process(command: list[str], log: Path) -> int:
@@ -148,7 +168,11 @@ def write_report(study: Study, directory: Path) -> Path:
         raise StudyFailed(f"no run of study {study.name} has finished in {directory} yet: "
                           f"`meshrl study {study.name} --dir {directory}` runs them")
     body = study.report(directory, done)
-    if left_out := [run.name for run in study.runs if run not in done]:
+    stale_runs = [run.name for run in study.runs if ended(directory / run.name, run) and run not in done]
+    if stale_runs:
+        body += (f"\n\nStale, left out of this report (they trained another recipe than the study's now): "
+                 f"{', '.join(stale_runs)}.")
+    if left_out := [run.name for run in study.runs if run not in done and run.name not in stale_runs]:
         body += f"\n\nNot finished yet, left out of this report: {', '.join(left_out)}."
     commands = "\n".join(" ".join(run.command(directory / run.name)) for run in study.runs)
     text = (f"# Study: {study.name}\n\n{study.question}\n\n{body}\n\n## How it was run\n\n"
