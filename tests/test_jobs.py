@@ -119,17 +119,20 @@ def test_the_same_host_is_the_same_machine_and_namespaces_not_the_same_host_name
     ("qwen3_8b_gsm8k", "Qwen3-8B", "0,1 | 2,3 | 4,5 | 6,7")])
 def test_the_qwen3_cluster_configs_plan_their_gpus_in_a_dry_run(config, model, generators, tmp_path):
     """The GPU examples, with a tiny Qwen3 and a small file standing in for the user's model and GSM8K."""
-    data = tmp_path / "gsm8k.jsonl"
-    data.write_text("".join(f'{{"question": "What is {i} + {i}?", "answer": "{2 * i}"}}\n' for i in range(4)))
+    files = {}
+    for name, first in (("train", 0), ("validation", 10), ("test", 20)):  # prompts of their own
+        files[name] = tmp_path / f"{name}.jsonl"
+        files[name].write_text("".join(f'{{"question": "What is {i} + {i}?", "answer": "{2 * i}"}}\n'
+                                       for i in range(first, first + 4)))
+    data = ["--dataset.path", str(files["train"]), "--dataset.eval_path", str(files["validation"]),
+            "--dataset.test_path", str(files["test"])]
     run = [sys.executable, "-m", "meshrl", "train", "--config", config, "--run-dir", str(tmp_path / "run"), "--dry-run"]
-    result = subprocess.run(run + ["--model.source", "tiny_qwen3", "--dataset.path", str(data),
-                                   "--dataset.eval_path", str(data)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(run + ["--model.source", "tiny_qwen3", *data], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"gpus: generator replicas' CUDA_VISIBLE_DEVICES, replica 0 first: {generators}" in result.stdout
     trainer = " ".join(f"cuda:{g}" for g in range(8))  # the trainer's node to itself
     assert f"gpus: trainer ranks on each host, local rank 0 first: {trainer}" in result.stdout
     # as shipped, the config points at the user's download: one line says what is missing
-    missing = subprocess.run(run + ["--dataset.path", str(data), "--dataset.eval_path", str(data)],
-                             capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(run + data, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2
     assert missing.stderr.strip().startswith(f"meshrl: error: model {model!r} not found")

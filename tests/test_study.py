@@ -8,11 +8,13 @@ import statistics
 import pytest
 import torch
 
+from meshrl.configs import load_config
+from meshrl.configs.recipe import recipe_hash
 from meshrl.tasks.zorplex import Zorplex, ZorplexConfig
 from meshrl.tools.cli import main
 from meshrl.tools.studies import mean_spread, time_to_reach
 from meshrl.tools.studies.weight_sync_equivalence import publish_to_served, same_samples
-from meshrl.tools.study import Study, StudyFailed, StudyRun, finished, run_study, selected, write_report
+from meshrl.tools.study import Study, StudyFailed, StudyRun, finished, run_study, selected, stale, write_report
 from meshrl.weight_sync.disk import DiskHandle, DiskReader, read_version, versions, write_version
 from meshrl.weight_sync.verify import bitwise_differences
 
@@ -36,8 +38,17 @@ class FakeTrain:
             (run_dir / "summary.json").write_text(json.dumps({"steps": 1, "stopped_by": "SIGINT"}))
             raise KeyboardInterrupt
         steps = int(command[command.index("--controller.steps") + 1])
-        (run_dir / "summary.json").write_text(json.dumps({"steps": steps, "eval_accuracy_final": float(name[-1])}))
+        (run_dir / "summary.json").write_text(json.dumps({"steps": steps, "eval_accuracy_final": float(name[-1]), "config_hash": hash_of(command)}))
         return 0
+
+
+def hash_of(command: list[str]) -> str:
+    """The recipe hash a real run of `command` (meshrl train --config NAME --run-dir DIR ...) records."""
+    return recipe_hash(load_config(command[3], command[6:]))
+
+
+def recipe_of(study: Study, run_dir) -> StudyRun:
+    return next(r for r in study.runs if r.name == run_dir.name)
 
 
 def tiny_study(reported: list) -> Study:
@@ -101,6 +112,16 @@ def test_a_report_only_from_the_runs_finished_so_far_names_the_others_and_needs_
     text = write_report(study, tmp_path).read_text()
     assert reported == [[0.0]]  # the partial run1 is not read
     assert "finals: [0.0]" in text and "Not finished yet, left out of this report: run1, run2." in text
+    # run0's recipe resolves to other settings now (as when a named config changes): stale, not current
+    summary = json.loads((tmp_path / "run0" / "summary.json").read_text())
+    (tmp_path / "run0" / "summary.json").write_text(json.dumps(summary | {"config_hash": "0" * 16}))
+    (tmp_path / "run2").mkdir()
+    (tmp_path / "run2" / "study_run.json").write_text(json.dumps(study.runs[2].recipe()))
+    (tmp_path / "run2" / "summary.json").write_text(json.dumps(summary | {"config_hash": study.runs[2].config_hash()}))
+    text = write_report(study, tmp_path).read_text()
+    assert reported[-1] == [0.0] and "finals: [0.0]" in text  # run2's alone
+    assert "Stale, left out of this report (they trained another recipe than the study's now): run0." in text
+    assert "Not finished yet, left out of this report: run1." in text
     empty = tmp_path / "nothing-here"
     assert main(["study", "difficulty", "--report-only", "--dir", str(empty)]) == 2
     assert capsys.readouterr().err.strip() == (f"meshrl: error: no run of study difficulty has finished in {empty} "
@@ -118,7 +139,7 @@ def test_the_sync_vs_async_report_from_one_finished_run_shows_its_arm_alone(tmp_
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     study = STUDIES["sync-vs-async"]
     (run_dir / "study_run.json").write_text(json.dumps(next(r for r in study.runs if r.name == run_dir.name).recipe()))
-    (run_dir / "summary.json").write_text(json.dumps({"steps": 10, "eval_accuracy_initial": 0.0,
+    (run_dir / "summary.json").write_text(json.dumps({"config_hash": recipe_of(study, run_dir).config_hash(), "steps": 10, "eval_accuracy_initial": 0.0,
                                                       "eval_accuracy_final": 0.25, "eval_format_final": 1.0}))
     (tmp_path / "sync_seed0").mkdir()  # cut short: not read
     (tmp_path / "sync_seed0" / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
@@ -144,7 +165,7 @@ def test_the_replay_report_counts_tokens_per_point_of_accuracy_and_the_share_reu
                 for s in range(1, 11)]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (run_dir / "study_run.json").write_text(json.dumps(next(r for r in study.runs if r.name == name).recipe()))
-        (run_dir / "summary.json").write_text(json.dumps({"steps": 10, "eval_accuracy_initial": 0.0, "wall_time_s": 250,
+        (run_dir / "summary.json").write_text(json.dumps({"config_hash": recipe_of(study, run_dir).config_hash(), "steps": 10, "eval_accuracy_initial": 0.0, "wall_time_s": 250,
                                                           "eval_accuracy_final": final, "eval_last_number_final": 0.5}))
     text = write_report(study, tmp_path).read_text()
     fifo = next(line for line in text.splitlines() if line.startswith("| fifo |"))
@@ -171,18 +192,24 @@ def test_a_run_that_fails_stops_the_study_with_one_line_naming_its_log(tmp_path)
 
 def test_finished_needs_every_step_and_an_ending_of_its_own(tmp_path):
     run = StudyRun("r", "smoke", ["--controller.steps", "4"])
+    ours = {"config_hash": run.config_hash()}
     for name, summary in {"ok": {"steps": 4}, "short": {"steps": 3}, "stopped": {"steps": 4, "stopped_by": "SIGTERM"},
                           "failed": {"steps": 4, "failed": "the trainer died"}, "unrecorded": {"steps": 4},
-                          "changed": {"steps": 4}}.items():
+                          "changed": {"steps": 4}, "no_hash": {"steps": 4}, "other_hash": {"steps": 4}}.items():
         (tmp_path / name).mkdir()
-        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+        hashed = {"no_hash": {}, "other_hash": {"config_hash": hash_of(
+            ["meshrl", "train", "--config", "smoke", "--run-dir", "r", "--controller.steps", "4", "--trainer.lr", "1"])}}
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary | hashed.get(name, ours)))
         if name != "unrecorded":
             (tmp_path / name / "study_run.json").write_text(json.dumps(run.recipe()))
     # the study's run has a new override since "changed" ran: it is not that run any more
     changed = StudyRun("r", "smoke", ["--controller.steps", "4", "--trainer.lr", "1"])
     (tmp_path / "changed" / "study_run.json").write_text(json.dumps(changed.recipe()))
-    assert [n for n in ("ok", "short", "stopped", "failed", "unrecorded", "changed", "absent")
-            if finished(tmp_path / n, run)] == ["ok"]
+    # "other_hash" ran the same config and overrides, but they resolved to other settings then (a named
+    # config since changed): a stale run, and one with no hash at all is one from before hashes
+    names = ("ok", "short", "stopped", "failed", "unrecorded", "changed", "no_hash", "other_hash", "absent")
+    assert [n for n in names if finished(tmp_path / n, run)] == ["ok"]
+    assert [n for n in names if stale(tmp_path / n, run)] == ["unrecorded", "changed", "no_hash", "other_hash", "absent"]
 
 
 def test_the_study_command_lists_dry_runs_and_refuses_unknown_names(tmp_path, cli):
@@ -190,7 +217,7 @@ def test_the_study_command_lists_dry_runs_and_refuses_unknown_names(tmp_path, cl
     assert code == 0
     assert [line.split()[0] for line in listed.splitlines()] == ["weight-sync-equivalence", "sync-vs-async",
                                                                   "difficulty", "replay", "curriculum",
-                                                                  "demo-settings"]
+                                                                  "demo-settings", "demo-heldout"]
     code, out, _ = cli("study", "sync-vs-async", "--dry-run", "--dir", tmp_path)
     commands = out.splitlines()
     assert code == 0
@@ -328,7 +355,7 @@ def test_the_curriculum_report_reads_level_2_alone_by_its_own_config_and_shows_a
         (run_dir / "study_run.json").write_text(json.dumps(run.recipe()))
         rows = [{"step": s, **({"eval_accuracy": evals[s // 10]} if s % 10 == 0 else {})} for s in range(1, STEPS + 1)]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (run_dir / "summary.json").write_text(json.dumps({"steps": STEPS, "eval_accuracy_initial": evals[0],
+        (run_dir / "summary.json").write_text(json.dumps({"config_hash": run.config_hash(), "steps": STEPS, "eval_accuracy_initial": evals[0],
                                                           "eval_accuracy_final": evals[-1], "eval_tool_call_final": 0.5,
                                                           "eval_tagged_final": 0.25}))
         # two conversations a step on prompt 8 * step (level 2 from step 13 under the curriculum, always alone):
@@ -383,7 +410,7 @@ def test_the_demo_settings_report_picks_by_the_worst_seed_among_settings_that_ke
         rows = [{"step": s, "step_time_s": 10.0, "groups_with_signal": 0.25 * (s % 2),
                  **({"eval_accuracy": final * s / 20} if s % 5 == 0 else {})} for s in range(1, 21)]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (run_dir / "summary.json").write_text(json.dumps({
+        (run_dir / "summary.json").write_text(json.dumps({"config_hash": recipe_of(study, run_dir).config_hash(),
             "steps": 20, "eval_accuracy_initial": 0.0, "eval_accuracy_final": final, "eval_last_number_initial": 0.6,
             "eval_last_number_final": last_number, "eval_copied_final": 0.1, "wall_time_s": 300,
             **({"eval_truncated_final": 0.25} if name != "demo_seed1" else {})}))  # a run from before the metric

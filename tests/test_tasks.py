@@ -71,13 +71,14 @@ def write_jsonl(path, rows) -> str:
 def test_dataset_rows_split_cycle_in_a_seeded_order_and_take_a_users_reward(tmp_path):
     rows = [{"question": f"q{i}", "solution": i} for i in range(10)]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    task = DatasetTask(DatasetConfig(path=path, eval_size=3, prompt_field="question", answer_field="solution",
-                                     reward="user_task:longer_is_better"))
+    task = DatasetTask(DatasetConfig(path=path, eval_size=3, test_size=0, prompt_field="question",
+                                     answer_field="solution", reward="user_task:longer_is_better"))
     assert [s.prompt for s in task.eval_samples()] == ["q7", "q8", "q9"]  # the last rows, never trained
     first_pass = {task.train_sample(i).prompt for i in range(7)}
     assert first_pass == {f"q{i}" for i in range(7)}  # each training row once per pass
     assert [task.train_sample(i).prompt for i in range(14)] != [f"q{i % 7}" for i in range(14)]  # shuffled
-    again = DatasetTask(DatasetConfig(path=path, eval_size=3, prompt_field="question", answer_field="solution"))
+    again = DatasetTask(DatasetConfig(path=path, eval_size=3, test_size=0, prompt_field="question",
+                                      answer_field="solution"))
     assert [again.train_sample(i) for i in range(20)] == [task.train_sample(i) for i in range(20)]  # seeded
     assert task.train_sample(0).answer == json.dumps(rows[int(task.train_sample(0).prompt[1:])]["solution"])
     assert task.reward("x" * 50, "1") == (0.5, {"correct": 0.5})
@@ -102,7 +103,7 @@ def test_a_parquet_file_and_a_second_eval_file(tmp_path):
 
     Dataset.from_list([{"prompt": f"p{i}", "answer": str(i)} for i in range(5)]).to_parquet(str(tmp_path / "t.parquet"))
     path = write_jsonl(tmp_path / "e.jsonl", [{"prompt": "e0", "answer": "0"}, {"prompt": "e1", "answer": "1"}])
-    task = DatasetTask(DatasetConfig(path=str(tmp_path / "t.parquet"), eval_path=path, reward="numeric"))
+    task = DatasetTask(DatasetConfig(path=str(tmp_path / "t.parquet"), eval_path=path, test_size=0, reward="numeric"))
     assert {task.train_sample(i).prompt for i in range(5)} == {f"p{i}" for i in range(5)}
     assert [s.prompt for s in task.eval_samples()] == ["e0", "e1"]
 
@@ -148,7 +149,8 @@ def dataset_run(tmp_path_factory) -> dict:
     rows = [{"q": ("Say it all again: " + "and so on " * 300) if i in (1, 4) else f"What is {i} + {i}?",
              "a": 2 * i} for i in range(14)]
     path = write_jsonl(tmp_path / "long.jsonl", rows)
-    args = json.dumps({"path": path, "prompt_field": "q", "answer_field": "a", "reward": "numeric", "eval_size": 4})
+    args = json.dumps({"path": path, "prompt_field": "q", "answer_field": "a", "reward": "numeric", "eval_size": 4,
+                       "test_size": 0})
     stderr = []
     done = smoke(tmp_path / "run", "--task", "user_task:SlippingDataset", "--task_args", args,
                  "--controller.steps", "3", stderr=stderr)
@@ -174,13 +176,13 @@ def test_a_jsonl_file_trains_through_the_dataset_task_and_bad_data_stops_before_
 
 
 def test_rows_too_long_for_the_generator_are_skipped_at_load_with_their_row_numbers(tmp_path, caplog):
-    rows = [{"prompt": "word " * (300 if i in (2, 5) else 3), "answer": "1"} for i in range(10)]
-    task = DatasetTask(DatasetConfig(path=write_jsonl(tmp_path / "d.jsonl", rows), eval_size=3))
+    rows = [{"prompt": f"row{i} " + "word " * (300 if i in (2, 5) else 3), "answer": "1"} for i in range(10)]
+    task = DatasetTask(DatasetConfig(path=write_jsonl(tmp_path / "d.jsonl", rows), eval_size=3, test_size=0))
     with caplog.at_level("WARNING"):
         task.keep_only(lambda prompt: len(prompt.split()) <= 100, "over 100 words")
     assert "d.jsonl: 2 of its 7 train rows skipped, their prompts over 100 words: rows 3, 6" in caplog.text
-    assert "eval rows" not in caplog.text
-    assert {len(task.train_sample(i).prompt.split()) for i in range(20)} == {3}
+    assert "validation rows" not in caplog.text
+    assert {len(task.train_sample(i).prompt.split()) for i in range(20)} == {4}
     with pytest.raises(ValueError, match="no train row has a prompt that fits: all are over 0 words"):
         task.keep_only(lambda prompt: False, "over 0 words")
 

@@ -206,7 +206,7 @@ class DatasetTask:
         if len(kept) < len(rows):
             logger.warning("%s: %d of its %d %s rows dropped: their prompts are also held-out rows'",
                            self.files[split], len(rows) - len(kept), len(rows), split)
-        if not kept:
+        if rows and not kept:
             raise ValueError(f"{self.files[split]}: every {split} row's prompt is a held-out row's too")
         return kept
 

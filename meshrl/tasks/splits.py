@@ -4,6 +4,7 @@ of the item alone, so no seed, config or index can move it, and a prompt of one 
 of another. Validation chooses settings; test is reported once they are chosen.
 """
 
+import functools
 import random
 from typing import Callable, Hashable, TypeVar
 
@@ -12,6 +13,7 @@ HELD_OUT = SPLITS[1:]  # what `meshrl eval --split` and the eval during training
 T = TypeVar("T")
 
 
+@functools.lru_cache(maxsize=2**16)
 def split_of(item: Hashable, test: float = 0.2, validation: float = 0.2) -> str:
     """The split of `item` (its `repr` hashed): `test` with probability `test`, `validation` with
     `validation`, else `train`; the same on every machine and Python (random's string seeding is sha512)."""
