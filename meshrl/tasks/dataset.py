@@ -213,7 +213,8 @@ class DatasetTask:
     def keep_only(self, fits: Callable[[str], bool], why: str) -> None:
         """Skip the rows whose prompt does not `fits` (`why` says how), saying how many and which, once,
         so that no group is sent that the generator must refuse. Called before the first sample."""
-        for split, rows in self.rows.items():
+        for split in ("train", "validation", "test"):
+            rows = self.rows[split]
             kept = [(n, s) for n, s in rows if fits(s.prompt)]
             if len(kept) < len(rows):
                 skipped = [n for n, s in rows if not fits(s.prompt)]
