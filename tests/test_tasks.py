@@ -12,6 +12,7 @@ from assertions import assert_checks_are_the_means_of_the_records
 from meshrl.configs import load_config
 from meshrl.tasks import make_task, task_config
 from meshrl.tasks.dataset import DatasetConfig, DatasetTask, exact, math_answer, numeric
+from meshrl.tasks.sum_digits import SumDigits, SumDigitsConfig
 
 
 @pytest.mark.parametrize("reward, text, answer, expected", [
@@ -127,6 +128,30 @@ def smoke(tmp_path, *args, stderr: list | None = None) -> list[dict]:
     if stderr is not None:
         stderr.append(run.stderr)
     return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_meshrl_eval_scores_a_finished_runs_policy_on_a_held_out_split_in_a_directory_of_its_own(tmp_path):
+    """One smoke step of sum_digits, then `meshrl eval RUN --split test`: the test split's prompts (none a
+    validation prompt) through the run's generators and graders, the rates the eval during training
+    reports, as a table and one JSON line; the training run's files left as they were."""
+    run = tmp_path / "run"
+    rows = smoke(run, "--controller.steps", "1")
+    summary = (run / "summary.json").read_bytes()
+    command = [sys.executable, "-m", "meshrl", "eval", str(run), "--split", "test"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    scored = json.loads(result.stdout.strip().splitlines()[-1])
+    assert scored["split"] == "test" and scored["prompts"] == 8 and scored["policy"] == str((run / "final").absolute())
+    assert list(scored["rates"]) == [k for k in rows[-1] if k.startswith("eval_")]  # the eval's own rates
+    assert json.loads((run / "eval-test" / "eval.json").read_text()) == scored
+    assert "\ntest split: 8 prompts x 1 (temperature 0), policy " in result.stdout and "| accuracy | " in result.stdout
+    test = SumDigits(SumDigitsConfig(eval_size=8)).eval_samples("test")
+    shown = [line.removeprefix("  prompt: ") for line in result.stdout.splitlines() if line.startswith("  prompt: ")]
+    assert shown == [s.prompt for s in test[:3]]
+    assert (run / "summary.json").read_bytes() == summary
+    missing = subprocess.run([*command[:4], str(tmp_path / "nothing")], capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == f"meshrl: error: {tmp_path / 'nothing'} is not a run directory (no config.json)"
 
 
 def test_a_users_task_from_its_own_module_trains(dataset_run):
