@@ -94,7 +94,7 @@ class RolloutCollector:
             task.cancel()
         await asyncio.gather(*self.groups.values(), return_exceptions=True)
 
-    async def evaluate(self, step: int, split: str = "validation") -> dict[str, float]:
+    async def evaluate(self, step: int | None, split: str = "validation") -> dict[str, float]:
         """The newest policy on the task's held-out `split` (`eval_samples` per prompt at `eval_temperature`;
         greedy by default): each reward check's mean as `eval_<check>` (the task's accuracy check as
         `eval_accuracy`); a group that failed counts as wrong. Prints the rates and three example completions."""
@@ -114,7 +114,9 @@ class RolloutCollector:
         scored = [s for g in groups for s in g.scored]
         rates = check_rates([s.reward_components for s in scored], sum(g.completions for g in groups), "eval_",
                             self.task.accuracy)  # failed: 0
-        lines = [f"{split} eval at step {step} ({len(samples)} prompts): " + "  ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in rates.items())]
+        when = f" at step {step}" if step is not None else ""  # None: a finished run's policy (meshrl eval)
+        lines = [f"{split} eval{when} ({len(samples)} prompts): "
+                 + "  ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in rates.items())]
         for g in groups[:3]:
             reply = g.scored[0].completion.text.strip() if g.scored else "(failed, or its reward function did)"
             lines += [f"  prompt: {samples[g.prompt_index].prompt}", f"  reply:  {reply!r}"]

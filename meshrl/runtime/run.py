@@ -150,7 +150,7 @@ class Run:
             await self._start()
             collector = RolloutCollector(self.config.controller, self.config.generator, self.task, self.tokenizer,
                                          *self.pools, self.tracer, None, self.timeouts)
-            return await collector.evaluate(0, split)
+            return await collector.evaluate(None, split)
         finally:
             await self._stop_actors()
             self.signals.release()
