@@ -37,6 +37,50 @@ def sum_digits_smollm2() -> Config:
 
 
 @register
+def sum_digits_smollm2_v2() -> Config:
+    """The demo's settings on 2026-11-26 from 06:13 to 08:24 UTC (commits 7478ffa to e9c6ed4): v1 with a
+    learning rate of 5e-5, constant, and no reward for the format alone. demo-settings' arm
+    `lr_5e-5+format_0` trains this recipe; docs/performance.md's "constant-lr config" (516 s a run) is it."""
+    config = sum_digits_smollm2_v1()
+    config.trainer.lr = 5e-5
+    config.sum_digits.format_weight = 0.0
+    return config
+
+
+@register
+def sum_digits_smollm2_v3() -> Config:
+    """The demo's settings on 2026-11-26 from 08:24 to 10:50 UTC (commits e9c6ed4 to f73a939): v1 with no
+    reward for the format alone, a learning rate of 7e-5 decaying linearly over the second half of the
+    updates to 0.1 of it, and a reply cut off at max_tokens scoring 0. demo-settings' arm
+    `lr_7e-5+format_0+decay+zero_truncated` trains this recipe. Its figures (0.870 ± 0.057 at step 20,
+    410-476 s a run) were measured before 2026-11-26 20:08 (dc3d144), when the schedule's last update
+    was one decay step above the floor (1.0e-5, now 7e-6): a change of code, not of these settings."""
+    config = sum_digits_smollm2_v1()
+    config.sum_digits.format_weight = 0.0
+    config.trainer.lr = 7e-5
+    config.trainer.lr_schedule = LrScheduleConfig(decay="linear", decay_ratio=0.5, min_lr_factor=0.1)
+    config.grader.zero_truncated = True
+    return config
+
+
+@register
+def sum_digits_smollm2_v4() -> Config:
+    """The demo's settings since 2026-11-26 10:50 UTC (f73a939): v3 training only groups with a learning
+    signal (`controller.drop_equal_reward_groups`, DAPO's dynamic sampling). The same recipe as
+    `sum_digits_smollm2` (the same recipe hash), spelt out here so that this name keeps it whatever the
+    demo's name comes to hold; a figure of the demo cites this name. demo-settings' arm
+    `demo_recipe+dynamic_sampling` trains it (0.966 ± 0.009 at step 20), measured before dc3d144's
+    change of the schedule's last update (see v3)."""
+    config = sum_digits_smollm2_v1()
+    config.sum_digits.format_weight = 0.0
+    config.trainer.lr = 7e-5
+    config.trainer.lr_schedule = LrScheduleConfig(decay="linear", decay_ratio=0.5, min_lr_factor=0.1)
+    config.grader.zero_truncated = True
+    config.controller.drop_equal_reward_groups = True
+    return config
+
+
+@register
 def sum_digits_smollm2_lora() -> Config:
     """The demo with a LoRA adapter of rank 16 on the frozen base (docs/training.md: LoRA): 10 times the
     full fine-tune's learning rate, as LoRA usually needs; only the adapter is published."""
@@ -85,8 +129,12 @@ def _async(config: Config) -> Config:
 
 @register
 def sum_digits_smollm2_async() -> Config:
-    """The demo, trained asynchronously: staleness at most one step, one core per role."""
-    return _async(sum_digits_smollm2())
+    """The demo's first recipe (`sum_digits_smollm2_v1`), trained asynchronously: staleness at most one
+    step, one core per role. v1 is the recipe of every figure measured with this name (2026-11-21 to 25:
+    the sync-vs-async and replay studies, docs/training.md, docs/performance.md's publishing off the
+    path); from 2026-11-26 06:13 until issue 52 it was built on whatever the demo then was, which no
+    documented figure used."""
+    return _async(sum_digits_smollm2_v1())
 
 
 @register
@@ -141,7 +189,10 @@ def bench_smoke() -> Config:
 
 @register
 def bench_smollm2() -> Config:
-    """`meshrl bench sync-vs-async` on the demo workload."""
-    config = _async(sum_digits_smollm2())
+    """`meshrl bench sync-vs-async` on the demo's first recipe (`sum_digits_smollm2_v1`), the one the
+    bench's figures in docs/training.md were measured with (2026-11-21 to 23), all but the one from
+    before the decoupled loss, which ran the recipe before v1 (no config keeps it); from 2026-11-26
+    06:13 until issue 52 it was built on whatever the demo then was, which no documented figure used."""
+    config = _async(sum_digits_smollm2_v1())
     config.controller.eval_every = 0
     return config

@@ -3,8 +3,10 @@ harder level a learning signal that training on it alone does not have?
 
 Zorplex level 1 (one word's value, looked up with the tool) and level 2 (the sum of two words'),
 and level 2 under a curriculum (`zorplex.curriculum`: level-1 prompts first, level 2 mixed in over
-the middle of the run, all level 2 at the end); sum_digits with two and with three terms. The same
-budget for each. The curriculum run is evaluated on level 2, as the level-2 run is.
+the middle of the run, all level 2 at the end); sum_digits with two and with three terms, on the
+demo's first recipe (`sum_digits_smollm2_v1`, that of docs/studies.md's report of 2026-11-24; the
+Zorplex runs' config is built on it too). The same budget for each. The curriculum run is evaluated
+on level 2, as the level-2 run is.
 """
 
 import json
@@ -23,8 +25,8 @@ RUNS = [StudyRun("zorplex_level1", "zorplex_smollm2", COMMON),
         StudyRun("zorplex_level2", "zorplex_smollm2", COMMON + ["--zorplex.level", "2"]),
         StudyRun("zorplex_curriculum", "zorplex_smollm2", COMMON + ["--zorplex.level", "2", "--zorplex.curriculum",
                                                                     CURRICULUM]),
-        StudyRun("sum_digits_2terms", "sum_digits_smollm2", COMMON),
-        StudyRun("sum_digits_3terms", "sum_digits_smollm2", COMMON + ["--sum_digits.num_terms", "3"])]
+        StudyRun("sum_digits_2terms", "sum_digits_smollm2_v1", COMMON),
+        StudyRun("sum_digits_3terms", "sum_digits_smollm2_v1", COMMON + ["--sum_digits.num_terms", "3"])]
 
 
 def level2_records(run_dir: Path, steps: range | None = None) -> tuple[Zorplex, list[dict]]:

@@ -1,7 +1,9 @@
 """`meshrl study replay`: does training groups again (replay_buffer.impl replay) pay on the demo
 workload, against training each group once (fifo), for the same number of steps?
 
-Four arms, three seeds each, all on the async demo config (generation on core 0, training on core 1):
+Four arms, three seeds each, all on the async demo config (`sum_digits_smollm2_async`: the demo's first
+recipe, `sum_digits_smollm2_v1`, the one docs/studies.md's report of 2026-11-25 was measured with, with
+generation on core 0 and training on core 1):
 `fifo` at max_policy_age 1 (the config as it is); `replay` with max_reuse 2 and with max_reuse 4, each
 at the max_policy_age its reuse needs (2 and 4: a group trained again n steps after it was generated is
 n versions old), generation free to run as far ahead (`controller.generate_ahead` 2 and 4, what

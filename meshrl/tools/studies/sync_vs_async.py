@@ -2,9 +2,12 @@
 much sooner, on the demo workload, with seeds?
 
 Three arms, three seeds each (the engine's and the trainer's seed; the prompts are the same): sync,
-the demo config as it is (each phase uses both cores in turn), and async at `max_policy_age` 1 and
-2, the registered async config (generation on core 0, training on core 1, overlapping; weights
-loaded in flight). Each arm in the placement a user would pick for it on this machine.
+the demo's first recipe as it is (`sum_digits_smollm2_v1`: each phase uses both cores in turn), and
+async at `max_policy_age` 1 and 2, the registered async config (`sum_digits_smollm2_async`, v1's
+recipe with generation on core 0, training on core 1, overlapping; weights loaded in flight). Each arm
+in the placement a user would pick for it on this machine. v1 is the recipe of the report in
+docs/studies.md (2026-11-24), so a run of the study reproduces it; the demo's later recipes
+(`sum_digits_smollm2_v2` to `_v4`) were never run here.
 """
 
 import itertools
@@ -18,7 +21,7 @@ from meshrl.tools.study import Study, StudyRun, register
 
 STEPS, SEEDS = 10, (0, 1, 2)
 COMMON = ["--controller.steps", str(STEPS), "--controller.eval_every", "5", "--checkpoint.every", "0"]
-ARMS = {"sync": ("sum_digits_smollm2", []),
+ARMS = {"sync": ("sum_digits_smollm2_v1", []),
         "async_age1": ("sum_digits_smollm2_async", ["--controller.max_policy_age", "1"]),
         "async_age2": ("sum_digits_smollm2_async", ["--controller.max_policy_age", "2"])}
 COLOURS = {"sync": "tab:blue", "async_age1": "tab:orange", "async_age2": "tab:green"}

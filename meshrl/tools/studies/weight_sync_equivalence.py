@@ -1,10 +1,11 @@
 """`meshrl study weight-sync-equivalence`: does the weight ring give vLLM exactly the weights the plain
 path gives (the trainer saves a state_dict, the generator loads the file), and how much sooner?
 
-The demo's workload, synchronous, at 1 and 2 trainer ranks, three ways each: over the ring, over
-the plain path (`weight_sync.transport disk`), and over the ring with `weight_sync.verify`, which
-loads every version a second time from its file and compares every tensor vLLM holds (its file
-writes slow the publish, so the timings come from the first two runs). Publish to served, per
+The demo's first recipe (`sum_digits_smollm2_v1`, that of docs/studies.md's report of 2026-11-24),
+synchronous, at 1 and 2 trainer ranks, three ways each: over the ring, over the plain path
+(`weight_sync.transport disk`), and over the ring with `weight_sync.verify`, which loads every version
+a second time from its file and compares every tensor vLLM holds (its file writes slow the publish,
+so the timings come from the first two runs). Publish to served, per
 version, is from the trace: the start of the trainer's publish to the end of the generator's load.
 """
 
@@ -20,7 +21,7 @@ COMMON = ["--controller.steps", str(STEPS), "--controller.eval_every", "0", "--s
           "--checkpoint.every", "0", "--generator.request_seeds", "true"]
 RANKS = {"1rank": [], "2ranks": ["--trainer.ranks", "2", "--trainer.num_threads", "1"]}
 PATHS = {"ring": [], "disk": ["--weight_sync.transport", "disk"], "verify": ["--weight_sync.verify", "true"]}
-RUNS = [StudyRun(f"{path}_{ranks}", "sum_digits_smollm2", COMMON + r + p)
+RUNS = [StudyRun(f"{path}_{ranks}", "sum_digits_smollm2_v1", COMMON + r + p)
         for ranks, r in RANKS.items() for path, p in PATHS.items()]
 
 
