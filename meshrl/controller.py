@@ -257,12 +257,16 @@ class Controller:
         return batch
 
     async def _step(self, step: int, batch: Batch, start: float) -> dict:
-        """Train `batch` at its policy version, publish the next one; the step's row (without eval)."""
+        """Train `batch` at its policy version, publish the next one; the step's row (without eval). A
+        batch with nothing to train (every group dropped) trains nothing: 0 updates, no lr step."""
         t1 = time.perf_counter()
         await self._added()
         async with self.tracer.span("replay_buffer", "sample", batch.index, timeout=self.timeouts.buffer):
             plan = await self.buffer.sample.call_one(batch.index, batch.groups)
         updates = [[BatchRef(batch.index, u, m) for m in range(count)] for u, count in enumerate(plan.pop("micro_batches"))]
+        if not any(updates):  # train_updates steps no optimizer and no lr schedule for it
+            logger.warning("step %d: its batch has no episode to train (every group dropped); nothing is trained, "
+                           "the policy is published unchanged", step)
         self.training = {"updates": 0}  # while the step trains: how many of its updates are applied
         try:
             train = plan | await train_updates(self.trainer, self.reference, updates, self.config.trainer,

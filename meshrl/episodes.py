@@ -148,9 +148,10 @@ def batch_builder(cfg: ControllerConfig, now: Callable[[], float], accuracy: str
             "groups_failed": f.failed,
             "episodes": sum(len(k.versions) for _, k in kept),
             "turns_mean": statistics.fmean(turns) if turns else math.nan,
-            "tokens_generated": sum(g.tokens for g in f.groups),
-            # generated for this batch and not trained: its groups dropped (equal rewards with dynamic
-            # sampling, or no reward at all), failed, or sampled outside its bound (stale)
+            # every token generated for this batch: its finished groups', failed ones' and stale ones'
+            "tokens_generated": sum(g.tokens for g in f.groups) + f.failed_tokens + f.stale_tokens,
+            # generated for this batch and not trained (a part of tokens_generated): its groups dropped
+            # (equal rewards with dynamic sampling), failed (a call raised, or no completion scored), or stale
             "tokens_discarded_dropped": sum(g.tokens for g in f.groups if g.prompt_index not in f.kept),
             "tokens_discarded_failed": f.failed_tokens,
             "tokens_discarded_stale": f.stale_tokens,

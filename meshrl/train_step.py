@@ -122,7 +122,10 @@ async def train_updates(trainer, reference, updates: list[list[TrainBatch | Batc
     `clip_fraction_by_update` gives each update's clipped share, `loss` and `grad_norm` the mean
     over updates. Each actor call is timed by `span` (a `Tracer.span`) with the trained `version`,
     and bounded by `timeouts.trainer` (the reference's by `timeouts.reference`). `applied["updates"]`
-    counts the updates applied so far, for a step that fails part-way."""
+    counts the updates applied so far, for a step that fails part-way. An update with no micro-batch
+    trains nothing and is never stepped (no optimizer update, the lr schedule not advanced): a batch
+    with nothing to train makes a step of 0 updates, its loss and grad_norm NaN."""
+    updates = [batches for batches in updates if batches]
     # LoRA: the trainer's own base, its adapter off (without LoRA and a reference the loss refuses the KL)
     base_reference = reference is None and config.loss.kl_coef > 0 and config.lora.rank > 0
     if reference:
@@ -161,7 +164,7 @@ async def train_updates(trainer, reference, updates: list[list[TrainBatch | Batc
             sums[k] += v
     tokens = max(sums["tokens"], 1)
     return {
-        "loss": sum(losses) / len(losses),
+        "loss": sum(losses) / len(losses) if losses else math.nan,
         "updates": len(updates),
         "updates_skipped": skipped,  # not applied: a NaN or infinite loss or gradient norm
         "logprob_mismatch": sums["logprob_mismatch"] / tokens,
@@ -175,7 +178,7 @@ async def train_updates(trainer, reference, updates: list[list[TrainBatch | Batc
         "behaviour_kl": sums["behaviour_kl"] / tokens,
         "entropy": sums["entropy"] / tokens,
         **({"kl": sums["kl"] / tokens} if reference or base_reference else {}),
-        "grad_norm": sum(grad_norms) / len(grad_norms),
+        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
         **({"trainer_memory_gb": memory} if memory else {}),  # rank 0's resident memory after its updates
         **({"lr": lr} if lr is not None else {}),  # the learning rate of the step's last update
     }

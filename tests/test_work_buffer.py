@@ -106,11 +106,13 @@ def test_equal_reward_groups_are_kept_unless_dropped_and_dynamic_sampling_stops_
     batch = plain.finish(group(1))
     assert batch.stats["equal"] == 1 and set(batch.groups) == {0, 1}
 
-    unscored = buffer(size=2)  # every reward function raised: tried, not trained
+    unscored = buffer(size=2)  # every reward function raised: failed (test_silent_failures.py), not trained
     starts(unscored, 0)
-    unscored.finish(group(0, rewards=()))
-    batch = unscored.finish(group(1))
-    assert batch is not None and set(batch.groups) == {1}
+    assert unscored.finish(group(0, rewards=())) is None and unscored.filling[0].failed == 1
+    assert starts(unscored, 0) == [2]  # its slot goes to another prompt
+    unscored.finish(group(1))
+    batch = unscored.finish(group(2))
+    assert batch is not None and set(batch.groups) == {1, 2}
 
     dropping = buffer(size=2, tries=3, drop_equal=True)
     assert starts(dropping, 0) == [0, 1]

@@ -1,6 +1,14 @@
 """The grader: scores completions with the task's reward function, and hosts a multi-turn environment
 (its answers to the model's turns, its reward at the end), so user code runs in an actor that is
-replaced if it dies, not in the controller."""
+replaced if it dies, not in the controller.
+
+User code that raises is never silent. A completion (or conversation) whose reward function or
+environment raised is left out and counted (`reward_errors`); the first traceback of each kind of
+error is logged, later ones of that kind are not. A call on which it raised for more than half of the
+completions fails the group (`UserCodeFailed`, naming the function and its first error): the group
+counts toward `controller.max_failed_fraction`, so code that raises on most replies stops the run at
+its first batch, with that one line, instead of training on nothing.
+"""
 
 import logging
 from dataclasses import dataclass, field
@@ -24,16 +32,51 @@ class EnvReply:
     failed: bool = False  # the environment raised (logged): the conversation is left out and counted
 
 
+class UserCodeFailed(RuntimeError):
+    """The task's reward function or environment raised on most of one call's completions."""
+
+
+def user_code(task: str, task_config, environment: bool) -> str:
+    """How an error names the user's code: `the environment zorplex`, `the reward function mymodule:reward`
+    (a dataset's `module:function`), `the reward function of task user_task:Parity`."""
+    if environment:
+        return f"the environment {task}"
+    reward = getattr(task_config, "reward", None)
+    if task == "dataset" and isinstance(reward, str):
+        return f"the reward function {reward}" if ":" in reward else f"the reward function dataset.reward {reward}"
+    return f"the reward function of task {task}"
+
+
+def failure(who: str, errors: list[BaseException], total: int, what: str) -> str | None:
+    """The group's error if `errors` (raised by `who`) are more than half of its `total` items, else None."""
+    if 2 * len(errors) <= total:
+        return None
+    first = errors[0]
+    return f"{who} raised on {len(errors)} of {total} {what}; the first: {type(first).__name__}: {first}"
+
+
 class Grader(Actor):
     """Scores with the task's own reward function (roles.Grader)."""
 
     def __init__(self, task: str, task_config, config: GraderConfig | None = None):
         self.task = make_task(task, task_config)
         self.zero_truncated = config is not None and config.zero_truncated
+        self.reward_name = user_code(task, task_config, environment=False)
+        self.env_name = user_code(task, task_config, environment=True)
+        self.logged: set[str] = set()  # the kinds of error whose traceback is in the log already
+
+    def _log(self, who: str, error: BaseException, on: str) -> None:
+        """The first traceback of each kind of error; its repeats are counted, not logged."""
+        kind = f"{who}: {type(error).__name__}"
+        if kind not in self.logged:
+            self.logged.add(kind)
+            logger.error("%s failed on %r (its later %s errors are counted, not logged)", who, on,
+                         type(error).__name__, exc_info=error)
 
     @endpoint
     async def score(self, completions: list[Completion], sample: Sample) -> list[ScoredCompletion]:
-        """Completions whose reward function raises are logged and left out; the caller counts them."""
+        """Completions whose reward function raises are logged and left out; the caller counts them.
+        UserCodeFailed if it raised on most of them."""
         rewards = self.rewards(completions, sample)
         return [ScoredCompletion(c, reward, checks) for c, (reward, checks) in zip(completions, rewards)
                 if reward is not None]
@@ -42,8 +85,8 @@ class Grader(Actor):
         """The task's (reward, checks) of each completion, its checks with `truncated` (cut off at its token
         limit, not rewarded) added; (None, {}) where its reward function raised (logged). With
         `zero_truncated` a truncated completion scores 0 (verifiers' zero_truncated_completions): a reply
-        that babbles on after its answer earns nothing."""
-        results = []
+        that babbles on after its answer earns nothing. UserCodeFailed if it raised on more than half."""
+        results, errors = [], []
         for completion in completions:
             try:
                 reward, checks = self.task.reward(completion.text, sample.answer)
@@ -54,16 +97,20 @@ class Grader(Actor):
                 if self.zero_truncated and truncated:
                     reward = 0.0
                 results.append((float(reward), checks))
-            except Exception:
-                logger.exception("reward function failed on %r", completion.text)
+            except Exception as e:  # the user's code: counted, and named if it fails most completions
+                self._log(self.reward_name, e, completion.text)
+                errors.append(e)
                 results.append((None, {}))
+        if message := failure(self.reward_name, errors, len(completions), "completions"):
+            raise UserCodeFailed(message)
         return results
 
     @endpoint
     async def step(self, sample: Sample, conversations: list[list[dict]], last: bool) -> list[EnvReply]:
         """The environment's answer to each conversation's latest model turn; with `last` (the model has
-        no turn left) every conversation ends and is scored."""
-        replies = []
+        no turn left) every conversation ends and is scored. A conversation whose environment raised is
+        failed (left out, counted); UserCodeFailed if it raised on more than half of them."""
+        replies, errors = [], []
         for messages in conversations:
             try:
                 if not last and (new := self.task.step(sample, messages)) is not None:
@@ -71,7 +118,10 @@ class Grader(Actor):
                     continue
                 reward, checks = self.task.reward(sample, messages)
                 replies.append(EnvReply(reward=float(reward), checks=checks))
-            except Exception:
-                logger.exception("environment failed on %r", messages[-1]["content"])
+            except Exception as e:  # the user's code: counted, and named if it fails most conversations
+                self._log(self.env_name, e, messages[-1]["content"])
+                errors.append(e)
                 replies.append(EnvReply(failed=True))
+        if message := failure(self.env_name, errors, len(conversations), "conversations"):
+            raise UserCodeFailed(message)
         return replies

@@ -18,6 +18,7 @@ the trace shows what overlapped on the actor.
 """
 
 import asyncio
+import math
 import time
 import warnings
 from pathlib import Path
@@ -133,7 +134,9 @@ class TitanTrainer(Actor):
     async def optim_step(self, skip: bool = False) -> dict:
         """One optimizer update from the accumulated gradients (it publishes nothing). Not applied when
         the gradient norm is NaN or infinite, or when the caller says the loss was (`skip`): the
-        gradients are dropped and `skipped` is true (every rank decides alike: the norm is global)."""
+        gradients are dropped and `skipped` is true (every rank decides alike: the norm is global). With
+        no gradient accumulated (no forward_backward since the last update) nothing is applied, not
+        counted in `updates`, and the lr schedule does not advance."""
         with self.clock.span("optim_step", self.policy_version):
             return await self._optim_step(skip)
 
@@ -146,6 +149,9 @@ class TitanTrainer(Actor):
     async def _optim_step(self, skip: bool) -> dict:
         await self._published()  # the ring's copy of the weights this update changes
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:  # no micro-batch since the last update: nothing to apply, the schedule stays
+            return {"updates": self.updates, "grad_norm": math.nan, "skipped": False,
+                    "lr": self.optimizer.param_groups[0]["lr"], "memory_gb": resident_gb()}
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if isinstance(grad_norm, DTensor):  # each rank holds its shards' part: the norm of them all
             grad_norm = grad_norm.full_tensor()
