@@ -67,7 +67,7 @@ async def is_dead(mesh, role: str, error: BaseException, buffer, timeout) -> boo
         return False
     except asyncio.CancelledError:
         raise
-    except Exception:
+    except Exception:  # the probe's own failure (its process gone, no answer in time, a refused call): dead
         return True
 
 
@@ -84,7 +84,7 @@ async def buffer_is_dead(buffer, error: BaseException, timeout) -> bool:
         return False
     except asyncio.CancelledError:
         raise
-    except Exception:
+    except Exception:  # the probe's own failure (its process gone, no answer in time, a refused call): dead
         return True
 
 

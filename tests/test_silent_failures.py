@@ -162,3 +162,39 @@ def test_a_run_whose_reward_function_raises_on_every_reply_stops_at_once_with_on
     metrics = tmp_path / "run" / "metrics.jsonl"
     steps = metrics.read_text().splitlines() if metrics.exists() else []
     assert len(steps) < 5
+
+
+def broad_handlers_without_a_reason(root) -> list[str]:
+    """`except Exception` / `except BaseException` / bare `except:` handlers of the package that neither
+    re-raise, nor log, nor say in a comment (on the `try` or `except` line) which failure they handle."""
+    import ast
+    from pathlib import Path
+
+    found = []
+    for path in sorted(Path(root).rglob("*.py")):
+        source = path.read_text()
+        lines = source.splitlines()
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.Try):
+                continue
+            for handler in node.handlers:
+                broad = handler.type is None or (isinstance(handler.type, ast.Name)
+                                                 and handler.type.id in ("Exception", "BaseException"))
+                if not broad:
+                    continue
+                body = [n for stmt in handler.body for n in ast.walk(stmt)]
+                raises = any(isinstance(n, ast.Raise) for n in body)
+                logs = any(isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "logger"
+                           for n in body)
+                said = "#" in lines[handler.lineno - 1] or "#" in lines[node.lineno - 1]
+                if not (raises or logs or said):
+                    found.append(f"{path.relative_to(Path(root).parent)}:{handler.lineno}")
+    return found
+
+
+def test_every_broad_except_in_the_package_re_raises_logs_or_names_its_failure():
+    from pathlib import Path
+
+    import meshrl
+
+    assert broad_handlers_without_a_reason(Path(meshrl.__file__).parent) == []

@@ -294,7 +294,7 @@ class ReplicaPool:
             pass
         try:
             fresh = await self.start_replica(replica.index)
-        except Exception as e:
+        except Exception as e:  # the replacement could not start: the role fails (RoleFailed), saying why
             await self._give_up(f"{self.role} {replica.index} could not be replaced: {error_line(e)}")
             return
         fresh.died_of = died_of
