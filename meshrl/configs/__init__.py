@@ -262,7 +262,7 @@ class ControllerConfig:
     max_policy_age: int = 0  # the staleness bound, in steps: episodes of batch b come from versions b - max_policy_age to b (0: synchronous; 1: generation one step ahead)
     generate_ahead: int = -1  # versions generation may run ahead of the trainer (a group for batch b starts once version b - generate_ahead is out); -1: max_policy_age, or 0 with replay_buffer.impl replay (fewer than the bound leaves room to train groups again within it)
     staleness: str = "oldest_token"  # the token a sequence's staleness is counted from: oldest_token | newest_token (weights may change while it is generated)
-    max_failed_fraction: float = 0.5  # the run stops once more than this share of a batch's prompts_per_step groups failed (a call of theirs raised)
+    max_failed_fraction: float = 0.5  # the run stops once more than this share of a batch's prompts_per_step groups failed (a call of theirs raised, or none of their completions was scored)
     stop_timeout_s: float = 120.0  # each call made while stopping (the stop's checkpoint, the save, stopping meshes): past it the stop goes on without it
     restart_window_s: float = 300.0  # a process that fails within this many seconds of its start counts toward its role's max_restarts (a crash loop); one that served longer starts its count afresh
     advantage: str = "grpo"  # grpo | dr_grpo | rloo (meshrl/advantages.py); step_wise_<one of them>: an Episode per turn
