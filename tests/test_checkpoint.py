@@ -242,27 +242,36 @@ def test_a_run_killed_after_a_checkpoint_resumes_where_it_stopped_and_samples_wh
             and s["what"] == "generate" and s["policy_version"] == 2} == {0, 1}
     again, once = samples_by_step(run_dir), samples_by_step(whole)
     assert len(again[3]) == len(again[4]) == 8
-    for step in (3, 4):  # measured: the same tokens, and logprobs equal bit for bit
-        assert [s[:3] for s in again[step]] == [s[:3] for s in once[step]], step
-        assert [s[3] for s in again[step]] == pytest.approx([s[3] for s in once[step]], rel=1e-5), step
+    for step in (3, 4):  # the same tokens, and logprobs equal bit for bit (vLLM on the CPU, either replica count)
+        assert again[step] == once[step], step
+
+
+# the metrics that differ between two runs of the same steps: everything else must be equal
+MEASURED = {"step_time_s", "gen_time_s", "rollout_time_s", "train_time_s", "weight_sync_s", "wait_time_s",
+            "generator_busy", "generator_idle", "trainer_busy", "trainer_memory_gb",
+            "trainer_restarts", "restart_seconds",  # the restart's own: checked above
+            "prompt_tokens_cached", "prompt_tokens_prefilled", "prefix_cache_hit_rate"}
 
 
 def test_a_trainer_killed_between_checkpoints_comes_back_and_the_run_ends_as_if_it_had_never_died(killed, whole):
     """The trainer's process SIGKILLed after step 3 (checkpoints at 2 and 4; in the resumed run): the run
     restarts it from step 2's checkpoint, trains step 3's batch again and goes on by itself; its final
-    weights are those of the run never interrupted bit for bit, and so is every metric but the timings,
-    the restart's and the prefix cache's (two replicas' caches after the resume, one before)."""
+    weights are those of the run never interrupted bit for bit, and so is every metric but those
+    MEASURED names: timings, shares of time, memory, the restart's own, and how the prompt tokens split
+    between prefix cache and prefill (two replicas' caches after the resume, one before: on a GPU's
+    16-token blocks the second replica starts cold; their sum is compared)."""
     run_dir, stderr = killed["dir"], killed["stderr"]
     assert killed["code"] == 0, stderr[-3000:]
     assert "the trainer failed (" in stderr and "restarting it from step-2 and training again the 1 step(s)" in stderr
     assert json.loads((run_dir / "processes.json").read_text())["trainer"] != killed["dead"]
     rows, once = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(whole / "metrics.jsonl")
     assert [r["trainer_restarts"] for r in rows] == [0, 0, 0, 1] and rows[3]["restart_seconds"] > 0
-    timing = ("_s", "_time", "busy", "idle", "memory_gb", "trainer_restart", "weight_swaps", "prefix_cache",
-              "prompt_tokens_", "generator_calls_")  # measured, not computed: they differ from run to run
     for again, first in zip(rows, once):
-        assert {k: v for k, v in again.items() if not any(t in k for t in timing)} == \
-               {k: v for k, v in first.items() if not any(t in k for t in timing)}, again["step"]
+        assert again.keys() == first.keys() and MEASURED <= again.keys(), again["step"]
+        assert {k: v for k, v in again.items() if k not in MEASURED} == \
+               {k: v for k, v in first.items() if k not in MEASURED}, again["step"]
+        prompt_tokens = [r["prompt_tokens_cached"] + r["prompt_tokens_prefilled"] for r in (again, first)]
+        assert prompt_tokens[0] == prompt_tokens[1], again["step"]
     from safetensors.torch import load_file
 
     assert_identical(load_file(run_dir / "final" / "model.safetensors"), load_file(whole / "final" / "model.safetensors"))
