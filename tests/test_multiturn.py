@@ -209,9 +209,11 @@ def smoke(tmp_path, *args) -> tuple[list[dict], list[dict]]:
 
 
 def test_step_wise_grpo_trains_a_users_environment_turn_by_turn_each_group_on_its_replica(tmp_path):
-    """On two replicas with sticky routing (the default), each group's later turns go to the replica of its
-    previous turn, whose prefix cache serves the conversation so far (80 tokens a turn: the third turn's
-    prompt fills one of vLLM's 128-token blocks on the CPU, the unit its prefix cache keeps)."""
+    """On two replicas with sticky routing (the default), each group's later turns ask for the replica of
+    its previous turn, and vLLM's prefix-cache counts reach the step's metrics (80 tokens a turn: the third
+    turn's prompt fills one of vLLM's 128-token blocks on the CPU, the unit its prefix cache keeps). That
+    the cache serves later turns because of sticky routing, and not under least-loaded routing: the
+    scripted conversation below."""
     metrics, rollouts = smoke(tmp_path, "--task", "user_task:FakeTool", "--controller.advantage", "step_wise_grpo",
                               "--controller.max_turns", "3", "--controller.max_policy_age", "1",
                               "--generator.max_tokens", "80", *TWO_REPLICAS)
@@ -228,6 +230,83 @@ def test_step_wise_grpo_trains_a_users_environment_turn_by_turn_each_group_on_it
                and "<|im_start|>tool\nresult 2<|im_end|>" in r["completion"] for r in rollouts)
     assert_checks_are_the_means_of_the_records(metrics, rollouts, "long")
     assert "eval_accuracy" in metrics[-1]
+
+
+def test_sticky_routing_serves_later_turns_from_the_prefix_cache_and_least_loaded_routing_does_not(tiny_checkpoint):
+    """The same scripted conversation (the tiny model, greedy, 3 turns of 120 tokens: each turn's prompt
+    holds the ones before it, past vLLM's 128-token blocks on the CPU) through the real ReplicaPool over
+    two real vLLM replicas, once routed sticky and once least-loaded, the group preferring its previous
+    turn's replica as rollout.run_group does; the tool's answers come from FakeTool in a real grader
+    actor. Sticky keeps every turn on one replica, whose prefix cache serves the conversation so far;
+    least-loaded sends turn 2 to the idle replica, which never saw the conversation (nothing cached), and
+    turn 3 back to the first, which holds turn 1 only. Each arm has its own opening: the replicas are
+    shared, their caches are not reset, and no block of one arm's conversation is in the other's."""
+    from meshrl.actors.replicas import Replica, ReplicaPool, processes
+    from user_task import FakeTool
+
+    tokenizer = ChatTokenizer(tiny_checkpoint)
+    sampling = Sampling(n=1, temperature=0.0, max_tokens=120)
+
+    async def run():
+        spawned = [spawn(f"generator{i}", VLLMGenerator, GeneratorConfig(num_threads=1), WeightSyncConfig(),
+                         str(tiny_checkpoint)) for i in range(2)]
+        grader_procs, grader = spawn("grader", Grader, "user_task:FakeTool", FakeTool.Config(turns=3))
+        try:
+            found = [(await processes(procs, f"generator{i}"))[0] for i, (procs, _) in enumerate(spawned)]
+
+            async def arm(opening: str, sticky_slack: int | None) -> list[tuple[int, int, int]]:
+                """(replica, prompt tokens, cached prompt tokens) of each turn, and the pool's kept and moved."""
+                async def start(i: int) -> Replica:
+                    return Replica(i, spawned[i][0], spawned[i][1], *found[i])
+
+                pool = ReplicaPool("generator", start, count=2, max_restarts=0, sticky_slack=sticky_slack)
+                await pool.start()
+                turns, served_by = [], None
+
+                async def generate(prompts, sampling):
+                    nonlocal served_by
+
+                    async def on(replica):
+                        nonlocal served_by
+                        served_by = replica
+                        return replica, await replica.actor.generate.call_one(prompts, sampling=sampling)
+
+                    replica, completions = await pool.call(on, prefer=served_by)
+                    cache = await replica.actor.weight_updates.call_one()  # the requests finished since the last
+                    turns.append((replica.index, cache["prompt_tokens"], cache["cached_prompt_tokens"]))
+                    return completions
+
+                sample = FakeTool(FakeTool.Config()).train_sample(0)
+                step = lambda conversations, last: grader.step.call_one(sample, conversations, last)  # noqa: E731
+                scored, failed = await converse(0, [{"role": "user", "content": opening}], sampling, 3, 512, tokenizer,
+                                                generate, step)
+                assert failed == 0 and [len(s.completion.turns) for s in scored] == [3]
+                return turns, (pool.kept, pool.moved)
+
+            # the same length of opening, the first words differ: different blocks from the first one on
+            sticky = await arm("Conversation one: tell me about the weather today.", 2)
+            least_loaded = await arm("Conversation two: tell me about the weather today.", None)
+            return sticky, least_loaded
+        finally:
+            for procs, _ in spawned:
+                await procs.stop()
+            await grader_procs.stop()
+
+    (sticky, kept_moved), (least, plain) = asyncio.run(run())
+    prompts = [t[1] for t in sticky]
+    assert [t[1] for t in least] == prompts and prompts[0] + 120 < prompts[1]  # every turn 120 tokens long
+
+    def blocks(tokens: int) -> int:
+        """What vLLM's prefix cache holds of a conversation of `tokens` (its last token's KV never computed):
+        whole 128-token blocks."""
+        return (tokens - 1) // 128 * 128
+
+    # sticky: every turn on one replica, whose cache serves each later turn the conversation before it
+    assert len({t[0] for t in sticky}) == 1 and kept_moved == (2, 0)
+    assert [t[2] for t in sticky] == [0, blocks(prompts[0] + 120), blocks(prompts[1] + 120)] == [0, 128, 256]
+    # least-loaded: turns alternate over the idle replicas; turn 2 finds nothing, turn 3 turn 1's blocks only
+    assert least[0][0] == least[2][0] != least[1][0] and plain == (0, 0)
+    assert [t[2] for t in least] == [0, 0, blocks(prompts[0] + 120)] == [0, 0, 128]
 
 
 def test_zorplex_smoke_run_on_two_replicas_serves_prompts_from_the_prefix_cache(tmp_path):
