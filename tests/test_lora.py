@@ -21,7 +21,7 @@ from meshrl.actors import spawn
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
-from meshrl.models.lora import ADAPTER_FILE, LoraConfig, is_adapter, merged
+from meshrl.models.lora import ADAPTER_FILE, PEFT_PREFIX, LoraConfig, is_adapter, merged
 from meshrl.models.model import ChatTokenizer, load_hf_weights, load_policy, resolve_checkpoint
 from meshrl.train_step import train_step
 from meshrl.types import Prompt, Sampling, TrainBatch
@@ -244,6 +244,27 @@ def test_adapters_are_loaded_in_flight_with_each_tokens_version(lora_run):
 def test_final_loads_in_vllm_on_the_base_and_its_merge_gives_the_same_logprobs(lora_run, cli, tmp_path):
     code, out, err = cli("merge", lora_run / "final", tmp_path / "merged")
     assert code == 0, err
+    # each adapted matrix is the base's W + alpha / r * B A, rounded once to the base's bf16 (within half a
+    # bf16 unit in the last place of the exact value, computed here in float64); every other tensor is the base's
+    config = json.loads((lora_run / "final" / "adapter_config.json").read_text())
+    adapter, base = load_file(lora_run / "final" / ADAPTER_FILE), load_hf_weights(resolve_checkpoint("tiny"))
+    weights = load_file(tmp_path / "merged" / "model.safetensors")
+    assert weights.keys() == base.keys()
+    adapted = {name.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") + ".weight": name
+               for name in adapter if name.endswith(".lora_A.weight")}
+    assert len(adapted) == 7 * 2  # q, k, v, o and the three MLP projections of each of the 2 layers
+    moved = 0
+    for name, w in weights.items():
+        assert w.dtype == base[name].dtype == torch.bfloat16, name
+        if name not in adapted:
+            assert torch.equal(w, base[name]), name
+            continue
+        a, b = adapter[adapted[name]].double(), adapter[adapted[name].replace("lora_A", "lora_B")].double()
+        exact = base[name].double() + config["lora_alpha"] / config["r"] * (b @ a)
+        half_ulp = torch.ldexp(torch.ones_like(exact), torch.frexp(exact).exponent - 9)  # bf16: 8 significant bits
+        assert ((w.double() - exact).abs() <= half_ulp * (1 + 1e-3)).all(), name  # (float32 on the way)
+        moved += int((w != base[name]).sum())
+    assert moved > 0  # the adapter moved weights past bf16's rounding
     compare = textwrap.dedent(f"""
         import os
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
