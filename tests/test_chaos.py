@@ -5,11 +5,17 @@ each kill counted in the metrics. Once every victim's replacement serves and a f
 logged, SIGTERM stops the run as a user would: a clean stop within seconds, a checkpoint of the
 whole steps done and the policy saved, no actor process left behind (replacements included).
 
-One run shows both: a stop after processes were replaced is the harder case of the two. The second
-signal's stop is tested in test_clean_stop.py; where the loops stop and what the checkpoint holds at
-each of their await points, with fake actors in test_controller.py."""
+One run shows both: a stop after processes were replaced is the harder case of the two. The run must be
+stopped: how many steps its kills take is not known ahead (each kill waits for the previous victim's
+replacement to serve, and the steps go on meanwhile: a vLLM replica's replacement takes tens of seconds),
+so a step count sure to hold all five would run on long after them. It then ends by itself as a user's
+run would: resumed for two more steps, it exits 0 with its final eval in summary.json, every step logged
+once and every prompt trained once over the whole run. The second signal's stop is tested in
+test_clean_stop.py; where the loops stop and what the checkpoint holds at each of their await points,
+with fake actors in test_controller.py."""
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -97,3 +103,19 @@ def test_a_signal_mid_run_checkpoints_saves_the_policy_and_leaves_no_process(sto
     assert at_stop["step"] == at_stop["policy_version"] == steps
     assert (run_dir / "trace.json").is_file()
     assert_final_policy_is_the_trained_one(run_dir)
+
+
+def test_the_stopped_chaos_run_resumed_ends_by_itself_with_its_final_eval(stopped, tmp_path):
+    """A copy of the stopped run (the tests above read the original) resumed for 2 more steps."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(stopped["run_dir"], run_dir)
+    steps = len(read_jsonl(run_dir / "metrics.jsonl"))
+    result = subprocess.run([sys.executable, "-m", "meshrl", "train", "--resume", str(run_dir), "--controller.steps",
+                             str(steps + 2)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps + 2 and "stopped_by" not in summary, summary
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert 0 <= summary["eval_accuracy_final"] == rows[-1]["eval_accuracy"] <= 1  # the last step evaluated
+    assert [r["step"] for r in rows] == [r["policy_version"] for r in rows] == list(range(1, steps + 3))
+    assert_each_prompt_trained_once(read_jsonl(run_dir / "rollouts.jsonl"), range(2 * (steps + 2)), 4)
