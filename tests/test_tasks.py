@@ -10,6 +10,7 @@ import pytest
 from assertions import assert_checks_are_the_means_of_the_records
 
 from meshrl.configs import load_config
+from meshrl.configs.recipe import recipe_hash
 from meshrl.tasks import make_task, task_config
 from meshrl.tasks.dataset import DatasetConfig, DatasetTask, exact, math_answer, numeric
 from meshrl.tasks.sum_digits import SumDigits, SumDigitsConfig
@@ -137,6 +138,9 @@ def test_meshrl_eval_scores_a_finished_runs_policy_on_a_held_out_split_in_a_dire
     run = tmp_path / "run"
     rows = smoke(run, "--controller.steps", "1")
     summary = (run / "summary.json").read_bytes()
+    # the run records its recipe: smoke's settings with the overrides smoke() and this test gave
+    assert json.loads(summary)["config_hash"] == recipe_hash(load_config("smoke", ["--checkpoint.every", "0",
+                                                                                   "--controller.steps", "1"]))
     command = [sys.executable, "-m", "meshrl", "eval", str(run), "--split", "test"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

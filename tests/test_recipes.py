@@ -1,0 +1,54 @@
+"""A recipe keeps its name: every named config's recipe (meshrl/configs/recipe.py: the settings that
+differ from the defaults) hashes to the value pinned here, and so do the defaults. A change of a named
+config's settings fails this test: give the new recipe a new name (or a version, as
+sum_digits_smollm2_v1 to _v4), and re-pin only for a change that trains the same (a comment, a new
+setting whose default keeps the old behaviour does not even change the hash)."""
+
+import pytest
+
+from meshrl.configs import CONFIGS, Config, load_config
+from meshrl.configs.recipe import defaults_hash, recipe, recipe_hash
+
+RECIPES = {
+    "bench_smoke": "1cce5b5de009d882",
+    "bench_smollm2": "cbdc8c5d3fbc38f4",
+    "qwen3_0_6b_gsm8k": "b4615196d856f29d",
+    "qwen3_8b_gsm8k": "dd73ff2d0caac8fd",
+    "qwen3_smoke": "f9744dd7b525156a",
+    "reasoning_gym_smollm2": "0dacd06e43b5045f",
+    "smoke": "825957e7ea9e655f",
+    "sum_digits_smollm2": "454e8ad2cabc287e",
+    "sum_digits_smollm2_async": "c6fc007a1e3cbbf9",
+    "sum_digits_smollm2_kubernetes": "d065237df276a397",
+    "sum_digits_smollm2_lora": "1b6672c81272e50e",
+    "sum_digits_smollm2_slurm": "dcc6416ab5dd4071",
+    "sum_digits_smollm2_v1": "aee889111fb721d5",
+    "sum_digits_smollm2_v2": "ef8037d74c951531",
+    "sum_digits_smollm2_v3": "86b8197195424374",
+    "sum_digits_smollm2_v4": "454e8ad2cabc287e",
+    "zorplex_smollm2": "850b76abfdee5dfa",
+}
+DEFAULTS = "64b01688d0fb7b91"
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_named_config_is_the_recipe_pinned_for_its_name(name):
+    assert name in RECIPES, f"a new named config: pin its recipe hash here ({recipe_hash(CONFIGS[name]())})"
+    assert recipe_hash(CONFIGS[name]()) == RECIPES[name], (
+        f"{name} now trains another recipe: {recipe(CONFIGS[name]())}; give it a new name")
+
+
+def test_the_defaults_are_pinned_too():
+    assert defaults_hash() == DEFAULTS, "a default changed: every recipe relying on it trains otherwise now"
+
+
+def test_the_hash_sees_settings_not_locations_and_names_no_default():
+    assert recipe(Config()) == {}
+    base = load_config("smoke", [])
+    assert recipe_hash(load_config("smoke", ["--weight_sync.disk_dir", "/somewhere"])) == recipe_hash(base)
+    assert recipe_hash(load_config("smoke", ["--trainer.lr", "2e-3"])) != recipe_hash(base)
+    assert recipe(load_config("smoke", ["--trainer.lr", "2e-3"]))["trainer.lr"] == 2e-3
+    # the same settings reached two ways are one recipe
+    assert RECIPES["sum_digits_smollm2"] == RECIPES["sum_digits_smollm2_v4"]
+    assert recipe_hash(load_config("sum_digits_smollm2_v1", ["--trainer.lr", "5e-5", "--sum_digits.format_weight", "0"])) \
+        == RECIPES["sum_digits_smollm2_v2"]
