@@ -29,8 +29,11 @@ def test_weight_sync_bench_writes_its_figures_for_the_rank_counts_asked(tmp_path
     assert figures["bytes"] == WeightLayout.of_tensors(load_hf_weights(tiny_checkpoint)).nbytes
     streams = [figures[f"raw_rdma_{n}_streams_gbps"] for n in (1, 2, 4, 8, 16)]
     assert figures["raw_rdma_gbps"] == max(streams)  # the floor: the best stream count
-    for gbps in [figures["memcpy_gbps"], *streams]:  # one copy of the model's bytes, within the bench's time
-        assert 0 < figures["bytes"] / 1e9 / gbps < elapsed
+    # bytes through the RDMA layer over TCP (on this CPU machine) move slower than one copy of them in memory
+    assert figures["rdma_backend"] == "tcp" and figures["raw_rdma_gbps"] < figures["memcpy_gbps"], figures
+    # every figure is the best, or the median of 2, of `repeats` timed runs that ran one after another
+    # within the bench: each counted `repeats` times, their seconds add up to less than its wall time
+    timed = [figures["bytes"] / 1e9 / gbps for gbps in [figures["memcpy_gbps"], *streams]]
     assert "ranks_1" not in figures
     for ranks in ("ranks_2",):
         r = figures[ranks]
@@ -38,9 +41,12 @@ def test_weight_sync_bench_writes_its_figures_for_the_rank_counts_asked(tmp_path
         # the ratios against their floors, as printed, from the figures written
         assert r["ring_shm_vs_memcpy"] == pytest.approx(r["ring_shm_gbps"] / figures["memcpy_gbps"])
         assert r["ring_rdma_vs_raw"] == pytest.approx(r["ring_rdma_gbps"] / figures["raw_rdma_gbps"])
-        # publish to loaded holds the publish, the read and the load, and all of it happened within the bench
-        assert 0 < r["publish_s"] + r["generator_read_s"] + r["generator_load_s"] <= r["publish_to_loaded_s"] < elapsed
-        assert 0 < r["vllm_reload_floor_s"] < elapsed
+        # publish to loaded holds the publish, the read and the load (medians of 2: means, which add up)
+        assert 0 < r["publish_s"] + r["generator_read_s"] + r["generator_load_s"] <= r["publish_to_loaded_s"]
+        # and the load in it reloads the same tensors into vLLM, which the floor times alone
+        assert r["vllm_reload_floor_s"] < r["publish_to_loaded_s"], r
+        timed += [figures["bytes"] / 1e9 / r["ring_rdma_gbps"], figures["bytes"] / 1e9 / r["ring_shm_gbps"],
+                  r["publish_to_loaded_s"], r["vllm_reload_floor_s"]]
         assert "stress" not in r and "target ring_shm_vs_memcpy >= 0.6" in result.stdout
         assert f"trainer {ranks.replace('_', ' ')}" in result.stdout
     assert "ring_rdma_gbps" in result.stdout and "publish_to_loaded_s" in result.stdout
@@ -48,6 +54,8 @@ def test_weight_sync_bench_writes_its_figures_for_the_rank_counts_asked(tmp_path
     lora = figures["lora"]
     assert lora["rank"] == 8 and lora["bytes"] == 65536  # 28 matrices of 8 x 128 or 256, in the checkpoint's bf16
     assert 0 < lora["publish_s"] + lora["generator_read_s"] + lora["generator_load_s"] <= lora["publish_to_loaded_s"]
+    timed.append(lora["publish_to_loaded_s"])
+    assert figures["repeats"] * sum(timed) < elapsed, (timed, elapsed)
     assert lora["publish_to_loaded_vs_full"] == pytest.approx(lora["publish_to_loaded_s"]
                                                               / figures["ranks_2"]["publish_to_loaded_s"])
     assert f"a LoRA adapter of rank 8 instead (one rank): {65536 / 1e6:.2f} MB" in result.stdout
