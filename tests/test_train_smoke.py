@@ -53,9 +53,10 @@ def test_smoke_run_on_two_ranks_writes_metrics_plot_and_a_final_policy_vllm_load
     # versions count published steps, not optimizer updates (two per step here)
     assert [r["policy_version"] for r in rows] == [1, 2, 3]
     assert all(r["updates"] == 2 and len(r["clip_fraction_by_update"]) == 2 for r in rows)
-    # a linear decay over the run's 6 updates: each step's last update (1, 3, 5) is 1/6, 3/6, 5/6 of the way down
+    # a linear decay over the run's 6 updates, the last at the floor (0): each step's last update (1, 3, 5)
+    # is 1/5, 3/5, 5/5 of the way down
     lr = json.loads((run_dir / "config.json").read_text())["trainer"]["lr"]
-    assert [r["lr"] for r in rows] == pytest.approx([lr * 5 / 6, lr * 3 / 6, lr * 1 / 6])
+    assert [r["lr"] for r in rows] == pytest.approx([lr * 4 / 5, lr * 2 / 5, 0.0])
     assert all(r["tokens_generated"] > 0 and r["tokens_trained"] > r["tokens_generated"] for r in rows)
     assert EVAL_KEYS <= rows[-1].keys() and not EVAL_KEYS & rows[0].keys()
     summary = json.loads((run_dir / "summary.json").read_text())
