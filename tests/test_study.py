@@ -423,3 +423,37 @@ def test_the_demo_settings_report_picks_by_the_worst_seed_among_settings_that_ke
     assert "by its worst seed: **lr_5e-5** (worst seed 0.600; target 0.9 on every seed: not met)" in text
     for png in ("eval_by_step.png", "eval_by_time.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_heldout_chooses_on_validation_alone_and_reports_the_chosen_recipes_test_split(tmp_path, monkeypatch):
+    from meshrl.tools.studies import STUDIES, demo_heldout
+
+    study = STUDIES["demo-heldout"]
+    # validation at step 20 per seed: v3's mean is highest by a hair over v4's, v2's lowest; test is kept
+    # worst for the chosen one, so a choice made on test would pick another
+    validation = {"demo_recipe+dynamic_sampling": (0.6, 0.7, 0.8), "lr_5e-5+format_0": (0.5, 0.5, 0.5),
+                  "lr_7e-5+format_0+decay+zero_truncated": (0.9, 0.9, 0.31)}
+    test = {"demo_recipe+dynamic_sampling": 0.95, "lr_5e-5+format_0": 0.99, "lr_7e-5+format_0+decay+zero_truncated": 0.2}
+    for arm, finals in validation.items():
+        for seed, final in enumerate(finals):
+            run_dir = tmp_path / f"{arm}_seed{seed}"
+            run_dir.mkdir()
+            (run_dir / "study_run.json").write_text(json.dumps(recipe_of(study, run_dir).recipe()))
+            rows = [{"step": s, "step_time_s": 10.0, "groups_with_signal": 0.5,
+                     **({"eval_accuracy": final * s / 20} if s % 5 == 0 else {})} for s in range(1, 21)]
+            (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            (run_dir / "summary.json").write_text(json.dumps({
+                "config_hash": recipe_of(study, run_dir).config_hash(), "steps": 20, "eval_accuracy_initial": 0.0,
+                "eval_accuracy_final": final, "eval_last_number_initial": 0.5, "eval_last_number_final": final,
+                "wall_time_s": 300}))
+            for out, accuracy in (("eval-test", test[arm]), ("eval-test-base", 0.0)):  # meshrl eval's, cached
+                (run_dir / out).mkdir()
+                (run_dir / out / "eval.json").write_text(json.dumps({"rates": {
+                    "eval_accuracy": accuracy, "eval_last_number": accuracy, "eval_truncated": 0.0}}))
+    monkeypatch.setattr(demo_heldout, "resolve_checkpoint", lambda source: tmp_path / "base")
+    assert demo_heldout.ranked({arm: [{"final": v} for v in finals] for arm, finals in validation.items()}) == [
+        "lr_7e-5+format_0+decay+zero_truncated", "demo_recipe+dynamic_sampling", "lr_5e-5+format_0"]
+    text = write_report(study, tmp_path).read_text()
+    assert "Chosen: **lr_7e-5+format_0+decay+zero_truncated**" in text
+    assert "| worst seed | 0.200 | 0.200 | 0.000 |" in text and "| untrained model | 0.000 | 0.000 | 0.000 |" in text
+    assert "0.990" not in text and "0.950" not in text  # the other recipes' test figures are not read
