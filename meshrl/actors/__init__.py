@@ -86,7 +86,9 @@ def has_bf16_math(device: torch.device) -> bool:
     """Whether bf16 matmuls run natively on `device`: CUDA GPUs that support bf16, and CPUs with
     AVX512-BF16 or AMX. Elsewhere (AVX2-only CPUs) torch and vLLM emulate them: measured here, a
     SmolLM2 forward and backward took 26x as long as in fp32, and vLLM sampled at a third of its fp32
-    speed. No more accurate either: fp32 is the better choice there."""
+    speed. No more accurate either: fp32 is the better choice there. This is the floor (bf16 autocast
+    is never turned on without it); whether bf16 is worth it where it is native is
+    meshrl/actors/dtypes.py's choice (some CPUs multiply slower in bf16 than in fp32)."""
     import torch
 
     if device.type == "cuda":

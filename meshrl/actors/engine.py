@@ -6,7 +6,8 @@ import atexit
 import gc
 import os
 
-from meshrl.actors import has_bf16_math, pin_cpus, resolve_device
+from meshrl.actors import pin_cpus, resolve_device
+from meshrl.actors.dtypes import bf16_choice
 
 
 def start_vllm(checkpoint: str, *, dtype: str, max_model_len: int, memory_fraction: float, seed: int,
@@ -52,8 +53,9 @@ def _without_collections(shutdown) -> None:
 
 
 def vllm_dtype(dtype: str) -> str:
-    """`auto`: bfloat16 where vLLM's device (a GPU if there is one, else the CPU) has bf16 math, else
-    float32; any other value goes to vLLM as it is."""
+    """`auto`: bf16 or fp32 as meshrl/actors/dtypes.py chooses for vLLM's device (a GPU if there is one,
+    else the CPU, measured with this process's threads; a run decides before its actors start and passes the
+    answer); any other value goes to vLLM as it is."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if has_bf16_math(resolve_device("auto")) else "float32"
+    return bf16_choice(resolve_device("auto")).dtype

@@ -1,14 +1,12 @@
 """Starting a run's actors, all before a step runs: each role's implementation checked against its
-contract, its proc mesh spawned on the hosts its config names, and the dtype weights are published in.
-(The config checks itself: meshrl/configs/, Config.check.)"""
+contract, its proc mesh spawned on the hosts its config names. (The config checks itself: meshrl/configs/,
+Config.check; the dtypes are decided before: meshrl/runtime/dtypes.py.)"""
 
 import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-from monarch.actor import Actor, endpoint
 
 from meshrl.actors import load_actor_class, placement, spawn, spawn_ranks
 from meshrl.actors.replay_buffer import buffer_impl
@@ -124,35 +122,3 @@ def note_fault(failure) -> None:
     """Monarch's hook for a dead actor process that no one supervises: its default exits the whole
     program. Here the failed calls raise instead, and the pools replace replicas."""
     logger.debug("actor failure: %s", failure)
-
-
-class DtypeProbe(Actor):
-    """Asked on a generator's host which dtype vLLM serves there (its hardware decides `auto`)."""
-
-    @endpoint
-    async def served(self, dtype: str) -> str:
-        from meshrl.actors.engine import vllm_dtype
-
-        return vllm_dtype(dtype)
-
-
-VLLM_DTYPES = {"half": "float16", "float": "float32"}  # vLLM's other names for them
-
-
-async def weight_dtype(config: Config, hosts: Hosts, local: bool) -> str:
-    """The dtype versions are published in: `weight_sync.dtype`, or for `auto` the one the generators
-    serve (vLLM's on generator 0's host, asked there unless it is this one, `local`), so that the served
-    policy is exactly the trained one, not a rounded copy."""
-    if config.weight_sync.dtype != "auto":
-        return config.weight_sync.dtype
-    if local:
-        from meshrl.actors.engine import vllm_dtype
-
-        served = vllm_dtype(config.generator.dtype)
-    else:
-        procs, probe = spawn("dtype_probe", DtypeProbe, host=hosts.host("generator", 0))
-        try:
-            served = await probe.served.call_one(config.generator.dtype)
-        finally:
-            await procs.stop()
-    return VLLM_DTYPES.get(served, served)

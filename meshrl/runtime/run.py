@@ -37,10 +37,11 @@ from meshrl.controller import Controller
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
 from meshrl.restarts import Respawner
 from meshrl.rollout import RolloutCollector
+from meshrl.runtime.dtypes import Dtypes, choose_dtypes, run_roles
 from meshrl.runtime.gpu_plan import plan_gpus
 from meshrl.runtime.jobs import Hosts, gpus_per_host, make_job, plan
 from meshrl.runtime.launch import (Actors, actor_classes, generator_args, note_fault, spawn_actors, spawn_buffer,
-                                   spawn_ranked, weight_dtype)
+                                   spawn_ranked)
 from meshrl.runtime.loggers import MetricLoggers, RolloutRecorder
 from meshrl.runtime.metric_rows import MetricRows
 from meshrl.runtime.plot import plot_curves
@@ -79,6 +80,7 @@ class Run:
         self.controller: Controller | None = None
         self.where: dict[str, tuple] = {}  # trainer / reference -> (host(s), pid(s))
         self.rings: list = []  # the trainer ranks' weight rings, which generators attach to
+        self.dtypes: Dtypes | None = None  # what each role computes in, and why (decided at the start)
 
     def fit_prompts(self) -> None:
         """Tasks that can (the dataset's) drop samples whose prompts could not be generated from: more
@@ -159,8 +161,11 @@ class Run:
     async def _start(self) -> None:
         """The job's hosts, every role's actors on them and the generator and grader pools."""
         self.hosts = await self._start_job()
-        self.config.weight_sync.dtype = await weight_dtype(self.config, self.hosts,
-                                                           local=not self.placement["generator"].group)
+        # every `auto` dtype decided once, here, and handed to the roles in their configs
+        self.dtypes = await choose_dtypes(self.config, self.placement, self.hosts, run_roles(self.classes),
+                                          self.gpus.apply(self.config))
+        for line in self.dtypes.describe():
+            tqdm.write(line)
         self.actors = await spawn_actors(self.gpus.apply(self.config), self.classes, self.model_path, self.hosts,
                                          self.tokenizer.pad_id)
         self.signals.install()
@@ -175,6 +180,7 @@ class Run:
         final = {k: v for k, v in rows[-1].items() if k.startswith("eval_")} if rows else {}
         summary = {**{f"{k}_initial": v for k, v in initial.items()}, **{f"{k}_final": v for k, v in final.items()},
                    "steps": len(rows), "wall_time_s": wall_time, "config_hash": self.recipe,
+                   **({"dtypes": self.dtypes.summary()} if self.dtypes else {}),
                    **({"stopped_by": self.signals.stopped_by} if self.signals.stopped_by else {}),
                    **({"failed": failure} if failure else {})}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
