@@ -62,6 +62,11 @@ class DiskReader:
     def __init__(self, handle: DiskHandle):
         self.directory = Path(handle.directory)
 
+    def memory(self) -> list:
+        """None of what it reads lies in shared memory (as `ShardedReader.memory`): a tensor-parallel
+        handoff copies it all."""
+        return []
+
     async def newest(self) -> int:
         found = versions(self.directory)
         return found[-1] if found else -1

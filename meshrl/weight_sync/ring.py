@@ -74,23 +74,27 @@ def checksum(payload: torch.Tensor) -> int:
     return zlib.crc32(memoryview(payload.numpy()))
 
 
-class _SharedMemory:
+class SharedMemory:
     """A memfd mapping: freed by the kernel when the last process holding it exits, even on a crash."""
 
     def __init__(self, fd: int, nbytes: int):
-        self.fd = fd
+        self.fd, self.nbytes = fd, nbytes
         self.mmap = mmap.mmap(fd, nbytes)
         self.tensor = torch.frombuffer(self.mmap, dtype=torch.uint8)
 
-    @staticmethod
-    def create(nbytes: int) -> "_SharedMemory":
-        fd = os.memfd_create("meshrl-weight-ring")
-        os.ftruncate(fd, nbytes)
-        return _SharedMemory(fd, nbytes)
+    def region(self) -> tuple[int, int, int]:
+        """(pid, fd, nbytes): what another process of this host needs to map this memory (`attach`)."""
+        return os.getpid(), self.fd, self.nbytes
 
     @staticmethod
-    def attach(pid: int, fd: int, nbytes: int) -> "_SharedMemory":
-        return _SharedMemory(os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR), nbytes)
+    def create(nbytes: int) -> "SharedMemory":
+        fd = os.memfd_create("meshrl-weight-ring")
+        os.ftruncate(fd, nbytes)
+        return SharedMemory(fd, nbytes)
+
+    @staticmethod
+    def attach(pid: int, fd: int, nbytes: int) -> "SharedMemory":
+        return SharedMemory(os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR), nbytes)
 
 
 def _header_bytes(slots: int, writers: int) -> int:
@@ -154,9 +158,10 @@ class WeightRing:
 
     def __init__(self, layout: WeightLayout, slots: int = 2, chunk_mb: int = 16, checksums: bool = False,
                  pieces: Pieces | None = None, ranks: tuple[int, int] = (0, 1), world: int = 1,
-                 writer: int = 0, attach_to: tuple[int, int, int] | None = None):
+                 writer: int = 0, attach_to: tuple[int, int, int] | None = None, register: bool = True):
         """The first writer creates the ring; writer k > 0 maps it, given the first's `attach_info()`,
-        and has no handle of its own (readers read the ring through the first's)."""
+        and has no handle of its own (readers read the ring through the first's). `register` False: no
+        handle at all (no Monarch RDMA buffers; a ring timed in one process, meshrl/weight_sync/staging.py)."""
         if slots < 2:
             raise ValueError("a weight ring needs at least 2 slots, so readers never race the only copy")
         # where the seqlock's order cannot be enforced (no fence, not x86), only a checksum catches a torn copy
@@ -165,9 +170,9 @@ class WeightRing:
         writers = 1 if pieces is None else len(pieces)
         size = _slot_offsets(slots, writers, layout.nbytes)[-1]
         if attach_to is None:
-            self.memory = _SharedMemory.create(size)
+            self.memory = SharedMemory.create(size)
         else:
-            self.memory = _SharedMemory.attach(attach_to[0], attach_to[1], size)
+            self.memory = SharedMemory.attach(attach_to[0], attach_to[1], size)
         token, self.header, self.payloads = _regions(self.memory.tensor, slots, writers, layout.nbytes)
         if attach_to is None:
             token.fill_(secrets.randbits(62))
@@ -176,7 +181,7 @@ class WeightRing:
         self.token = int(token)
         self.dtypes = {spec.name: spec.dtype for spec in layout.specs}
         self.publishes = 0
-        self._handle = None if writer else self._register(chunk_mb << 20, ranks, world)
+        self._handle = None if writer or not register else self._register(chunk_mb << 20, ranks, world)
 
     def _register(self, chunk: int, ranks: tuple[int, int], world: int) -> RingHandle:
         from monarch.rdma import RDMABuffer
@@ -231,7 +236,10 @@ class RingReader:
         handle.layout.check_matches(expected)
         self.handle, self.layout, self.max_attempts = handle, expected, max_attempts
         self.transport = choose_transport(handle, transport)
-        self.bytes = torch.empty(expected.nbytes, dtype=torch.uint8)  # this reader's copy of a version
+        # this reader's copy of a version, in shared memory of its own: vLLM's tensor-parallel workers map it
+        # (meshrl/weight_sync/handoff.py)
+        self.copy = SharedMemory.create(max(expected.nbytes, 1))
+        self.bytes = self.copy.tensor[:expected.nbytes]
         self.header_bytes = torch.empty(_header_bytes(handle.slots, handle.writers), dtype=torch.uint8)
         self.torn_reads = 0  # copies thrown away because the slot was rewritten meanwhile
         self.corrupt_reads = 0  # copies the seqlock passed but the checksum refused (should stay 0)
@@ -241,7 +249,7 @@ class RingReader:
                 raise RuntimeError("this CPU does not order the ring's stores and loads and no fence can be issued "
                                    "here (libatomic is missing): set weight_sync.checksums=true")
             size = _slot_offsets(handle.slots, handle.writers, expected.nbytes)[-1]
-            self.memory = _SharedMemory.attach(handle.pid, handle.fd, size)
+            self.memory = SharedMemory.attach(handle.pid, handle.fd, size)
             token, self.rows, self.payloads = _regions(self.memory.tensor, handle.slots, handle.writers,
                                                        expected.nbytes)
             if int(token) != handle.token:

@@ -11,7 +11,8 @@ within each head, across shard boundaries. One rank is the single-ring case.
 What a reader hands on is its own copy, never a view of the trainer's memory: each ring's slot is
 copied once into the reader's memory (over shared memory in a thread, off the event loop; over RDMA
 into the network's landing buffer) and checked there, so what was checked is what gets loaded; from
-rings on several hosts, the rows are then put together in full tensors (one copy more).
+rings on several hosts, the rows are then put together in full tensors (one copy more). Both lie in
+shared memory (memfd) of the reader's process, which a tensor-parallel replica's workers map.
 """
 
 import asyncio
@@ -21,7 +22,8 @@ from typing import Callable
 import torch
 
 from meshrl.weight_sync import WeightLayout
-from meshrl.weight_sync.ring import Pieces, RingHandle, RingReader, WeightRing, host_id, newest_together, pull_together
+from meshrl.weight_sync.ring import (Pieces, RingHandle, RingReader, SharedMemory, WeightRing, host_id, newest_together,
+                                     pull_together)
 
 Weights = list[tuple[str, torch.Tensor]]
 
@@ -97,8 +99,14 @@ class ShardedReader:
                         for h in handles]
         self.full, self.to_hf, self.max_attempts = full, to_hf, max_attempts
         self.transport = self.readers[0].transport
-        self.assembled: torch.Tensor | None = None  # the full tensors, with several rings
+        self.assembled: SharedMemory | None = None  # the full tensors, with several rings
         self.assembling = threading.Lock()
+
+    def memory(self) -> list[SharedMemory]:
+        """The shared memory that what `read_latest` returns lies in (besides any tensor `to_hf` made anew):
+        each ring's copy, and the assembled tensors'. A tensor-parallel replica's workers map it
+        (meshrl/weight_sync/handoff.py)."""
+        return [r.copy for r in self.readers] + ([self.assembled] if self.assembled is not None else [])
 
     @property
     def torn_reads(self) -> int:
@@ -138,8 +146,8 @@ class ShardedReader:
             return list(self.to_hf(dict(shards[0])).items())
         with self.assembling:  # one thread at a time writes the full tensors
             if self.assembled is None:
-                self.assembled = torch.empty(self.full.nbytes, dtype=torch.uint8)
-            full = dict(self.full.unpack(self.assembled))
+                self.assembled = SharedMemory.create(self.full.nbytes)
+            full = dict(self.full.unpack(self.assembled.tensor[:self.full.nbytes]))
             for reader, shard in zip(self.readers, shards):
                 (first, end), world = reader.handle.ranks, reader.handle.world
                 for name, tensor in shard:
