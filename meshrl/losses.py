@@ -12,9 +12,11 @@ add up to the update's loss. Metrics are sums over loss tokens (the caller divid
 """
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from meshrl.actors import has_bf16_math
 from meshrl.configs import LossConfig
+from meshrl.models.memory import DEFAULT_CHUNK_TOKENS
 from meshrl.types import TrainBatch
 
 
@@ -169,17 +171,78 @@ def token_entropy(logits: torch.Tensor, rows: int = 8) -> torch.Tensor:
     return out
 
 
+def response_hidden(model, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The final hidden states [N, D] at the batch's N loss positions only, and each position's sampling
+    temperature [N] (float32; None where every sequence was sampled at 1). `model` is a policy from
+    `model.load_policy`, whose forward stops before the LM head."""
+    mask = batch.loss_mask
+    hidden = model(batch.input_ids)[mask]
+    if batch.temperature is None or bool((batch.temperature == 1).all()):
+        return hidden, None
+    return hidden, batch.temperature.to(hidden.device).float().unsqueeze(-1).expand(mask.shape)[mask]
+
+
 def response_logits(model, batch: TrainBatch) -> torch.Tensor:
     """Logits [N, V] at the batch's N loss positions only, divided by each sequence's sampling
     temperature: those of the distribution its tokens were drawn from (float32 then). The LM head (a
     fifth of SmolLM2's weights) and the log-softmax over the vocabulary skip the prompt positions.
-    `model` is a policy from `model.load_policy`, whose forward stops before the LM head."""
+    All N positions at once: the trainer goes `chunk_tokens` at a time instead (`head_terms`)."""
+    hidden, temperature = response_hidden(model, batch)
+    logits = model.lm_head(hidden)
+    return logits if temperature is None else logits.float() / temperature.unsqueeze(-1)
+
+
+def _head_terms(head, hidden, targets, temperature, bf16: bool, entropy: str | None):
+    """log p(target) [n] and the entropy [n] (or None) of n positions from their hidden states: the
+    LM head in autocast, the rest in float32."""
+    with autocast(hidden.device, bf16):
+        logits = head(hidden)
+    logits = logits.float()
+    if temperature is not None:
+        logits = logits / temperature.unsqueeze(-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    if entropy is None:
+        return logprobs, None
+    if entropy == "bonus":  # differentiable: logsumexp - E_p[logit]
+        return logprobs, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logprobs, token_entropy(logits.detach())  # a metric: rows at a time, no graph
+
+
+def head_terms(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor | None, bf16: bool,
+               chunk_tokens: int, entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target) [N] and the entropy [N] (None without `entropy`: "metric", no gradient; "bonus",
+    with its gradient) from the hidden states [N, D] at N positions, `chunk_tokens` positions at a time
+    (0: all at once). With a gradient each chunk is checkpointed (torch.utils.checkpoint): its logits are
+    freed once its logprobs are taken and computed again in the backward, so the logits of one chunk
+    exist at a time, never [N, vocabulary] in float32 (7.5 GB at 8k tokens of Qwen3's 152k vocabulary),
+    for a second pass of the LM head's matrix product."""
+    n = hidden.shape[0]
+    if chunk_tokens <= 0 or n == 0:
+        return _head_terms(head, hidden, targets, temperature, bf16, entropy)
+    parts = []
+    for start in range(0, n, chunk_tokens):
+        part = slice(start, start + chunk_tokens)
+        args = (head, hidden[part], targets[part], None if temperature is None else temperature[part], bf16, entropy)
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(_head_terms, *args, use_reentrant=False, preserve_rng_state=False))
+        else:
+            parts.append(_head_terms(*args))
+    return (torch.cat([p[0] for p in parts]),
+            None if entropy is None else torch.cat([p[1] for p in parts]))
+
+
+def policy_terms(model, batch: TrainBatch, bf16_autocast: bool, chunk_tokens: int,
+                 entropy: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`model`'s logprob of every loss token [B, T] and (with `entropy`) its entropy there [B, T], 0
+    elsewhere: the forward in bf16 autocast (where the device has bf16 math), the LM head and the
+    log-softmax `chunk_tokens` positions at a time (`head_terms`)."""
     mask = batch.loss_mask
-    logits = model.lm_head(model(batch.input_ids)[mask])
-    if batch.temperature is None or bool((batch.temperature == 1).all()):
-        return logits
-    temperature = batch.temperature.to(logits.device).unsqueeze(-1).expand(mask.shape)[mask]
-    return logits.float() / temperature.unsqueeze(-1)
+    with autocast(batch.input_ids.device, bf16_autocast):
+        hidden, temperature = response_hidden(model, batch)
+    logprobs, values = head_terms(model.lm_head, hidden, batch.target_ids[mask], temperature, bf16_autocast,
+                                  chunk_tokens, entropy)
+    return on_positions(logprobs, mask), None if values is None else on_positions(values, mask)
 
 
 def on_positions(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -187,14 +250,19 @@ def on_positions(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
 
 
-def policy_logprobs(model, batch: TrainBatch, bf16_autocast: bool) -> torch.Tensor:
+def policy_logprobs(model, batch: TrainBatch, bf16_autocast: bool,
+                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
     """`model`'s logprob of every loss token [B, T] (0 elsewhere), without building a graph."""
-    with torch.no_grad(), autocast(batch.input_ids.device, bf16_autocast):
-        logits = response_logits(model, batch)
-    return on_positions(token_logprobs(logits, batch.target_ids[batch.loss_mask]), batch.loss_mask)
+    with torch.no_grad():
+        return policy_terms(model, batch, bf16_autocast, chunk_tokens)[0]
+
+
+def bf16_compute(device: torch.device, bf16: bool) -> bool:
+    """Whether a forward asked for bf16 autocast (`bf16`) runs in it on `device`: where it has bf16 math."""
+    return bf16 and has_bf16_math(device)
 
 
 def autocast(device: torch.device, bf16: bool):
     """bf16 autocast on the device the tensors live on where it has bf16 math, else none (fp32)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and has_bf16_math(device))
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16_compute(device, bf16))
 

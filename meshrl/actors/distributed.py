@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from meshrl.actors import pin_cpus, placement, resolve_device
 from meshrl.models.families import family_of
+from meshrl.models.memory import MemoryChoice, apply_checkpointing, resolve
 from meshrl.models.model import build_policy, load_policy, load_weights, read_hf_config
 from meshrl.types import BatchRef, TrainBatch
 
@@ -47,6 +48,16 @@ def join(device: str, cpus: str, num_threads: int) -> Rank:
     return Rank(rank, world, where)
 
 
+def memory_of(config, device: torch.device) -> MemoryChoice:
+    """The memory switches of a trainer's or the reference's config (the fields it has; the others off)
+    on `device`, "auto" resolved for it (meshrl/models/memory.py)."""
+    from meshrl.losses import bf16_compute
+
+    return resolve(device.type, bf16_compute(device, config.bf16_autocast),
+                   getattr(config, "activation_checkpointing", "off"), getattr(config, "bf16_all_gather", "off"),
+                   getattr(config, "dtype", "float32"))
+
+
 def all_gather(value, world: int) -> list:
     """Every rank's `value`, in rank order (small picklable values only)."""
     if world == 1:
@@ -56,32 +67,50 @@ def all_gather(value, world: int) -> list:
     return values
 
 
-def load_on_ranks(checkpoint, rank: Rank, lora=None):
+def load_on_ranks(checkpoint, rank: Rank, lora=None, memory: MemoryChoice | None = None, frozen: bool = False):
     """The policy from the HF checkpoint on this rank's device, and its state-dict adapter. On one rank
     it is loaded whole; on several it is built on the meta device, sharded with the family's FSDP2
     plan, and each rank reads only its own rows from the safetensors files (torch.distributed
-    .checkpoint's Hugging Face reader), so the full model is never in one rank's memory."""
+    .checkpoint's Hugging Face reader), so the full model is never in one rank's memory.
+
+    `memory` (meshrl/models/memory.py): torchtitan's activation checkpointing on its layers, and FSDP2's
+    all-gathers in its dtype; a `frozen` model (the reference) holds its weights in its reference dtype
+    instead, and all-gathers them as they are."""
+    memory = memory or resolve("cpu", False, "off", "off", "float32")
+    weights = memory.torch_dtype("reference_dtype") if frozen else torch.float32
+    gather = weights if frozen else memory.torch_dtype("all_gather_dtype")
     if rank.world == 1:
         model, adapter = load_policy(checkpoint, lora=lora)
+        _cast_parameters(model, weights)
+        apply_checkpointing(model, memory.activation_checkpointing)
         return model.to(rank.device), adapter
     from torch.distributed.tensor import distribute_tensor
 
     hf_config = read_hf_config(checkpoint)
     with torch.device("meta"):
         model, adapter = build_policy(hf_config, lora)
+    _cast_parameters(model, weights)
+    apply_checkpointing(model, memory.activation_checkpointing)  # inside FSDP2's units, as torchtitan applies it
     family = family_of(hf_config)
-    shard(model, rank, family.shard)
+    shard(model, rank, family.shard, gather)
     model.to_empty(device=rank.device)
     family.init_buffers(model, rank.device)  # RoPE tables; the weights come next
     state = model.state_dict()
     titan = adapter.from_hf(read_hf_shards(checkpoint, state, adapter))
     for name, value in titan.items():  # what the adapter transformed was read whole: keep this rank's rows
         if isinstance(state[name], DTensor) and not isinstance(value, DTensor):
-            titan[name] = distribute_tensor(value.to(rank.device), state[name].device_mesh, state[name].placements,
-                                            src_data_rank=None)
+            titan[name] = distribute_tensor(value.to(rank.device, state[name].dtype), state[name].device_mesh,
+                                            state[name].placements, src_data_rank=None)
     load_weights(model, titan)
     model._skip_lm_head = True
     return model, adapter
+
+
+def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The parameters (not the buffers: RoPE tables stay as built) in `dtype`; tied ones stay tied."""
+    if dtype != torch.float32:
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
 
 
 def read_hf_shards(checkpoint, state: dict, adapter) -> dict:
@@ -102,9 +131,10 @@ def read_hf_shards(checkpoint, state: dict, adapter) -> dict:
     return hf
 
 
-def shard(model: torch.nn.Module, rank: Rank, plan: Callable) -> None:
-    """FSDP2 over all ranks with the model family's plan (`Family.shard`), gradients summed over ranks,
-    not averaged (each rank's loss carries the whole update's normalisers); nothing on one rank.
+def shard(model: torch.nn.Module, rank: Rank, plan: Callable, param_dtype: torch.dtype = torch.float32) -> None:
+    """FSDP2 over all ranks with the model family's plan (`Family.shard`), parameters all-gathered in
+    `param_dtype`, gradients reduced in float32 and summed over ranks, not averaged (each rank's loss
+    carries the whole update's normalisers); nothing on one rank.
     Gloo has no PREMUL_SUM, which a divide factor of 1 asks for: forcing plain sums gives the same
     result on gloo and NCCL."""
     if rank.world == 1:
@@ -112,7 +142,7 @@ def shard(model: torch.nn.Module, rank: Rank, plan: Callable) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
 
-    plan(model, init_device_mesh(rank.device.type, (rank.world,), mesh_dim_names=("fsdp",)))
+    plan(model, init_device_mesh(rank.device.type, (rank.world,), mesh_dim_names=("fsdp",)), param_dtype)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

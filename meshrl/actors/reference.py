@@ -2,13 +2,14 @@
 
 It is placed as the trainer is (meshrl/actors/distributed.py): `reference.device`, and with
 `reference.ranks` > 1 sharded over that many processes by torchtitan's FSDP2, every rank answering
-for its own micro-batch of each round.
+for its own micro-batch of each round. Frozen, it holds its weights in `reference.dtype`: bf16 (half
+the memory of fp32) where its forward runs in bf16 autocast anyway (meshrl/models/memory.py).
 """
 
 import torch
 from monarch.actor import Actor, endpoint
 
-from meshrl.actors.distributed import from_buffer, join, load_on_ranks, to_buffer
+from meshrl.actors.distributed import from_buffer, join, load_on_ranks, memory_of, to_buffer
 from meshrl.configs import ReferenceConfig
 from meshrl.losses import policy_logprobs
 from meshrl.types import BatchRef, TrainBatch
@@ -18,7 +19,8 @@ class ReferenceModel(Actor):
     def __init__(self, config: ReferenceConfig, checkpoint: str):
         me = join(config.device, config.cpus, config.num_threads)
         self.config, self.device = config, me.device
-        self.model, _ = load_on_ranks(checkpoint, me)
+        # its weights in `reference.dtype` (auto: bf16 where its forward runs in bf16 autocast)
+        self.model, _ = load_on_ranks(checkpoint, me, memory=memory_of(config, self.device), frozen=True)
         self.model.eval().requires_grad_(False)
         self.buffer = None  # the replay buffer BatchRefs name micro-batches of
 

@@ -28,13 +28,12 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint
 from torch.distributed.tensor import DTensor
 
 from meshrl.actors import resident_gb, return_free_memory
-from meshrl.actors.distributed import all_gather, from_buffer, join, load_on_ranks, local, to_buffer
+from meshrl.actors.distributed import all_gather, from_buffer, join, load_on_ranks, local, memory_of, to_buffer
 from meshrl.actors.trace import ActorClock
 from meshrl.checkpoint import SafeReader, load_safely
 from meshrl.configs import TrainerConfig, WeightSyncConfig
 from meshrl.configs.lr_schedule import lr_scheduler
-from meshrl.losses import (autocast, check, on_positions, policy_logprobs, policy_loss, response_logits, token_entropy,
-                           token_logprobs)
+from meshrl.losses import check, policy_logprobs, policy_loss, policy_terms
 from meshrl.models.lora import adapter_config, adapter_off, is_adapter, save_adapter
 from meshrl.models.model import save_checkpoint
 from meshrl.types import BatchRef, TrainBatch
@@ -61,7 +60,8 @@ class TitanTrainer(Actor):
         self.config = config
         self.checkpoint = Path(checkpoint)
         check(config.loss)
-        self.model, self.adapter = load_on_ranks(self.checkpoint, me, config.lora)
+        self.memory = memory_of(config, self.device)  # activation checkpointing, all-gather dtype (meshrl/models/memory.py)
+        self.model, self.adapter = load_on_ranks(self.checkpoint, me, config.lora, self.memory)
         self.model.train()
         self.lora = config.lora if config.lora.rank else None  # an adapter on the frozen base (meshrl/models/lora.py)
         trained = [p for p in self.model.parameters() if p.requires_grad]
@@ -93,17 +93,14 @@ class TitanTrainer(Actor):
     async def forward_backward(self, batch: TrainBatch | BatchRef) -> dict:
         """Accumulate the loss's gradient over one micro-batch (a BatchRef: taken from the replay buffer);
         returns the loss's metric sums. Logprobs are taken from logits / the batch's sampling temperature:
-        the distribution its tokens came from."""
+        the distribution its tokens came from, `trainer.logprob_chunk_tokens` positions at a time."""
         await publishes_started()
         batch = await from_buffer(self.buffer, batch, self.clock, self.policy_version)
         with self.clock.span("train", self.policy_version):
             batch = batch.to(self.device)
-            mask = batch.loss_mask
-            with autocast(self.device, self.config.bf16_autocast):
-                logits = response_logits(self.model, batch)
-            with torch.set_grad_enabled(self.config.loss.entropy_coef > 0):  # else the entropy is a metric only
-                entropy = on_positions(token_entropy(logits), mask)
-            logprobs = on_positions(token_logprobs(logits, batch.target_ids[mask]), mask)
+            bonus = self.config.loss.entropy_coef > 0  # else the entropy is a metric only
+            logprobs, entropy = policy_terms(self.model, batch, self.config.bf16_autocast,
+                                             self.config.logprob_chunk_tokens, "bonus" if bonus else "metric")
             loss, metrics = policy_loss(logprobs, batch, self.config.loss, entropy)
             loss.backward()
         return metrics
@@ -115,7 +112,8 @@ class TitanTrainer(Actor):
         await publishes_started()
         micro = await from_buffer(self.buffer, batch, self.clock, self.policy_version)
         with self.clock.span("logprobs", self.policy_version):
-            values = policy_logprobs(self.model, micro.to(self.device), self.config.bf16_autocast).cpu()
+            values = policy_logprobs(self.model, micro.to(self.device), self.config.bf16_autocast,
+                                     self.config.logprob_chunk_tokens).cpu()
         return await to_buffer(self.buffer, batch, values)
 
     @endpoint
@@ -127,7 +125,8 @@ class TitanTrainer(Actor):
         await publishes_started()
         micro = await from_buffer(self.buffer, batch, self.clock, self.policy_version)
         with self.clock.span("reference", self.policy_version), adapter_off(self.model):
-            values = policy_logprobs(self.model, micro.to(self.device), self.config.bf16_autocast).cpu()
+            values = policy_logprobs(self.model, micro.to(self.device), self.config.bf16_autocast,
+                                     self.config.logprob_chunk_tokens).cpu()
         return await to_buffer(self.buffer, batch, values)
 
     @endpoint

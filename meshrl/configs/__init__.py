@@ -18,6 +18,7 @@ from meshrl.configs.lr_schedule import LrScheduleConfig
 from meshrl.configs.overrides import ConfigError, apply_overrides
 from meshrl.models.lora import LoraConfig
 from meshrl.tasks.dataset import DatasetConfig
+from meshrl.models.memory import CHECKPOINTING, ON_OFF, REFERENCE_DTYPES
 from meshrl.tasks.reasoning_gym import ReasoningGymConfig
 from meshrl.tasks.sum_digits import SumDigitsConfig
 from meshrl.tasks.zorplex import ZorplexConfig
@@ -170,6 +171,9 @@ class TrainerConfig:
     micro_batch_tokens: int = 0  # > 0: micro-batches filled up to this many padded positions instead, sequences sorted by length (less padding); 0: micro_batch_size sequences each
     mini_batches: int = 1  # optimizer updates per step: the step's episodes split in this many mini-batches
     bf16_autocast: bool = True  # forward in bf16 autocast where the device has bf16 math (CUDA, CPUs with AVX512-BF16 or AMX; fp32 elsewhere); master weights stay fp32
+    activation_checkpointing: str = "auto"  # torchtitan's, per layer: off | full (recompute each layer's forward in the backward) | selective (keep every second matmul's output); auto: full on CUDA, off on the CPU (meshrl/models/memory.py)
+    bf16_all_gather: str = "auto"  # FSDP2 all-gathers parameters in bf16 (gradients reduced in fp32, master weights fp32; ranks > 1): on | off; auto: on where the forward runs in bf16 autocast
+    logprob_chunk_tokens: int = 1024  # the LM head, log-softmax and entropy this many positions at a time, each chunk recomputed in the backward (no [tokens, vocabulary] fp32 logits); 0: all at once
     device: str = "auto"  # auto (planned GPUs if the hosts have some, else the CPU) | cpu | cuda | cuda:N (per local rank: "cuda:4;cuda:5")
     ranks: int = 1  # trainer processes (data parallel, the model sharded with FSDP2 over them)
     num_threads: int = 2  # torch threads of each rank
@@ -182,7 +186,8 @@ class TrainerConfig:
 
     def check(self) -> None:
         at_least(self, "trainer", mini_batches=1, micro_batch_size=1, micro_batch_tokens=0, ranks=1, num_threads=1,
-                 max_bad_steps=1, max_restarts=0)
+                 max_bad_steps=1, max_restarts=0, logprob_chunk_tokens=0)
+        one_of(self, "trainer", activation_checkpointing=CHECKPOINTING, bf16_all_gather=ON_OFF)
         self.loss.check()
         self.lora.check()
         self.lr_schedule.check()
@@ -217,6 +222,7 @@ class ReferenceConfig:
 
     impl: str = "meshrl.actors.reference:ReferenceModel"  # the actor class, module:Class
     bf16_autocast: bool = True  # forward in bf16 autocast where the device has bf16 math (as the trainer's)
+    dtype: str = "auto"  # its frozen weights: bfloat16 | float32; auto: bfloat16 where its forward runs in bf16 autocast
     device: str = "auto"  # auto (planned GPUs if the hosts have some, else the CPU) | cpu | cuda | cuda:N (per local rank: "cuda:4;cuda:5")
     ranks: int = 1  # processes, the model sharded with FSDP2 over them (as the trainer's)
     num_threads: int = 2  # torch threads of each rank
@@ -234,6 +240,7 @@ class ReplayBufferConfig:
     """The replay buffer between the controller and the trainer (meshrl/actors/replay_buffer.py): it
     holds the episodes of finished groups, collates each step's micro-batches, and hands them to the
     trainer's ranks."""
+        one_of(self, "reference", dtype=REFERENCE_DTYPES)
 
     impl: str = "fifo"  # fifo (each group trained once, in the batch it was generated for) | replay (groups trained again, see below) | module:Class
     max_reuse: int = 2  # replay: times a group may be trained again after its first, while within controller.max_policy_age
@@ -385,7 +392,7 @@ def to_dict(config: Config) -> dict:
 # what it computes (the model, the task, the losses, the batch shapes, the staleness bound, ...).
 RESUMABLE = ("controller.steps", "controller.eval_every", "checkpoint.", "logging.", "job.", "weight_sync.transport",
              "weight_sync.checksums", "weight_sync.chunk_mb", "weight_sync.poll_s", "weight_sync.verify", ".hosts", ".cpus", ".num_threads", ".timeout_s",
-             ".max_restarts", "trainer.max_bad_steps", "generator.replicas", "grader.replicas", "controller.stop_timeout_s", "controller.restart_window_s",
+             ".max_restarts", "trainer.max_bad_steps", "trainer.activation_checkpointing", "trainer.logprob_chunk_tokens", "generator.replicas", "grader.replicas", "controller.stop_timeout_s", "controller.restart_window_s",
              "controller.max_failed_fraction", "trainer.ranks", "reference.ranks")
 
 

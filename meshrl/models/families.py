@@ -34,11 +34,13 @@ _ONES = {"weight": nn.init.ones_}
 _WIDE = {"weight": partial(nn.init.normal_, std=0.05)}
 
 
-def shard_decoder(model: nn.Module, mesh) -> None:
-    """FSDP2 as torchtitan applies it to a decoder (dense or MoE), in fp32."""
+def shard_decoder(model: nn.Module, mesh, param_dtype: torch.dtype = torch.float32) -> None:
+    """FSDP2 as torchtitan applies it to a decoder (dense or MoE): parameters all-gathered in
+    `param_dtype` (FSDP2's MixedPrecisionPolicy; the shards, the master weights, keep their own dtype),
+    gradients reduced in float32."""
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
-    apply_fsdp_to_decoder(model, mesh, torch.float32, torch.float32, pp_enabled=False)
+    apply_fsdp_to_decoder(model, mesh, param_dtype, torch.float32, pp_enabled=False)
 
 
 @torch.no_grad()
@@ -53,7 +55,7 @@ class Family:
     titan_config: Callable[[dict], object]  # HF config -> torchtitan model config
     adapter: Callable[[object], object]  # torchtitan model config -> state-dict adapter (to_hf / from_hf)
     tiny: Callable[[dict], dict] | None  # SmolLM2's HF config -> the tiny stand-in's HF config
-    shard: Callable[[nn.Module, object], None] = shard_decoder  # FSDP2 over a device mesh
+    shard: Callable[..., None] = shard_decoder  # FSDP2 over a device mesh: (model, mesh, all-gather dtype)
     build: Callable[[object], nn.Module] = lambda config: config.build()  # the model of a torchtitan config
     init_buffers: Callable[[nn.Module, object], None] = _init_buffers  # after `to_empty` on a device
     lora_modules: dict[str, str] | None = None  # LoRA targets: HF's module name -> torchtitan's (None: no LoRA)

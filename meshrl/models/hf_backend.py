@@ -107,12 +107,15 @@ def init_buffers(model: nn.Module, device: torch.device) -> None:
                     setattr(module, key, value)
 
 
-def shard(model: nn.Module, mesh) -> None:
+def shard(model: nn.Module, mesh, param_dtype: torch.dtype = torch.float32) -> None:
     """FSDP2 per decoder layer, the embedding, final norm and LM head as one group (they may be tied),
-    then the root. (torchtitan's own plan for the backend asks gloo for a PREMUL_SUM it does not have.)"""
-    from torch.distributed.fsdp import fully_shard
+    then the root; parameters all-gathered in `param_dtype`, gradients reduced in float32. (torchtitan's
+    own plan for the backend asks gloo for a PREMUL_SUM it does not have.)"""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    settings = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                                                 cast_forward_inputs=False)}
     for layer in model.layers.values():
-        fully_shard(layer, mesh=mesh)
-    fully_shard([model.tok_embeddings, model.norm, model.lm_head], mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, **settings)
+    fully_shard([model.tok_embeddings, model.norm, model.lm_head], **settings)
+    fully_shard(model, **settings)
