@@ -79,7 +79,7 @@ def load_on_ranks(checkpoint, rank: Rank, lora=None, memory: MemoryChoice | None
     memory = memory or resolve("cpu", False, "off", "off", "float32")
     weights = memory.torch_dtype("reference_dtype") if frozen else torch.float32
     gather = weights if frozen else memory.torch_dtype("all_gather_dtype")
-    if rank.world == 1:
+    if not sharded(rank):
         model, adapter = load_policy(checkpoint, lora=lora)
         _cast_parameters(model, weights)
         apply_checkpointing(model, memory.activation_checkpointing)
@@ -131,13 +131,20 @@ def read_hf_shards(checkpoint, state: dict, adapter) -> dict:
     return hf
 
 
+def sharded(rank: Rank) -> bool:
+    """Whether the model is sharded with FSDP2: on several ranks, or on one in a process group that its
+    process already has (`meshrl check gpu` runs FSDP2 over NCCL at world 1 so; a trainer of one rank
+    has none and loads its model whole)."""
+    return rank.world > 1 or dist.is_initialized()
+
+
 def shard(model: torch.nn.Module, rank: Rank, plan: Callable, param_dtype: torch.dtype = torch.float32) -> None:
     """FSDP2 over all ranks with the model family's plan (`Family.shard`), parameters all-gathered in
     `param_dtype`, gradients reduced in float32 and summed over ranks, not averaged (each rank's loss
     carries the whole update's normalisers); nothing on one rank.
     Gloo has no PREMUL_SUM, which a divide factor of 1 asks for: forcing plain sums gives the same
     result on gloo and NCCL."""
-    if rank.world == 1:
+    if not sharded(rank):
         return
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
