@@ -14,6 +14,10 @@ import pytest
 from actor_helpers import vllm_generates
 from assertions import assert_each_prompt_trained_once, assert_final_policy_is_the_trained_one, assert_staleness_bound
 
+from meshrl.actors import resolve_device
+from meshrl.actors.dtypes import bf16_choice
+from meshrl.configs import Config, from_dict
+from meshrl.configs.recipe import recipe_hash
 from meshrl.models.model import cache_dir
 
 KEYS = {"step", "policy_version", "reward_mean", "reward_std", "accuracy", "format", "last_number", "copied", "loss",
@@ -66,6 +70,19 @@ def test_smoke_run_on_two_ranks_writes_metrics_plot_and_a_final_policy_vllm_load
         assert summary[k + "_final"] == rows[-1][k] and (summary[k + "_initial"] * 8).is_integer()
         assert f"eval {what}: step 0 {summary[k + '_initial']:.3f} -> step 3 {summary[k + '_final']:.3f}" in result.stdout
     assert json.loads((run_dir / "config.json").read_text())["controller"]["steps"] == 3
+    # each role's dtype, chosen once at the start by the rule for this machine (from the measurement the run
+    # cached, one thread as the roles have), printed in a line and kept with its reason in the summary;
+    # config.json and the recipe's hash keep the user's settings (`auto`)
+    rule = bf16_choice(resolve_device("auto"), 1)
+    autocast = "bf16 autocast" if rule.bf16 else "float32"
+    chosen = summary["dtypes"]
+    assert {role: c["dtype"] for role, c in chosen.items()} == {
+        "generator": rule.dtype, "weight_sync": rule.dtype, "trainer": autocast, "reference": autocast}
+    assert all(chosen[role]["reason"] == rule.reason for role in ("generator", "trainer", "reference"))
+    assert f"dtype: generator {rule.dtype}, trainer {autocast}, reference {autocast} ({rule.reason})" in result.stdout
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["generator"]["dtype"] == "auto" and saved["trainer"]["bf16_autocast"] is True
+    assert summary["config_hash"] == recipe_hash(from_dict(Config, saved))
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # TensorBoard reads back what metrics.jsonl says, key for key, step for step (lists as key/i)
@@ -152,6 +169,10 @@ def test_a_reasoning_gym_mix_graded_by_a_judge_model_trains_and_reports_each_dat
     assert any(r["reward_components"]["judge_parsed"] for r in rollouts)  # SmolLM2 answers yes or no
     rows = [json.loads(line) for line in (judge_run / "metrics.jsonl").read_text().splitlines()]
     assert {"judge_yes", "judge_agrees", "eval_judge_yes"} <= rows[-1].keys()
+    # the judge's vLLM dtype was chosen at the start with the others, by the same rule (its one thread)
+    judge, rule = json.loads((judge_run / "summary.json").read_text())["dtypes"]["judge"], bf16_choice(
+        resolve_device("auto"), 1)
+    assert (judge["dtype"], judge["reason"]) == (rule.dtype, rule.reason)
     evaluated = {k for row in rows for k in row if k.startswith("eval_accuracy/")}
     assert evaluated == {"eval_accuracy/chain_sum", "eval_accuracy/leg_counting"}
     assert {k for row in rows for k in row if k.startswith("accuracy/")} <= {"accuracy/chain_sum", "accuracy/leg_counting"}

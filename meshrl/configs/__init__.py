@@ -57,7 +57,7 @@ class GeneratorConfig:
     temperature: float = 1.0  # sampling temperature of training rollouts
     top_p: float = 1.0  # nucleus sampling of training rollouts: must stay 1 (the trainer's logprobs are of the whole distribution at `temperature`)
     max_model_len: int = 512  # vLLM's context length
-    dtype: str = "auto"  # vLLM's weight dtype: auto (bfloat16 where the device has bf16 math, else float32) | bfloat16 | float32
+    dtype: str = "auto"  # vLLM's weight dtype: auto (bfloat16 on a GPU with bf16, and on a CPU whose bf16 matmuls measure faster than float32 at the run's start; else float32) | bfloat16 | float32
     memory_fraction: float = 0.2  # vLLM's gpu_memory_utilization; on CPU a share of host memory
     kv_cache_gib: int = 1  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
     num_threads: int = 2  # torch/OpenMP threads of each replica
@@ -170,7 +170,7 @@ class TrainerConfig:
     micro_batch_size: int = 16  # sequences per forward/backward pass (gradients accumulate)
     micro_batch_tokens: int = 0  # > 0: micro-batches filled up to this many padded positions instead, sequences sorted by length (less padding); 0: micro_batch_size sequences each
     mini_batches: int = 1  # optimizer updates per step: the step's episodes split in this many mini-batches
-    bf16_autocast: bool = True  # forward in bf16 autocast where the device has bf16 math (CUDA, CPUs with AVX512-BF16 or AMX; fp32 elsewhere); master weights stay fp32
+    bf16_autocast: bool = True  # forward in bf16 autocast where bf16 pays (a GPU with bf16; a CPU whose bf16 matmuls measure faster than fp32 at the run's start, as generator.dtype auto; fp32 elsewhere); master weights stay fp32
     activation_checkpointing: str = "auto"  # torchtitan's, per layer: off | full (recompute each layer's forward in the backward) | selective (keep every second matmul's output); auto: full on CUDA, off on the CPU (meshrl/models/memory.py)
     bf16_all_gather: str = "auto"  # FSDP2 all-gathers parameters in bf16 (gradients reduced in fp32, master weights fp32; ranks > 1): on | off; auto: on where the forward runs in bf16 autocast
     logprob_chunk_tokens: int = 1024  # the LM head, log-softmax and entropy this many positions at a time, each chunk recomputed in the backward (no [tokens, vocabulary] fp32 logits); 0: all at once
@@ -221,7 +221,7 @@ class ReferenceConfig:
     """The frozen initial policy that the KL penalty pulls toward (used when trainer.loss.kl_coef > 0)."""
 
     impl: str = "meshrl.actors.reference:ReferenceModel"  # the actor class, module:Class
-    bf16_autocast: bool = True  # forward in bf16 autocast where the device has bf16 math (as the trainer's)
+    bf16_autocast: bool = True  # forward in bf16 autocast where bf16 pays (as the trainer's)
     dtype: str = "auto"  # its frozen weights: bfloat16 | float32; auto: bfloat16 where its forward runs in bf16 autocast
     device: str = "auto"  # auto (planned GPUs if the hosts have some, else the CPU) | cpu | cuda | cuda:N (per local rank: "cuda:4;cuda:5")
     ranks: int = 1  # processes, the model sharded with FSDP2 over them (as the trainer's)

@@ -190,8 +190,8 @@ def machine() -> str:
 
     from meshrl.actors import cpu_name, has_bf16_math
 
-    bf16 = ("with bf16 math (AVX512-BF16 or AMX)" if has_bf16_math(torch.device("cpu"))
-            else "without bf16 math (fp32 training)")
+    bf16 = ("with native bf16 (AVX512-BF16 or AMX)" if has_bf16_math(torch.device("cpu"))
+            else "without native bf16 (fp32)")  # what each role chose is in its run's summary.json
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     gpus = f"{torch.cuda.device_count()} GPU(s)" if torch.cuda.is_available() else "no GPU"
     return (f"{os.cpu_count()} cores of {cpu_name()} {bf16}, {memory:.0f} GiB, {gpus}; "
