@@ -260,6 +260,7 @@ class Controller:
         """Train `batch` at its policy version, publish the next one; the step's row (without eval). A
         batch with nothing to train (every group dropped) trains nothing: 0 updates, no lr step."""
         t1 = time.perf_counter()
+        await self._sleep_generators()
         await self._added()
         async with self.tracer.span("replay_buffer", "sample", batch.index, timeout=self.timeouts.buffer):
             plan = await self.buffer.sample.call_one(batch.index, batch.groups)
@@ -302,6 +303,20 @@ class Controller:
         row["generator_idle"] = max(0.0, 1 - engines_busy / self.config.generator.replicas
                                     / (time.perf_counter() - start))
         return row
+
+    async def _sleep_generators(self) -> None:
+        """Synchronous training: replicas sharing their GPUs with the ranks free their memory while the step
+        trains (vLLM's sleep mode, generator.engine.sleep); each wakes at its next call. Bookkeeping: bounded,
+        a replica failing now is the pool's to find."""
+        if self.config.controller.max_policy_age or self.config.generator.engine.sleep == "off":
+            return
+
+        async def ask(replica):
+            async with deadline(self.timeouts.generate, "generator", "sleep"):
+                await replica.actor.sleep.call_one()
+
+        await asyncio.gather(*(ask(r) for r in self.generators.replicas if r.healthy and hasattr(r.actor, "sleep")),
+                             return_exceptions=True)
 
     async def _publish(self, version: int, trace_version: int) -> None:
         """The trainer's publish of `version`; once readable, the generators and the gate are told."""

@@ -2,6 +2,7 @@
 Kubernetes configs checked by `meshrl train --dry-run`, and the weight ring's same-host decision,
 which must follow the machine and its namespaces, not the host name."""
 
+import json
 import mmap
 import os
 import socket
@@ -9,8 +10,9 @@ import subprocess
 import sys
 import textwrap
 
+import psutil
 import pytest
-from netns_hosts import usable
+from netns_hosts import namespace_hosts, usable
 
 from meshrl.configs import load_config
 from meshrl.runtime.jobs import RolePlacement, host_groups, plan
@@ -89,6 +91,42 @@ def test_cluster_configs_are_checked_by_a_dry_run_without_a_cluster(config, kind
     bad = subprocess.run(run + ["--job.hosts", "trainer:1"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.strip() == "meshrl: error: generator.hosts 'generators' is not a group of job.hosts (trainer:1)"
+
+
+@pytest.mark.skipif(bool(usable()), reason=usable())
+def test_workers_hosts_report_their_gpus_by_group(tmp_path):
+    """`job.kind workers` asks each attached host how many GPUs it has (one short-lived process a host);
+    these hosts, in network namespaces of this CPU machine, have none. In a process of its own: attaching
+    switches its process to Monarch's TCP transport."""
+    with namespace_hosts(2, tmp_path, tls=False) as hosts:
+        args = ["--job.kind", "workers", "--job.workers", ",".join(hosts.addresses), "--job.bind", hosts.bind,
+                *hosts.job_args, "--job.hosts", "trainer:1,generators:1", "--trainer.hosts", "trainer",
+                "--generator.hosts", "generators"]
+        ask = textwrap.dedent(f"""
+            import asyncio, json
+            from pathlib import Path
+            from meshrl.configs import load_config
+            from meshrl.runtime.gpu_plan import plan_gpus
+            from meshrl.runtime.jobs import Hosts, gpus_per_host, host_gpus, make_job, plan
+
+            async def main():
+                config = load_config("smoke", {args!r})
+                placement = plan(config)
+                print(plan_gpus(config, placement, gpus_per_host(config.job)).describe()[0])
+                job = make_job(config.job, Path({str(tmp_path)!r}))
+                hosts = Hosts(job, placement)
+                await hosts.connected()
+                print(json.dumps(await host_gpus(hosts), sort_keys=True))
+                job.kill()
+
+            asyncio.run(main())
+        """)
+        result = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, timeout=180)
+        assert result.returncode == 0, result.stderr[-3000:]
+        before, reported = result.stdout.splitlines()[-2:]
+        assert before == "gpus: planned at the start, from the GPUs each host reports (job.gpus_per_host sets them)"
+        assert json.loads(reported) == {"": 0, "generators": 0, "trainer": 0}
+        assert all(not psutil.Process(w.pid).children(recursive=True) for w in hosts.workers)  # the askers stopped
 
 
 def test_the_same_host_is_the_same_machine_and_namespaces_not_the_same_host_name():

@@ -15,6 +15,9 @@ import pytest
 from assertions import assert_final_policy_is_the_trained_one, assert_staleness_bound, read_jsonl
 from netns_hosts import leftovers, namespace_hosts, usable
 
+from meshrl.actors import resolve_device
+from meshrl.actors.dtypes import bf16_choice
+
 TWO_HOSTS = ["--job.hosts", "trainer:1,generators:1", "--trainer.hosts", "trainer", "--generator.hosts", "generators"]
 
 
@@ -109,5 +112,8 @@ def test_a_stalled_pull_replaces_the_replica_and_a_stalled_trainer_is_restarted(
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["policy_version"] for r in rows] == [1, 2, 3, 4]
     assert [r["trainer_restarts"] for r in rows] == [0, 1, 1, 1]
     assert json.loads((run_dir / "placement.json").read_text())["generator"]["weight_transport"] == "shm"
+    # the generator's and the trainer's dtypes were decided on their own hosts (a probe actor each), by the rule
+    chosen, rule = json.loads((run_dir / "summary.json").read_text())["dtypes"], bf16_choice(resolve_device("auto"), 1)
+    assert chosen["generator"]["reason"] == chosen["trainer"]["reason"] == rule.reason
     time.sleep(1)
     assert actors and not [p for p in actors if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

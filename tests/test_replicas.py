@@ -1,9 +1,11 @@
 """The replica pool on real Monarch actors: least-loaded routing, and failures by kind: an endpoint's
 own error fails the call and leaves the replica serving; a process that dies, or a replica that says
-it is broken, is replaced and its work redone elsewhere; one clear error once the restarts are used up."""
+it is broken, is replaced and its work redone elsewhere; one clear error once the restarts are used up;
+a replica's start is bounded by its own timeout."""
 
 import asyncio
 import os
+import time
 
 import monarch.actor
 import pytest
@@ -11,6 +13,8 @@ from monarch.actor import Actor, endpoint
 
 from meshrl.actors.replicas import CallFailed, Replica, ReplicaPool, RestartBudget, RoleFailed, monarch_replicas
 from meshrl.actors.roles import ReplicaBroken
+from meshrl.actors.timeouts import CallTimeout, Timeouts
+from meshrl.configs import load_config
 
 
 class Echo(Actor):
@@ -31,6 +35,17 @@ class Echo(Actor):
         if fail == "config":  # what any process of this configuration reports
             raise ReplicaBroken("vLLM's engine failed: RuntimeError('Unsupported CPU attention configuration')")
         return self.name, value
+
+
+class SlowStart(Actor):
+    """A stand-in generator whose start (vLLM loading a model) takes `seconds`."""
+
+    def __init__(self, seconds: float):
+        time.sleep(seconds)
+
+    @endpoint
+    async def ping(self) -> str:
+        return "ready"
 
 
 @pytest.fixture(autouse=True)
@@ -158,5 +173,28 @@ def test_sticky_routing_keeps_a_group_on_its_replica_until_load_or_a_replacement
         await plain.start()
         assert await plain.call(where, prefer=plain.replicas[1]) is plain.replicas[0]
         assert (plain.kept, plain.moved) == (0, 0)
+
+    asyncio.run(run())
+
+
+def test_a_replicas_start_is_bounded_by_start_timeout_s_not_timeout_s():
+    """A start longer than one group's generator.timeout_s serves; a start that stalls ends as a timeout
+    of generator.start_timeout_s, naming it, with nothing left running."""
+    def starter(seconds: float, *overrides: str):
+        timeouts = Timeouts.of(load_config("smoke", ["--generator.timeout_s", "1", *overrides]))
+        # the first call (a generator's attach_weights) waits for the constructor
+        return monarch_replicas(lambda i: "generator", SlowStart, lambda i: (seconds,),
+                                setup=lambda replica: replica.actor.ping.call_one(), start_timeout=timeouts.start)
+
+    async def run():
+        pool = ReplicaPool("generator", starter(3.0), count=1, max_restarts=0)
+        await pool.start()
+        try:
+            assert await pool.call(lambda r: r.actor.ping.call_one()) == "ready" and pool.restarts == 0
+        finally:
+            await pool.stop()
+        with pytest.raises(CallTimeout, match=r"generator did not answer its start call within 5 s "
+                                              r"\(generator.start_timeout_s\)"):
+            await starter(600.0, "--generator.start_timeout_s", "5")(0)
 
     asyncio.run(run())

@@ -1,36 +1,85 @@
 """Starting vLLM inside an actor's process, as a generator replica and a judge grader both do: the
-environment vLLM reads at import (the engine in this process, its CPU KV cache, the cores its OpenMP
-threads bind to, quiet logs, the GPUs), this process pinned to its cores, then the engine."""
+engine's options and the environment vLLM reads at import, resolved for the device in one pure function
+(`engine_settings`), this process pinned to its cores, then the engine.
+
+On a GPU the engine captures CUDA graphs and takes the memory fraction the GPU plan gives it (all but a
+margin of a GPU of its own, a share of one it shares: meshrl/runtime/gpu_plan.py); on the CPU it runs
+eager with a share of host memory and its own KV-cache size. Its engine core always runs in this process
+(the generator steps it between its own work, and a replica of tensor parallel size 1 loads weights into
+its one worker, here, without a copy); with tensor parallelism the workers run in processes of their own
+(vLLM's multiprocessing executor) and weights reach them through `LLM.collective_rpc`."""
 
 import atexit
 import gc
 import os
+from dataclasses import dataclass
 
 from meshrl.actors import pin_cpus, resolve_device
 from meshrl.actors.dtypes import bf16_choice
+from meshrl.configs.engine import EngineConfig
+
+GPU_MEMORY_FRACTION = 0.9  # of a GPU to itself (vLLM's own default is 0.92): the margin is the CUDA context's and NCCL's
+CPU_MEMORY_FRACTION = 0.2  # of host memory (vLLM's default fails on a machine it shares)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    options: dict  # keyword arguments of vllm.LLM
+    environment: dict[str, str]  # set before vLLM is imported
+
+
+def engine_settings(engine: EngineConfig, *, on_gpu: bool, tensor_parallel_size: int = 1,
+                    memory_fraction: float = 0.0, num_threads: int = 1, cpus: str = "", kv_cache_gib: int = 1,
+                    devices: str = "") -> EngineSettings:
+    """vLLM's options and environment for `engine` on a GPU (`on_gpu`) or the CPU: CUDA graphs on a GPU,
+    eager on the CPU (or by `cuda_graphs off`); `memory_fraction` 0 takes GPU_MEMORY_FRACTION or
+    CPU_MEMORY_FRACTION; tensor parallelism runs vLLM's multiprocessing executor ("mp": a worker process
+    per GPU), a size of 1 its executor in this process ("uni"); sleep mode only on a GPU (`sleep auto`
+    here, not resolved by a GPU plan, is off). ValueError (one line) for a GPU option on the CPU."""
+    engine.check()
+    if not on_gpu:
+        for name in ("cuda_graphs", "sleep"):
+            if getattr(engine, name) == "on":
+                raise ValueError(f"generator.engine.{name} on needs a GPU; vLLM runs on the CPU here")
+    graphs = on_gpu and engine.cuda_graphs != "off"
+    options = {"enforce_eager": not graphs, "tensor_parallel_size": tensor_parallel_size,
+               "distributed_executor_backend": "mp" if tensor_parallel_size > 1 else "uni",
+               "gpu_memory_utilization": memory_fraction or (GPU_MEMORY_FRACTION if on_gpu else CPU_MEMORY_FRACTION),
+               "enable_sleep_mode": on_gpu and engine.sleep == "on"}
+    environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process
+                   "OMP_NUM_THREADS": str(num_threads)}  # the count we pin, rather than vLLM lowering it to 1
+    if not on_gpu:
+        environment["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+        if cpus:  # vLLM binds its OpenMP threads itself: to our cores, not to all of them
+            environment["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+    if devices:  # this replica's GPUs (meshrl/runtime/gpu_plan.py), before anything starts CUDA
+        environment["CUDA_VISIBLE_DEVICES"] = devices
+    return EngineSettings(options, environment)
 
 
 def start_vllm(checkpoint: str, *, dtype: str, max_model_len: int, memory_fraction: float, seed: int,
-               num_threads: int, cpus: str, kv_cache_gib: int, devices: str = "", **options):
-    """A `vllm.LLM` of `checkpoint` in this process (eager: no graph capture); `options` go to `LLM`. It
-    answers one greedy token before it is returned, so that a model this engine cannot run here (vLLM's CPU
-    attention refuses some head sizes only at the first request) fails the start with one line, not every
-    replica's first call."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
-    os.environ["OMP_NUM_THREADS"] = str(num_threads)  # the count we pin, rather than vLLM lowering it to 1
-    if cpus:  # vLLM binds its OpenMP threads itself: to our cores, not to all of them
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+               num_threads: int, cpus: str, kv_cache_gib: int, devices: str = "", tensor_parallel_size: int = 1,
+               engine: EngineConfig | None = None, **options):
+    """A `vllm.LLM` of `checkpoint` in this process, set up by `engine_settings` for the device it finds
+    (a GPU if `devices`, or the process, sees one); `options` go to `LLM`. It answers one greedy token
+    before it is returned, so that a model this engine cannot run here (vLLM's CPU attention refuses some
+    head sizes only at the first request) fails the start with one line, not every replica's first call."""
+    if devices:  # before torch counts the GPUs (through NVML: no CUDA context is made here)
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    import torch
+
+    settings = engine_settings(engine or EngineConfig(), on_gpu=torch.cuda.device_count() > 0,
+                               tensor_parallel_size=tensor_parallel_size, memory_fraction=memory_fraction,
+                               num_threads=num_threads, cpus=cpus, kv_cache_gib=kv_cache_gib, devices=devices)
+    os.environ.update(settings.environment)
     # vLLM's per-call CPU notices would drown the progress bar; VLLM_LOGGING_LEVEL=INFO brings them back.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    if devices:  # this replica's GPUs (meshrl/runtime/gpu_plan.py), before anything starts CUDA
-        os.environ["CUDA_VISIBLE_DEVICES"] = devices
     pin_cpus(cpus, num_threads)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(checkpoint, dtype=vllm_dtype(dtype), max_model_len=max_model_len, gpu_memory_utilization=memory_fraction,
-              seed=seed, enforce_eager=True, **options)
+    llm = LLM(checkpoint, dtype=vllm_dtype(dtype), max_model_len=max_model_len, seed=seed,
+              **settings.options, **options)
     try:  # greedy: draws nothing from the engine's random generator
         llm.generate([TokensPrompt(prompt_token_ids=[0])], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     except Exception as e:

@@ -96,7 +96,8 @@ class VLLMGenerator(Actor):
         self.llm = start_vllm(checkpoint, dtype=config.dtype, max_model_len=config.max_model_len,
                               memory_fraction=config.memory_fraction, seed=config.seed, num_threads=config.num_threads,
                               cpus=config.cpus, kv_cache_gib=config.kv_cache_gib, devices=config.devices,
-                              tensor_parallel_size=config.tensor_parallel_size, logprobs_mode="processed_logprobs",
+                              tensor_parallel_size=config.tensor_parallel_size, engine=config.engine,
+                              logprobs_mode="processed_logprobs",
                               **(lora_options(lora) if served else {}))
         # what the trainer's ranks publish, together
         self.layout, self.to_hf = published_weights(checkpoint, weight_sync.dtype, lora)
@@ -124,6 +125,7 @@ class VLLMGenerator(Actor):
         self.next_poll = 0.0
         self.broken: ReplicaBroken | None = None  # the engine or a pull failed: every call raises it
         self.prompt_tokens = self.cached_prompt_tokens = 0  # of the requests finished since the last report
+        self.asleep = False  # vLLM's sleep mode: its KV cache freed and weights in host memory (`sleep`)
 
     @concurrent_endpoint
     async def generate(self, prompts: list[Prompt], *, sampling: Sampling | None = None,
@@ -146,6 +148,7 @@ class VLLMGenerator(Actor):
                                  max_tokens=self.config.max_tokens)
         loop = asyncio.get_running_loop()
         requests = []
+        self._wake()
         for prompt in prompts:  # vLLM refusing one (too long, say) raises here: this call's group fails
             # request_seeds: seeded from the engine's seed, its prompt and the version, the same samples whatever
             # else the engine batches with it
@@ -245,6 +248,7 @@ class VLLMGenerator(Actor):
                 read_s = time.time() - start
                 # nothing may run between the reload, the version's change and the cache reset: no await below
                 in_flight = bool(self.running)
+                self._wake()
                 self.reload(staged[-1])
                 self.policy_version = version
                 if in_flight and self.update == "in_flight":
@@ -296,6 +300,21 @@ class VLLMGenerator(Actor):
         self.running.clear()
         self.book.admitting.set()
         self.book.done()
+
+    @endpoint
+    async def sleep(self) -> bool:
+        """While a synchronous step trains on the GPU this replica shares (generator.engine.sleep on): vLLM's
+        sleep mode, level 1 (the KV cache freed, the weights moved to host memory), unless requests run or a
+        load does; the next call or load wakes it. Whether it sleeps now."""
+        if self.config.engine.sleep == "on" and not (self.asleep or self.running or self.loading.locked()):
+            self.llm.sleep(level=1)
+            self.asleep = True
+        return self.asleep
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     @endpoint
     async def attach_weights(self, rings: list[RingHandle | DiskHandle | None]) -> str:

@@ -28,7 +28,8 @@ class ReplicaBroken(RuntimeError):
 class Generator(Protocol):
     """Makes Completions (tokens, behaviour logprobs, the policy version of every token); knows nothing of
     rewards. Loads new weights itself, between engine steps, as `generator.weight_update` says.
-    Constructed with (GeneratorConfig, WeightSyncConfig, checkpoint path)."""
+    Constructed with (GeneratorConfig, WeightSyncConfig, checkpoint path). Optionally a `sleep` endpoint,
+    called before each synchronous step trains: free the device's memory until the next call or load."""
 
     async def generate(self, prompts: list[Prompt], *, sampling: Sampling | None = None,
                        min_version: int = 0) -> list[Completion]:

@@ -39,7 +39,8 @@ class Timeout:
 class Timeouts:
     """Each kind of call's limit, from the run's config."""
 
-    generate: Timeout | None = None  # a group's generation; also a replica's start (vLLM loading)
+    generate: Timeout | None = None  # a group's generation
+    start: Timeout | None = None  # a generator replica's start: vLLM loading the model
     pull: Timeout | None = None  # a generator's weight pull: read and load into vLLM
     grade: Timeout | None = None
     trainer: Timeout | None = None  # one trainer call: a micro-batch, an optimizer step, a publish, the save
@@ -51,6 +52,7 @@ class Timeouts:
     def of(config) -> "Timeouts":
         return Timeouts(
             generate=Timeout(config.generator.timeout_s, "generator.timeout_s"),
+            start=Timeout(config.generator.start_timeout_s, "generator.start_timeout_s"),
             pull=Timeout(config.weight_sync.timeout_s, "weight_sync.timeout_s"),
             grade=Timeout(config.grader.timeout_s, "grader.timeout_s"),
             trainer=Timeout(config.trainer.timeout_s, "trainer.timeout_s"),

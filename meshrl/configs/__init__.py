@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from meshrl.advantages import ESTIMATORS, STEP_WISE
+from meshrl.configs.engine import EngineConfig
 from meshrl.configs.job import JobConfig
 from meshrl.configs.lr_schedule import LrScheduleConfig
 from meshrl.configs.overrides import ConfigError, apply_overrides
@@ -58,7 +59,7 @@ class GeneratorConfig:
     top_p: float = 1.0  # nucleus sampling of training rollouts: must stay 1 (the trainer's logprobs are of the whole distribution at `temperature`)
     max_model_len: int = 512  # vLLM's context length
     dtype: str = "auto"  # vLLM's weight dtype: auto (bfloat16 on a GPU with bf16, and on a CPU whose bf16 matmuls measure faster than float32 at the run's start; else float32) | bfloat16 | float32
-    memory_fraction: float = 0.2  # vLLM's gpu_memory_utilization; on CPU a share of host memory
+    memory_fraction: float = 0.0  # vLLM's gpu_memory_utilization; 0: from the GPU plan (0.9 of a GPU to itself, a share of one it shares), on the CPU 0.2 of host memory
     kv_cache_gib: int = 1  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
     num_threads: int = 2  # torch/OpenMP threads of each replica
     cpus: str = ""  # pin to these cores ("0", "0-1", "0,2"; per replica: "0;1"); "" leaves placement to the OS
@@ -71,8 +72,10 @@ class GeneratorConfig:
     sticky_slack: int = 2  # sticky routing: calls in flight a group's replica may have beyond the least-loaded replica's before the group moves on
     max_restarts: int = 3  # a replica failing more than this many times in a row, each within controller.restart_window_s of its start, stops the run (a crash loop)
     hosts: str = ""  # the job.hosts group the replicas go on, round-robin over its hosts; "": the controller's host
-    timeout_s: float = 600.0  # a replica's start, and one group's generation: past it the replica is replaced
+    timeout_s: float = 600.0  # one group's generation: past it the replica is replaced
+    start_timeout_s: float = 1800.0  # a replica's start (vLLM loading the model, from shared storage for a big one, and capturing CUDA graphs): past it the replica is replaced (0: no limit)
     weight_update: str = "auto"  # how a replica loads a new version: drain (waits for its running requests) | in_flight (between engine steps, requests go on) | recompute (in flight, running prefixes recomputed); auto: drain when controller.max_policy_age is 0, else in_flight
+    engine: EngineConfig = field(default_factory=EngineConfig)  # vLLM's options per device (meshrl/configs/engine.py)
 
     def check(self) -> None:
         at_least(self, "generator", replicas=1, max_tokens=1, num_threads=1, tensor_parallel_size=1, max_restarts=0,
@@ -83,6 +86,9 @@ class GeneratorConfig:
                              "(controller.eval_top_p sets eval's)")
         one_of(self, "generator", weight_update=("auto", "drain", "in_flight", "recompute"),
                routing=("sticky", "least_loaded"))
+        if not 0 <= self.memory_fraction <= 1:
+            raise ValueError(f"generator.memory_fraction must be in [0, 1] (0: planned), not {self.memory_fraction:g}")
+        self.engine.check()
         if self.temperature <= 0:
             raise ValueError("generator.temperature must be above 0: greedy sampling gives one answer per prompt")
         if ";" in self.cpus and len(self.cpus.split(";")) != self.replicas:
@@ -233,6 +239,7 @@ class ReferenceConfig:
 
     def check(self) -> None:
         at_least(self, "reference", ranks=1, num_threads=1, max_restarts=0)
+        one_of(self, "reference", dtype=REFERENCE_DTYPES)
 
 
 @dataclass
@@ -240,7 +247,6 @@ class ReplayBufferConfig:
     """The replay buffer between the controller and the trainer (meshrl/actors/replay_buffer.py): it
     holds the episodes of finished groups, collates each step's micro-batches, and hands them to the
     trainer's ranks."""
-        one_of(self, "reference", dtype=REFERENCE_DTYPES)
 
     impl: str = "fifo"  # fifo (each group trained once, in the batch it was generated for) | replay (groups trained again, see below) | module:Class
     max_reuse: int = 2  # replay: times a group may be trained again after its first, while within controller.max_policy_age

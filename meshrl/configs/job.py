@@ -54,7 +54,8 @@ class JobConfig:
     kind: str = "local"  # local (this host) | process (a local worker process per host) | workers (Monarch workers at job.workers) | slurm | kubernetes
     hosts: str = ""  # host groups and their host counts, e.g. "trainer:1,generators:2"; roles pick one with their `hosts`
     workers: str = ""  # kind workers: the workers' addresses, the groups' hosts in order ("tls://node1:26600,tls://node2:26600")
-    gpus_per_host: int = 0  # GPUs of each host the roles share (meshrl/runtime/gpu_plan.py); 0: slurm.gpus_per_node, kubernetes.gpus_per_pod, or this host's own for local and process jobs (none: the CPU)
+    gpus_per_host: int = 0  # GPUs of each host the roles share (meshrl/runtime/gpu_plan.py); 0: slurm.gpus_per_node, kubernetes.gpus_per_pod, this host's own for local and process jobs, what each host reports at start for workers (none: the CPU)
+    gpu_sharing: str = "auto"  # auto (roles share a host's GPUs, each with a memory share, only where it has too few for one per process) | off (one GPU per process, else an error)
     bind: str = ""  # kind workers: the address the workers reach this controller at ("tls://10.0.0.1:0"); "": on this host's name
     tls: TlsConfig = field(default_factory=TlsConfig)
     connect_timeout_s: float = 300.0  # kind workers: how long the workers may take to answer the attach (0: no limit)

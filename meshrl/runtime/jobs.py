@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from monarch.actor import attach_to_workers, enable_transport, this_host
+from monarch.actor import Actor, attach_to_workers, enable_transport, endpoint, this_host
 from monarch.job import JobState, JobTrait, LocalJob, ProcessJob, SlurmJob
 
 from meshrl.configs.job import JobConfig
@@ -98,10 +98,11 @@ def _n(count: int, noun: str) -> str:
     return f"{count} {noun}{'s' if count != 1 else ''}"
 
 
-def gpus_per_host(job: JobConfig) -> int:
+def gpus_per_host(job: JobConfig) -> int | None:
     """The GPUs each host gives the roles: `job.gpus_per_host`, else what the job asks its hosts for
     (Slurm's gpus_per_node, Kubernetes' gpus_per_pod), else this host's own (local and process jobs,
-    whose hosts are this machine); 0 (the CPU) for workers started elsewhere unless set."""
+    whose hosts are this machine); None for workers started elsewhere unless set: a run asks them once
+    they are attached (`host_gpus`)."""
     if job.gpus_per_host:
         return job.gpus_per_host
     if job.kind == "slurm":
@@ -112,7 +113,45 @@ def gpus_per_host(job: JobConfig) -> int:
         import torch
 
         return torch.cuda.device_count()
-    return 0
+    return None
+
+
+class GpuCount(Actor):
+    """Spawned once on each host of a group: how many GPUs the host has."""
+
+    @endpoint
+    async def count(self) -> int:
+        import torch
+
+        return torch.cuda.device_count()  # through NVML: no CUDA context, nothing a later fork would inherit
+
+
+async def host_gpus(hosts: "Hosts") -> dict[str, int]:
+    """The GPUs of each group's hosts, asked of the hosts themselves (`GpuCount`, one process a host,
+    stopped after); the controller's own host ("") is counted here. `group_gpus` says what a group of
+    hosts that differ gives."""
+    import torch
+
+    reports = {"": [torch.cuda.device_count()]}
+    for group, mesh in hosts.meshes.items():
+        if group:
+            procs = mesh.spawn_procs(per_host={"procs": 1}, name="gpu_count")
+            try:
+                reports[group] = [n for _, n in (await procs.spawn("gpu_count", GpuCount).count.call()).items()]
+            finally:
+                await procs.stop()
+    return group_gpus(reports)
+
+
+def group_gpus(reports: dict[str, list[int]]) -> dict[str, int]:
+    """Each group's GPUs per host from what its hosts reported; ValueError (one line) for a group whose
+    hosts differ: a placement is the same on every host of a group, and the fewest GPUs would leave
+    the others idle unseen, so the user says how many to use (job.gpus_per_host)."""
+    for group, counts in reports.items():
+        if len(set(counts)) > 1:
+            raise ValueError(f"the hosts of group {group!r} report different GPU counts ({', '.join(map(str, counts))}, "
+                             f"in host order): set job.gpus_per_host to the GPUs each host of it should use")
+    return {group: counts[0] for group, counts in reports.items() if counts}
 
 
 def check_job(job: JobConfig, groups: dict[str, int]) -> None:

@@ -39,7 +39,7 @@ from meshrl.restarts import Respawner
 from meshrl.rollout import RolloutCollector
 from meshrl.runtime.dtypes import Dtypes, choose_dtypes, run_roles
 from meshrl.runtime.gpu_plan import plan_gpus
-from meshrl.runtime.jobs import Hosts, gpus_per_host, make_job, plan
+from meshrl.runtime.jobs import Hosts, gpus_per_host, host_gpus, make_job, plan
 from meshrl.runtime.launch import (Actors, actor_classes, generator_args, note_fault, spawn_actors, spawn_buffer,
                                    spawn_ranked)
 from meshrl.runtime.loggers import MetricLoggers, RolloutRecorder
@@ -161,6 +161,9 @@ class Run:
     async def _start(self) -> None:
         """The job's hosts, every role's actors on them and the generator and grader pools."""
         self.hosts = await self._start_job()
+        if self.gpus.asked:  # job.kind workers: each host says how many GPUs it has
+            self.gpus = plan_gpus(self.config, self.placement, await host_gpus(self.hosts))
+            tqdm.write("\n".join(self.gpus.describe()))
         # every `auto` dtype decided once, here, and handed to the roles in their configs
         self.dtypes = await choose_dtypes(self.config, self.placement, self.hosts, run_roles(self.classes),
                                           self.gpus.apply(self.config))
@@ -219,7 +222,7 @@ class Run:
         generators = ReplicaPool("generator", monarch_replicas(
             lambda i: replica_name("generator", i, gen.replicas), self.classes["generator"],
             lambda i: generator_args(cfg, i, self.model_path), lambda i: self.hosts.host("generator", i), self._attach,
-            timeouts.generate), gen.replicas, gen.max_restarts, self._write_processes, timeouts.stop,
+            timeouts.start), gen.replicas, gen.max_restarts, self._write_processes, timeouts.stop,
             cfg.controller.restart_window_s, sticky_slack(gen))
         graders = ReplicaPool("grader", monarch_replicas(
             lambda i: replica_name("grader", i, grade.replicas), self.classes["grader"],
