@@ -167,6 +167,43 @@ def test_a_runs_auto_dtypes_are_written_into_its_config_and_each_role_says_why()
                                 "trainer": {"dtype": "float32", "reason": "set by trainer.bf16_autocast false"}}
 
 
+class FakeHosts:
+    """Stands in for a run's Hosts: every group's host is this one (a real Monarch host), and the roles
+    whose host was asked for are noted."""
+
+    def __init__(self):
+        self.asked = []
+
+    def host(self, role: str, index: int):
+        from monarch.actor import this_host
+
+        self.asked.append(role)
+        return this_host()
+
+
+def test_roles_on_other_hosts_are_asked_there_once_per_host_by_a_probe_actor():
+    import asyncio
+
+    from meshrl.actors import resolve_device
+    from meshrl.actors.dtypes import bf16_choice
+    from meshrl.configs import Config
+    from meshrl.runtime.dtypes import choose_dtypes
+    from meshrl.runtime.jobs import RolePlacement
+
+    config = Config()
+    config.generator.num_threads = config.trainer.num_threads = 1
+    placement = {"generator": RolePlacement("", 1, 1), "grader": RolePlacement("g", 1, 1),
+                 "trainer": RolePlacement("g", 1, 1), "replay_buffer": RolePlacement("", 1, 1)}
+    hosts = FakeHosts()
+    chosen = asyncio.run(choose_dtypes(config, placement, hosts, {"generator", "grader", "judge", "trainer"}))
+    assert hosts.asked == ["grader"]  # the judge is served in the grader replicas; one probe for group g
+    rule = bf16_choice(resolve_device("auto"), 1)
+    roles = chosen.summary()
+    assert roles["generator"]["reason"] == roles["judge"]["reason"] == roles["trainer"]["reason"] == rule.reason
+    assert (config.generator.dtype, config.grader.judge.dtype, config.trainer.bf16_autocast) == (
+        rule.dtype, rule.dtype, rule.bf16)
+
+
 def test_free_heap_memory_scattered_below_a_live_block_goes_back_to_the_system():
     """What a trainer's step leaves behind (meshrl/actors/__init__.py: return_free_memory): freed blocks
     that glibc's free() keeps because a live block lies above them."""

@@ -81,7 +81,8 @@ async def choose_dtypes(config, placement: dict, hosts, roles: set[str], planned
         if not group:  # the controller's own host
             choices[role] = bf16_choice(resolve_device(device), threads)
         elif group not in probes:
-            probes[group] = spawn("dtype_probe", DtypeProbe, host=hosts.host(role, 0))
+            placed = "grader" if role == "judge" else role  # the judge is served in each grader replica
+            probes[group] = spawn(f"dtype_probe_{group}", DtypeProbe, host=hosts.host(placed, 0))
     try:  # each other host asked at once
         remote = [(role, probes[group][1].choice.call_one(device, threads))
                   for role, (group, device, threads) in asks.items() if group]
