@@ -115,6 +115,27 @@ def test_sync_training_alternates_generation_and_training(tmp_path):
     assert phases[:7] == ["generate", "forward_backward", "publish_weights"] * 2 + ["generate"]
 
 
+@pytest.mark.parametrize("age", [0, 1])
+def test_synchronous_training_puts_every_replica_to_sleep_before_each_step_trains(tmp_path, age):
+    """generator.engine.sleep: with max_policy_age 0 each step asks every replica to free its GPU memory once
+    its batch is generated and before it trains; one step ahead the engines generate while the step trains."""
+    calls = []
+
+    class Watch(Script):
+        async def point(self, endpoint, replica):
+            calls.append(endpoint)
+            await super().point(endpoint, replica)
+
+    run(fake_config(steps=3, prompts=2, max_policy_age=age, replicas=2), tmp_path, Watch())
+    if age:
+        assert "sleep" not in calls
+        return
+    steps = [c for c in calls if c in ("sleep", "forward_backward")]
+    phases = [c for i, c in enumerate(steps) if i == 0 or c != steps[i - 1]]
+    assert phases == ["sleep", "forward_backward"] * 3 and calls.count("sleep") == 3 * 2
+    assert calls.index("sleep") > calls.index("generate")
+
+
 @pytest.mark.parametrize("drop", [False, True])
 def test_equal_reward_groups_are_counted_and_with_dynamic_sampling_replaced_by_new_prompts(tmp_path, drop):
     config = fake_config(steps=3, prompts=2, drop_equal_reward_groups=drop, max_sample_rounds=4)

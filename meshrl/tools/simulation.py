@@ -199,6 +199,10 @@ class FakeGenerator:
     async def weight_sync_stats(self) -> dict:
         return {"transport": "fake", "torn_reads": 0, "corrupt_reads": 0}
 
+    async def sleep(self) -> bool:
+        """vLLM's sleep mode while a synchronous step trains: a fake has no GPU memory to free."""
+        return False
+
 
 class FakeGrader:
     """roles.Grader: a completion's reward is the number its text is."""
