@@ -1,4 +1,4 @@
-"""`meshrl` command line: train, eval, report, study, bench, prepare-model, configs."""
+"""`meshrl` command line: train, eval, report, study, bench, check, prepare-model, configs."""
 
 import argparse
 import asyncio
@@ -14,6 +14,7 @@ from pathlib import Path
 from meshrl.configs import CONFIGS, ConfigError, load_config
 from meshrl.configs.overrides import help_text
 from meshrl.models.model import ModelError, resolve_checkpoint
+from meshrl.tools.checks import gpu as check_gpu
 
 MODEL_HELP = "smollm2, a tiny stand-in (tiny, tiny_qwen3, tiny_qwen3_moe), or an HF checkpoint directory"
 
@@ -138,6 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     multiturn.add_argument("--replicas", type=int, default=2, help="generator replicas")
     multiturn.add_argument("--json", type=Path, required=True, help="where to write the figures")
     multiturn.add_argument("--run-dir", type=Path, help="where both runs go (default: runs/bench-multiturn-TIME)")
+    check_gpu.add_parser(sub)  # meshrl check gpu
     parser.train = train  # its help, when no config is named
     return parser
 
@@ -186,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             return eval_command(args.run_dir, args.split, args.policy)
         elif args.command == "study":
             return _study(args)
+        elif args.command == "check":
+            return check_gpu.command(args)
         elif args.command == "chaos":
             from meshrl.tools.chaos import chaos
 

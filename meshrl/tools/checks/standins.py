@@ -1,0 +1,112 @@
+"""Stand-ins that let `meshrl check gpu` run the trainer actor's code on a machine that lacks part of the
+stack (a lent GPU machine has torch and CUDA but no Monarch or vLLM), and the in-process call of an
+endpoint, real or stood in.
+
+- `monarch.actor` and `monarch.rdma`: the trainer actor class is built as a plain object and its endpoints
+  are called in this process (`call`); a ring's RDMA handles become plain references to its memory (a
+  reader on the same host copies over shared memory anyway).
+- `torch.distributed.fsdp.DataParallelMeshDims`: torchtitan 0.3 imports it; torch before 2.12 lacks it,
+  and FSDP over one mesh dimension never passes it (torchtitan only hands it on when it is set).
+
+Each is installed only where the real one is missing (Monarch also on request), and `install` says which
+were, so the check's output names the parts that ran on stand-ins.
+"""
+
+import functools
+import importlib.util
+import sys
+import types
+
+
+def _standin_monarch() -> dict[str, types.ModuleType]:
+    actor = types.ModuleType("monarch.actor")
+
+    class Actor:  # the real base class registers with a mesh; a stand-in actor is a plain object
+        pass
+
+    class ActorError(Exception):
+        pass
+
+    def endpoint(method=None, **_options):
+        return method if method is not None else (lambda m: m)
+
+    def concurrent_endpoint(method=None, **_options):
+        def mark(m):
+            m.concurrent = True
+            return m
+        return mark(method) if method is not None else mark
+
+    def this_host():
+        raise RuntimeError("monarch.actor is a stand-in here (meshrl check gpu): no process can be spawned")
+
+    actor.Actor, actor.ActorError, actor.endpoint, actor.concurrent_endpoint = Actor, ActorError, endpoint, \
+        concurrent_endpoint
+    actor.this_host, actor.current_rank = this_host, lambda: {"procs": 0}
+    rdma = types.ModuleType("monarch.rdma")
+
+    class RDMABuffer:
+        """A reference to the bytes it was made over, read by copying (no network)."""
+
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+        def size(self) -> int:
+            return self.tensor.numel()
+
+        async def read_into(self, dst):
+            dst.copy_(self.tensor)
+
+        async def write_from(self, src):
+            self.tensor.copy_(src)
+
+    rdma.RDMABuffer = RDMABuffer
+    monarch = types.ModuleType("monarch")
+    monarch.__path__ = []  # a package: `import monarch.actor` finds the entries below
+    for module in (monarch, actor, rdma):
+        module.STAND_IN = True
+    monarch.actor, monarch.rdma = actor, rdma
+    return {"monarch": monarch, "monarch.actor": actor, "monarch.rdma": rdma}
+
+
+def install(force_monarch: bool = False) -> list[str]:
+    """Install the stand-ins for what this machine lacks (Monarch also when `force_monarch`); returns what
+    was stood in. Call it before anything imports meshrl.actors or torchtitan."""
+    stood_in = []
+    if force_monarch or not available("monarch"):
+        if not getattr(sys.modules.get("monarch"), "STAND_IN", False):
+            if "meshrl.actors" in sys.modules:
+                raise RuntimeError("meshrl.actors was imported with the real Monarch before its stand-in")
+            sys.modules.update(_standin_monarch())
+        stood_in.append("monarch (monarch.actor, monarch.rdma): actors built and called in this process")
+    import torch.distributed.fsdp as fsdp
+
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+        fsdp.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
+        stood_in.append(f"torch.distributed.fsdp.DataParallelMeshDims (torch {torch_version()} lacks it; "
+                        "torchtitan 0.3 imports it)")
+    return stood_in
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def available(module: str) -> bool:
+    """Whether `module` is installed for real (not a stand-in)."""
+    if module in sys.modules:
+        return not getattr(sys.modules[module], "STAND_IN", False)
+    return importlib.util.find_spec(module) is not None
+
+
+def call(actor, name: str, *args, **kwargs):
+    """The coroutine of `actor`'s endpoint `name` called in this process: a real Monarch endpoint's own
+    method (a concurrent endpoint's, unwrapped from the task Monarch would start), or the stand-in's."""
+    prop = getattr(type(actor), name)
+    method = getattr(prop, "_method", None)
+    if method is None:  # the stand-in: a plain method
+        return getattr(actor, name)(*args, **kwargs)
+    if getattr(method, "_monarch_concurrent_endpoint_wrapper", False):
+        method = method.__wrapped__
+    return functools.partial(method, actor)(*args, **kwargs)
