@@ -107,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
     trainer.add_argument("--repeats", type=int, default=3, help="timed steps per figure (the best is reported)")
     trainer.add_argument("--lora-rank", type=int, default=16, help="the rank of the LoRA adapter measured beside "
                                                                  "full fine-tuning (0: none)")
+    trainer.add_argument("--memory", action="store_true", help="instead: peak memory against tokens per micro-batch "
+                         "with the memory switches on and off, a fresh process per size (meshrl/tools/bench/trainer_memory.py)")
+    trainer.add_argument("--tokens", default="512,1024,2048,4096", help="--memory: tokens per micro-batch, comma separated")
     control = bench.add_parser("controller", help="the controller's own cost with fake actors, and a placement's "
                                                   "predicted step time")
     control.add_argument("--json", type=Path, required=True, help="where to write the figures")
@@ -292,8 +295,10 @@ def _bench_generation(args) -> None:
 
 
 def _bench_trainer(args) -> None:
-    from meshrl.tools.bench import trainer
+    from meshrl.tools.bench import trainer, trainer_memory
 
+    if args.memory:
+        return _write_bench(args.json, trainer_memory, trainer_memory.run(args.model, [int(t) for t in args.tokens.split(",")]))
     ranks = [int(r) for r in args.ranks.split(",")]
     _write_bench(args.json, trainer, trainer.run(args.model, ranks, args.batch, args.prompt_tokens,
                                                  args.response_tokens, args.repeats, args.lora_rank))
