@@ -34,12 +34,14 @@ class ScalingTrainer(TitanTrainer):
         return await self._publish()
 
 
-class ThroughFileGenerator(VLLMGenerator):
-    """Loads every version the way a tensor-parallel replica does (a file in shared memory that vLLM's
-    workers read through collective_rpc), with the one worker of tensor parallel size 1 here."""
+class WorkerHandoffGenerator(VLLMGenerator):
+    """Loads every version the way a tensor-parallel replica does (vLLM's collective_rpc to its worker
+    extension, which maps the reader's shared memory; the swap in a thread), with the one worker of
+    tensor parallel size 1 here."""
 
-    def reload(self, weights):
-        self.reload_through_file(weights)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.through_workers = True
 
 
 class SlowPublishTrainer(TitanTrainer):

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 from actor_helpers import episode, mismatch
-from probe_actors import SlowPublishTrainer, ThroughFileGenerator
+from probe_actors import SlowPublishTrainer, WorkerHandoffGenerator
 
 from meshrl.actors import spawn
 from meshrl.actors.generator import VLLMGenerator
@@ -24,12 +24,13 @@ from meshrl.types import Completion, Prompt, Sampling, TrainBatch
 PARITY = {"tiny": 0.02, "tiny_qwen3": 0.02, "tiny_qwen3_moe": 0.05}
 
 
-@pytest.mark.parametrize("source, generator_class", [("tiny", VLLMGenerator), ("tiny_qwen3", ThroughFileGenerator)])
+@pytest.mark.parametrize("source, generator_class", [("tiny", VLLMGenerator), ("tiny_qwen3", WorkerHandoffGenerator)])
 def test_trainer_weights_reach_vllm_and_change_its_output(source, generator_class):
     """For each model family: vLLM and the trainer score vLLM's samples alike before and after a
     published update, which vLLM loads under its own names (the family's adapter gives the ring's layout).
-    Qwen3's versions go through the route of tensor-parallel replicas (a file in shared memory that each
-    vLLM worker reads); the others are handed to the one worker in the replica's process."""
+    Qwen3's versions go through the route of tensor-parallel replicas (each vLLM worker maps the shared
+    memory the version was read into, through collective_rpc); the others are handed to the one worker in
+    the replica's process."""
     tiny_checkpoint = resolve_checkpoint(source)
     gaps = []
 

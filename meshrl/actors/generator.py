@@ -23,23 +23,21 @@ controller replaces it. So does a call asking for a version the replica cannot l
 newer than its rings hold): a call is served from `min_version` or newer, or fails.
 
 With `generator.tensor_parallel_size` > 1 vLLM runs a worker process per GPU of the replica (its GPUs
-come from meshrl/runtime/gpu_plan.py): a version is then written once to shared memory and each worker loads
-its part of it.
+come from meshrl/runtime/gpu_plan.py): each worker then maps the shared memory the version was read into
+and loads its own part of every tensor (meshrl/weight_sync/handoff.py; no file), the swap running in a
+thread while the engine takes no step and admits no request, so the replica's other calls are answered
+meanwhile.
 """
 
 import asyncio
 import itertools
 import logging
-import os
-import shutil
-import tempfile
 import time
 import zlib
 from dataclasses import dataclass, field
 
 import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
-from safetensors.torch import save_file
 
 from meshrl.actors.adapters import MergedAdapter, ServedAdapter, lora_options, serves_adapters
 from meshrl.actors.engine import start_vllm
@@ -50,12 +48,14 @@ from meshrl.models.lora import LoraConfig
 from meshrl.types import Completion, Prompt, Sampling
 from meshrl.weight_sync import published_weights
 from meshrl.weight_sync.disk import DiskHandle, DiskReader
+from meshrl.weight_sync.handoff import Handoff
 from meshrl.weight_sync.ring import RingHandle
 from meshrl.weight_sync.shards import ShardedReader
 from meshrl.weight_sync.verify import Verifier
 
 logger = logging.getLogger(__name__)
 WEIGHT_UPDATES = ("drain", "in_flight", "recompute")
+HANDOFF_WORKER = "meshrl.weight_sync.handoff.SharedWeightsWorker"  # mixed into vLLM's workers: `hand_to_workers`
 
 
 @dataclass
@@ -97,7 +97,7 @@ class VLLMGenerator(Actor):
                               memory_fraction=config.memory_fraction, seed=config.seed, num_threads=config.num_threads,
                               cpus=config.cpus, kv_cache_gib=config.kv_cache_gib, devices=config.devices,
                               tensor_parallel_size=config.tensor_parallel_size, engine=config.engine,
-                              logprobs_mode="processed_logprobs",
+                              logprobs_mode="processed_logprobs", worker_extension_cls=HANDOFF_WORKER,
                               **(lora_options(lora) if served else {}))
         # what the trainer's ranks publish, together
         self.layout, self.to_hf = published_weights(checkpoint, weight_sync.dtype, lora)
@@ -113,6 +113,11 @@ class VLLMGenerator(Actor):
             raise ValueError(f"unknown generator.weight_update {config.weight_update!r}; known: auto, "
                              f"{', '.join(WEIGHT_UPDATES)}")
         self.ring: ShardedReader | DiskReader | None = None
+        # versions reach vLLM's workers in processes of their own through shared memory (tensor parallelism)
+        self.through_workers = config.tensor_parallel_size > 1
+        self.handoff = Handoff()
+        self.swapped = asyncio.Event()  # cleared while a swap loads the workers: the engine takes no step
+        self.swapped.set()
         self.verifier = Verifier(weight_sync.disk_dir, self.reload, self._vllm_model) if weight_sync.verify else None
         self.loading = asyncio.Lock()  # one load at a time: they share the reader's buffer
         self.book = WeightUpdates()
@@ -181,6 +186,7 @@ class VLLMGenerator(Actor):
         try:
             await asyncio.sleep(0)  # let calls already queued add their requests before the first step
             while self.engine.has_unfinished_requests():
+                await self.swapped.wait()  # not while the workers load a version (`_swap`)
                 self._take(self.engine.step())
                 if self.update != "drain" and self.ring and time.monotonic() >= self.next_poll and (
                         self.poller is None or self.poller.done()):
@@ -246,10 +252,11 @@ class VLLMGenerator(Actor):
                 if version is None:
                     return
                 read_s = time.time() - start
-                # nothing may run between the reload, the version's change and the cache reset: no await below
+                # no engine step and no new request between the reload, the version's change and the cache
+                # reset: no await below but the swap's own (`_swap`)
                 in_flight = bool(self.running)
                 self._wake()
-                self.reload(staged[-1])
+                await self._swap(staged[-1])
                 self.policy_version = version
                 if in_flight and self.update == "in_flight":
                     reset = True  # running requests keep their prefixes' KV; new ones get a new cache salt
@@ -267,29 +274,42 @@ class VLLMGenerator(Actor):
             raise ReplicaBroken(f"its weight pull did not finish within {self.pull_timeout:g} s "
                                 "(weight_sync.timeout_s)") from None
 
+    async def _swap(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """`reload` the version: into the one worker in this process right here, between two engine steps; into
+        workers of their own (tensor parallelism) in a thread, the event loop free for the replica's other
+        calls meanwhile, while the driver takes no engine step and no request is admitted (the caller's
+        `book.loading` admits again once the version is served)."""
+        if not self.through_workers or isinstance(self.adapter, ServedAdapter):
+            return self.reload(weights)
+        self.swapped.clear()
+        self.book.admitting.clear()
+        try:
+            await asyncio.to_thread(self.reload, weights)
+        finally:
+            self.swapped.set()
+
     def reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors into vLLM in place: handed to its one worker in this process, or with
-        tensor parallelism (workers in processes of their own) through a file in shared memory that
-        each worker reads, keeping its own part of every tensor."""
+        tensor parallelism (workers in processes of their own) through the shared memory they lie in, which
+        each worker maps, loading its own part of every tensor (`hand_to_workers`)."""
         if isinstance(self.adapter, ServedAdapter):
             return self.adapter.load(weights)
         if self.adapter:  # merged: the adapted layers' full weights
             weights = self.adapter.merge(weights)
-        if self.config.tensor_parallel_size == 1:
-            self.engine.model_executor.driver_worker.worker.reload_weights(weights_iterator=iter(weights))
+        if self.through_workers:
+            self.hand_to_workers(weights)
         else:
-            self.reload_through_file(weights)
+            self.engine.model_executor.driver_worker.worker.reload_weights(weights_iterator=iter(weights))
 
     def _vllm_model(self) -> torch.nn.Module:
         return self.engine.model_executor.driver_worker.worker.model_runner.get_model()
 
-    def reload_through_file(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        where = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None, prefix="meshrl-weights-")
-        try:  # the ring's tensors are views of one buffer, which safetensors refuses to write as they are
-            save_file({name: tensor.clone() for name, tensor in weights}, os.path.join(where, "model.safetensors"))
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": where})
-        finally:
-            shutil.rmtree(where, ignore_errors=True)
+    def hand_to_workers(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Every worker loads `weights` from this process's shared memory (the reader's copy; tensors the
+        adapter made anew, copied once into a spill buffer), through vLLM's `collective_rpc`: it returns
+        once all have loaded."""
+        message = self.handoff.message(weights, self.ring.memory())
+        self.llm.collective_rpc("meshrl_load_shared", kwargs=message)
 
     def _fail(self, error: ReplicaBroken) -> None:
         """The replica can serve no more: every call, running or to come, raises `error`."""

@@ -13,8 +13,11 @@ A publish copies the weights into the ring in a thread of its own, and `publish_
 concurrent endpoint: Monarch runs an actor's plain endpoints one at a time, so the next step's
 `logprobs` and `forward_backward` calls (plain, they leave the weights as they are) run on the actor
 while the copy goes on. What changes or reads the weights as a whole waits for the copy: an
-optimizer update, a checkpoint, a restore. Each endpoint times itself (`spans`, meshrl/actors/trace.py), so
-the trace shows what overlapped on the actor.
+optimizer update, a checkpoint, a restore. From CUDA the copy is device-to-host into pinned staging on
+a side stream, ordered after the update that made the weights (`weight_sync.staging`,
+meshrl/weight_sync/staging.py), so the passes queued on the default stream meanwhile run alongside it.
+Each endpoint times itself (`spans`, meshrl/actors/trace.py), so the trace shows what overlapped on the
+actor.
 """
 
 import asyncio
@@ -40,7 +43,8 @@ from meshrl.types import BatchRef, TrainBatch
 from meshrl.weight_sync import published_weights
 from meshrl.weight_sync.disk import DiskHandle, write_version
 from meshrl.weight_sync.ring import RingHandle
-from meshrl.weight_sync.shards import host_ring
+from meshrl.weight_sync.shards import host_ring, shard_layout
+from meshrl.weight_sync.staging import staging_for
 
 
 async def publishes_started() -> None:
@@ -75,6 +79,9 @@ class TitanTrainer(Actor):
         self.ring = None if weight_sync.transport == "disk" else host_ring(
             full, self.rank, self.world, lambda x: all_gather(x, self.world), weight_sync.slots, weight_sync.chunk_mb,
             weight_sync.checksums)
+        # how this rank's rows reach the ring: from CUDA, pinned staging and a side stream (weight_sync/staging.py)
+        self.staging = staging_for(weight_sync.staging, shard_layout(full, self.rank, self.world), self.device) \
+            if self.ring is not None else None
         # the plain path (meshrl/weight_sync/disk.py): the policy gathered and saved per version, instead or as a check
         self.disk = Path(weight_sync.disk_dir) if weight_sync.transport == "disk" or weight_sync.verify else None
         self.keep = weight_sync.slots
@@ -190,14 +197,16 @@ class TitanTrainer(Actor):
         if self.ring is not None:
             state = self.model.state_dict()
             weights = {name: local(state[name]).detach() for name in self.published}
-            self.publishing = self._copy(weights, version, self.publishing)
+            # on CUDA: marks the weights this step made on the current stream, before the next pass is queued
+            staged = self.staging.start(weights)
+            self.publishing = self._copy(staged, version, self.publishing)
             await self._published()
         return version
 
-    def _copy(self, weights: dict, version: int, previous: asyncio.Future | None) -> asyncio.Future:
-        """The copy into the ring, in a thread: started now (the next calls' passes run while it goes on,
-        the event loop busy with them or not), or once the copy of the version before has ended (the
-        ring takes versions in order)."""
+    def _copy(self, weights, version: int, previous: asyncio.Future | None) -> asyncio.Future:
+        """The copy into the ring (of what `staging.start` returned), in a thread: started now (the next calls'
+        passes run while it goes on, the event loop busy with them or not), or once the copy of the version
+        before has ended (the ring takes versions in order, and the pinned staging is reused)."""
         if previous is not None and not previous.done():
             async def after_previous():
                 await previous
@@ -208,8 +217,9 @@ class TitanTrainer(Actor):
         copying.add_done_callback(lambda _: self.clock.add("publish", start, time.time(), version))
         return copying
 
-    def _write_ring(self, weights: dict, version: int) -> None:
-        self.ring.publish(weights, version)
+    def _write_ring(self, weights, version: int) -> None:
+        """In the copy thread: device-to-host into the staging, if any (a side stream), then into the ring."""
+        self.ring.publish(self.staging.finish(weights), version)
 
     def _write_version(self, version: int) -> None:
         """The plain path: the whole policy gathered, rank 0 saves it (HF names, the served dtype) as the
