@@ -28,7 +28,7 @@ RECIPES = {
     "sum_digits_smollm2_v4": "454e8ad2cabc287e",
     "zorplex_smollm2": "850b76abfdee5dfa",
 }
-DEFAULTS = "97da324e5762fc78"
+DEFAULTS = "ec90b3609ada47f7"
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
