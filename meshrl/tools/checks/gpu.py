@@ -16,6 +16,7 @@ A section that fails or raises is recorded and the next one runs; the exit code 
 
 import asyncio
 import json
+import os
 import platform
 import time
 import traceback
@@ -132,7 +133,7 @@ def machine(device) -> dict:
 
     from meshrl.actors import cpu_name
 
-    info = {"host": platform.node(), "cpu": cpu_name(), "cpus": len(__import__("os").sched_getaffinity(0)),
+    info = {"host": platform.node(), "cpu": cpu_name(), "cpus": len(os.sched_getaffinity(0)),
             "python": platform.python_version(), "torch": torch.__version__, "device": str(device)}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

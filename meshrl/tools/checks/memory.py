@@ -10,7 +10,7 @@ passes run at tiny sizes, unmeasured: torch keeps no peak for host memory.
 
 from meshrl.tools.checks import mfu, standins, workloads
 
-SIZES, DRY_SIZES = (4096, 8192, 16384), (128, 256, 512)
+SIZES, DRY_SIZES = (4096, 8192, 16384), (64, 128, 256)
 
 
 def run(check) -> dict:

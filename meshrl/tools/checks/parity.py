@@ -22,6 +22,7 @@ TOKENS, SEQUENCE = 256, 64  # 4 sequences
 def run(check) -> dict:
     import torch
 
+    from meshrl.models.lora import is_adapter
     from meshrl.models.model import read_hf_config, resolve_checkpoint
 
     out, passed = {"device": str(check.device), "tolerance": TOLERANCE, "kinds": {}}, True
@@ -36,7 +37,8 @@ def run(check) -> dict:
         for dtype, bf16 in (("fp32", False), ("bf16", True)):
             rows[dtype] = compare(reference, one_pass(check, mine, bf16, batch), TOLERANCE[dtype])
             passed &= rows[dtype]["pass"]
-        out["kinds"][kind] = rows | {"tensors": len(reference["grads"]), "loss_cpu_fp32": reference["loss"]}
+        out["kinds"][kind] = rows | {"tensors": len(reference["grads"]), "loss_cpu_fp32": reference["loss"],
+                                     "adapter_tensors": sum(is_adapter(name) for name in reference["grads"])}
         del cpu, mine
         workloads.free(check.device)
     out["status"] = "pass" if passed else "fail"

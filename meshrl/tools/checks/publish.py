@@ -50,13 +50,14 @@ def run(check) -> dict:
     else:
         out["rates"] = None
         out["reason"] = "device-to-host rates: no CUDA (the trainer's publish beside its step still runs)"
-    fb = min(check.timed(standins.call(trainer, "forward_backward", batch))[1] for _ in range(REPEATS))
-    publish = min(check.timed(standins.call(trainer, "publish_weights"))[1] for _ in range(REPEATS))
+    repeats = 2 if check.dry else REPEATS
+    fb = min(check.timed(standins.call(trainer, "forward_backward", batch))[1] for _ in range(repeats))
+    publish = min(check.timed(standins.call(trainer, "publish_weights"))[1] for _ in range(repeats))
 
     async def both():  # a publish, and the next forward_backward while it copies, as Monarch runs them
         await asyncio.gather(standins.call(trainer, "publish_weights"), standins.call(trainer, "forward_backward", batch))
 
-    together = [check.timed(both())[1] for _ in range(REPEATS)]
+    together = [check.timed(both())[1] for _ in range(repeats)]
     check.run(standins.call(trainer, "drop_gradients"))
     out["trainer"] = {"forward_backward_s": fb, "publish_weights_s": publish, "together_s": min(together),
                       "overlap": overlap(fb, publish, min(together))}

@@ -1,0 +1,134 @@
+"""`meshrl check gpu` in its dry mode (this machine has no CUDA): every section that can run on the CPU runs
+at tiny sizes through the code the GPU run takes, on the stand-ins a lent GPU machine needs (no Monarch
+there), and writes its figures; the CUDA-only parts say why they were skipped. Its pure parts (the FLOPs
+count, the peak table) are checked by hand."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from meshrl.tools.checks import mfu, parity, workloads
+
+
+@pytest.fixture(scope="module")
+def dry(tmp_path_factory):
+    """One dry run on the stand-ins for Monarch: (its JSON, its stdout)."""
+    out = tmp_path_factory.mktemp("check") / "gpu.json"
+    done = subprocess.run([sys.executable, "-m", "meshrl", "check", "gpu", "--json", str(out), "--stand-ins"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text()), done.stdout
+
+
+def test_the_dry_run_writes_every_section_and_says_what_ran_on_stand_ins(dry):
+    result, stdout = dry
+    assert result["dry"] and result["passed"] and result["machine"]["device"] == "cpu"
+    assert list(result["sections"]) == ["parity", "endpoints", "memory", "mfu", "publish", "smoke"]
+    assert {n: s["status"] for n, s in result["sections"].items()} == {
+        "parity": "pass", "endpoints": "pass", "memory": "ran", "mfu": "ran", "publish": "ran", "smoke": "skipped"}
+    assert "dry mode" in result["sections"]["smoke"]["reason"]
+    assert any(part.startswith("monarch") for part in result["stood_in"]) and not result["installed"]["monarch"]
+    for name in result["sections"]:  # the table on stdout has a row for each
+        assert f"\n{name} " in stdout
+    assert "stand-in: monarch" in stdout
+    assert 0 < sum(s["seconds"] for s in result["sections"].values()) <= result["seconds"]
+
+
+def test_the_dry_parity_compares_two_real_paths_within_their_tolerances(dry):
+    """Both sides are the CPU: fp32 is the same pass twice and must agree within fp32's tolerance; bf16
+    is the CPU's autocast (where the trainer chose it) against fp32, a different computation that must differ
+    from it yet stay within bf16's tolerance."""
+    from meshrl.losses import bf16_compute
+
+    import torch
+
+    section = dry[0]["sections"]["parity"]
+    assert list(section["kinds"]) == list(parity.KINDS)
+    for kind, rows in section["kinds"].items():
+        assert rows["tensors"] > 0 and math.isfinite(rows["loss_cpu_fp32"]) and rows["loss_cpu_fp32"] != 0
+        for dtype in ("fp32", "bf16"):
+            row, tolerance = rows[dtype], parity.TOLERANCE[dtype]
+            assert row["pass"] and row["loss_rel"] <= tolerance["loss"], (kind, dtype, row)
+            assert row["grad_rel"] <= tolerance["grad"] and row["grad_rel_max_tensor"] <= tolerance["grad_tensor"]
+        assert not rows["fp32"]["autocast"]
+        assert rows["bf16"]["autocast"] == bf16_compute(torch.device("cpu"), True)
+        if rows["bf16"]["autocast"]:
+            assert rows["bf16"]["grad_rel"] > rows["fp32"]["grad_rel"], kind
+    lora, full = section["kinds"]["llama_lora"], section["kinds"]["llama"]
+    assert lora["adapter_tensors"] == lora["tensors"] > 0 and full["adapter_tensors"] == 0  # the adapter's only
+
+
+def test_the_dry_endpoints_shard_at_world_one_and_read_back_each_version_equal(dry):
+    section = dry[0]["sections"]["endpoints"]
+    assert (section["world"], section["process_group"], section["fsdp2"]) == (1, "gloo", True)
+    assert [r["version"] for r in section["read_back"]] == [1, 2] == [r["read"] for r in section["read_back"]]
+    assert all(r["unequal"] == 0 and r["tensors"] > 0 for r in section["read_back"])
+    assert section["read_back"][0]["digest"] != section["read_back"][1]["digest"]
+    assert section["logprob_change"] > 0 and section["problems"] == []
+
+
+def test_the_dry_memory_mfu_and_publish_sections_run_the_same_passes_at_tiny_sizes(dry):
+    sections = dry[0]["sections"]
+    memory = sections["memory"]
+    assert memory["tokens"] == list(workloads_sizes()) and memory["not_available"] == []
+    for role in ("trainer", "reference"):
+        for setting in ("off", "on"):
+            cells = memory[role][setting]
+            assert [int(n) for n in cells] == memory["tokens"]
+            assert all(c["seconds"] > 0 and c["peak_gib"] is None for c in cells.values())
+    m = sections["mfu"]
+    assert m["tokens"] == mfu.DRY_TOKENS and m["peak_from"] == "measured matmul"
+    assert m["mfu"] == pytest.approx(m["flops_per_step"] / m["forward_backward_s"] / 1e12 / m["peak_tflops"])
+    assert 0 < m["mfu_with_optim_step"] < m["mfu"]
+    publish = sections["publish"]
+    assert publish["rates"] is None and "no CUDA" in publish["reason"]
+    assert 0 <= publish["trainer"]["overlap"] <= 1 and publish["trainer"]["publish_weights_s"] > 0
+
+
+def workloads_sizes():
+    from meshrl.tools.checks import memory
+
+    return memory.DRY_SIZES
+
+
+def test_step_flops_counts_the_blocks_the_head_at_loss_positions_and_attention():
+    hf = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+          "head_dim": 64, "intermediate_size": 256, "vocab_size": 1000}
+    batch = workloads.batch(16, 1000, sequence=8)  # 2 sequences of 8, 6 loss positions each
+    # per block: q and o 128*128 each, k and v 128*64 each, the MLP 3*128*256 -> 147,456 parameters
+    blocks = 6 * 2 * 147_456 * 16
+    head = 6 * 128 * 1000 * 12
+    attention = 12 * 2 * 2 * 64 * 8 * 16
+    assert mfu.step_flops(hf, batch) == blocks + head + attention == 37_920_768
+
+
+def test_the_peak_table_knows_gpus_by_name_and_longer_names_first():
+    assert mfu.peak_by_name("NVIDIA H100 80GB HBM3") == 989.0
+    assert mfu.peak_by_name("NVIDIA H100 PCIe") == 756.0
+    assert mfu.peak_by_name("NVIDIA H200") == 989.0
+    assert mfu.peak_by_name("NVIDIA A100-SXM4-80GB") == 312.0
+    assert mfu.peak_by_name("NVIDIA A10G") == 125.0
+    assert mfu.peak_by_name("NVIDIA L40S") == 362.0
+    assert mfu.peak_by_name("Tesla T4") is None
+
+
+def test_an_unknown_section_is_one_clear_error(cli, tmp_path):
+    code, out, err = cli("check", "gpu", "--json", tmp_path / "gpu.json", "--sections", "parity,nope")
+    assert code == 2 and err.strip() == "meshrl: error: --sections: unknown nope; known: " + ", ".join(
+        ["parity", "endpoints", "memory", "mfu", "publish", "smoke"])
+    assert not (tmp_path / "gpu.json").exists()
+
+
+def test_with_monarch_installed_the_endpoints_run_on_its_real_actor_class(tmp_path):
+    """Where Monarch is installed the check builds the real actor class in process and calls its endpoints,
+    the concurrent publish_weights unwrapped from the task Monarch would start."""
+    out = tmp_path / "gpu.json"
+    done = subprocess.run([sys.executable, "-m", "meshrl", "check", "gpu", "--json", str(out), "--sections",
+                           "endpoints"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["installed"]["monarch"] and not any(p.startswith("monarch") for p in result["stood_in"])
+    assert result["sections"]["endpoints"]["status"] == "pass"
