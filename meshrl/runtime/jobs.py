@@ -132,15 +132,16 @@ async def host_gpus(hosts: "Hosts") -> dict[str, int]:
     hosts that differ gives."""
     import torch
 
-    reports = {"": [torch.cuda.device_count()]}
-    for group, mesh in hosts.meshes.items():
-        if group:
-            procs = mesh.spawn_procs(per_host={"procs": 1}, name="gpu_count")
-            try:
-                reports[group] = [n for _, n in (await procs.spawn("gpu_count", GpuCount).count.call()).items()]
-            finally:
-                await procs.stop()
-    return group_gpus(reports)
+    async def ask(mesh) -> list[int]:
+        procs = mesh.spawn_procs(per_host={"procs": 1}, name="gpu_count")
+        try:
+            return [n for _, n in (await procs.spawn("gpu_count", GpuCount).count.call()).items()]
+        finally:
+            await procs.stop()
+
+    groups = [group for group in hosts.meshes if group]
+    counts = await asyncio.gather(*(ask(hosts.meshes[group]) for group in groups))  # every group at once
+    return group_gpus({"": [torch.cuda.device_count()], **dict(zip(groups, counts))})
 
 
 def group_gpus(reports: dict[str, list[int]]) -> dict[str, int]:
