@@ -3,20 +3,24 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# `make install-cuda` leaves $(CUDA_STAMP) instead of $(STAMP) (each install removes the other's stamp): demo and
+# test then depend on it, so they refresh the CUDA lock when it changes and never put the CPU lock over it.
+CUDA_STAMP := $(VENV)/.installed-cuda
+INSTALLED := $(if $(wildcard $(CUDA_STAMP)),$(CUDA_STAMP),$(STAMP))
 
-.PHONY: demo demo-zorplex demo-reasoning-gym test install clean
+.PHONY: demo demo-zorplex demo-reasoning-gym test install install-cuda clean
 
-demo: $(STAMP)
+demo: $(INSTALLED)
 	$(BIN)/meshrl prepare-model
 	$(BIN)/meshrl train --config sum_digits_smollm2 --run-dir runs/demo
 
 # The multi-turn tool-use demo (docs/tasks.md: Multi-turn environments and tool use)
-demo-zorplex: $(STAMP)
+demo-zorplex: $(INSTALLED)
 	$(BIN)/meshrl prepare-model
 	$(BIN)/meshrl train --config zorplex_smollm2 --run-dir runs/zorplex
 
 # A reasoning-gym task (docs/tasks.md: From reasoning-gym)
-demo-reasoning-gym: $(STAMP)
+demo-reasoning-gym: $(INSTALLED)
 	$(BIN)/meshrl prepare-model
 	$(BIN)/meshrl train --config reasoning_gym_smollm2 --run-dir runs/reasoning_gym
 
@@ -25,7 +29,7 @@ demo-reasoning-gym: $(STAMP)
 # enough that two at once keep both cores busy. Files go out in collection order, the slowest first
 # (tests/conftest.py), not by their number of tests (xdist's default would send the one-test real
 # runs last, for one worker to finish alone).
-test: $(STAMP)
+test: $(INSTALLED)
 	$(BIN)/python -m pytest -v -n 2 --dist loadfile --no-loadscope-reorder tests
 
 install: $(STAMP)
@@ -38,6 +42,23 @@ $(STAMP): requirements.lock pyproject.toml
 	$(BIN)/pip install --quiet --no-deps -e .
 	# iproute2 makes the multi-host test's hosts (network namespaces); Debian's base image has it
 	command -v ip >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update -qq && apt-get install -y -qq iproute2)
+	rm -f $(CUDA_STAMP)
+	touch $@
+
+# A Linux x86-64 host with NVIDIA GPUs (driver >= 580: CUDA 13.0) and Python 3.11 (`make install-cuda PYTHON=python3.11`
+# where python3 is another version): vLLM 0.32.0 for CUDA, the torch 2.13.0+cu130 it pins, and the rest of the stack
+# (requirements-cuda.lock says which pins disagree and why). --require-hashes takes PyPI's CUDA files and no other.
+# Into a new .venv only: over the CPU install pip would keep torch 2.13.0+cpu (it satisfies torch==2.13.0).
+install-cuda: $(CUDA_STAMP)
+
+$(CUDA_STAMP): requirements-cuda.lock pyproject.toml
+	@test ! -e $(STAMP) || { echo "$(VENV) holds the CPU install (requirements.lock): make clean, then make install-cuda"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "requirements-cuda.lock is for Python 3.11; $(VENV) has %d.%d: make clean, then make install-cuda PYTHON=python3.11" % sys.version_info[:2])'
+	$(BIN)/pip install --quiet --no-deps --require-hashes -r requirements-cuda.lock
+	$(BIN)/pip install --quiet --no-deps -e .
+	command -v ip >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update -qq && apt-get install -y -qq iproute2)
+	rm -f $(STAMP)
 	touch $@
 
 clean:
