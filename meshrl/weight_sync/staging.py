@@ -76,7 +76,7 @@ class PinnedStaging:
         """In the copy thread: the weights marked by `start`, in the pinned staging once this returns (views of
         it, valid until the next `finish`)."""
         weights, made = started
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+        with torch.no_grad(), torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             self.stream.wait_event(made)  # the optimizer step that made them, not the forward queued since
             for name, view in self.views.items():
                 source = weights[name]
@@ -107,7 +107,7 @@ def measure_publish(weights: dict[str, torch.Tensor], step: Callable[[], object]
     into pinned staging, CUDA events) and `pinned_gbps` (the whole pinned publish: D2H, then the memcpy
     into the ring, wall clock); with `step`: `step_s` (alone, CUDA events), and per route
     `step_with_{route}_s` (the step while that publish runs in a thread) and `overlap_{route}`
-    ((step + publish - both together) / the shorter of the two: 1 is full overlap, 0 serial)."""
+    ((step + publish - both together) / the shorter of the two, within [0, 1]: 1 is full overlap, 0 serial)."""
     from meshrl.weight_sync.ring import WeightRing
 
     device = next(iter(weights.values())).device
@@ -137,7 +137,7 @@ def measure_publish(weights: dict[str, torch.Tensor], step: Callable[[], object]
     for _ in range(repeats):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize(device)
-        with torch.cuda.stream(pinned.stream):
+        with torch.no_grad(), torch.cuda.stream(pinned.stream):
             begin.record()
             for name, view in pinned.views.items():
                 view.copy_(weights[name], non_blocking=True)
@@ -174,5 +174,5 @@ def measure_publish(weights: dict[str, torch.Tensor], step: Callable[[], object]
             together.append(time.perf_counter() - begin)
         out[f"step_with_{name}_s"] = min(alongside)
         both = min(together)
-        out[f"overlap_{name}"] = (step_s + publish_s - both) / min(step_s, publish_s)
+        out[f"overlap_{name}"] = min(1.0, max(0.0, (step_s + publish_s - both) / min(step_s, publish_s)))
     return out
