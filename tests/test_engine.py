@@ -42,3 +42,15 @@ def test_tensor_parallelism_runs_the_workers_on_vllms_multiprocessing_executor()
     assert not s.options["enforce_eager"]
     assert s.environment["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert s.environment["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+
+
+def test_tensor_parallelism_on_the_cpu_gives_each_worker_its_share_of_the_replicas_cores():
+    s = engine_settings(EngineConfig(), on_gpu=False, tensor_parallel_size=2, cpus="4-7", cores=[4, 5, 6, 7])
+    assert s.environment["VLLM_CPU_OMP_THREADS_BIND"] == "4,5|6,7"
+    assert s.options["distributed_executor_backend"] == "mp"
+    # an odd core left over goes unused rather than unevenly
+    s = engine_settings(EngineConfig(), on_gpu=False, tensor_parallel_size=2, cores=[0, 1, 2])
+    assert s.environment["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    with pytest.raises(ValueError, match="generator.tensor_parallel_size 4 on the CPU needs a core per worker; the "
+                                         "replica has 2"):
+        engine_settings(EngineConfig(), on_gpu=False, tensor_parallel_size=4, cores=[0, 1])

@@ -14,7 +14,7 @@ import gc
 import os
 from dataclasses import dataclass
 
-from meshrl.actors import pin_cpus, resolve_device
+from meshrl.actors import parse_cpus, pin_cpus, resolve_device
 from meshrl.actors.dtypes import bf16_choice
 from meshrl.configs.engine import EngineConfig
 
@@ -30,12 +30,15 @@ class EngineSettings:
 
 def engine_settings(engine: EngineConfig, *, on_gpu: bool, tensor_parallel_size: int = 1,
                     memory_fraction: float = 0.0, num_threads: int = 1, cpus: str = "", kv_cache_gib: int = 1,
-                    devices: str = "") -> EngineSettings:
+                    devices: str = "", cores: list[int] | None = None) -> EngineSettings:
     """vLLM's options and environment for `engine` on a GPU (`on_gpu`) or the CPU: CUDA graphs on a GPU,
     eager on the CPU (or by `cuda_graphs off`); `memory_fraction` 0 takes GPU_MEMORY_FRACTION or
     CPU_MEMORY_FRACTION; tensor parallelism runs vLLM's multiprocessing executor ("mp": a worker process
     per GPU), a size of 1 its executor in this process ("uni"); sleep mode only on a GPU (`sleep auto`
-    here, not resolved by a GPU plan, is off). ValueError (one line) for a GPU option on the CPU."""
+    here, not resolved by a GPU plan, is off). On the CPU vLLM binds its OpenMP threads to `cpus`, and with
+    tensor parallelism each worker to its share of `cores` (the replica's cores, in order: vLLM's own binding
+    wants a NUMA node per worker). ValueError (one line) for a GPU option on the CPU, or fewer cores than
+    workers."""
     engine.check()
     if not on_gpu:
         for name in ("cuda_graphs", "sleep"):
@@ -50,7 +53,15 @@ def engine_settings(engine: EngineConfig, *, on_gpu: bool, tensor_parallel_size:
                    "OMP_NUM_THREADS": str(num_threads)}  # the count we pin, rather than vLLM lowering it to 1
     if not on_gpu:
         environment["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
-        if cpus:  # vLLM binds its OpenMP threads itself: to our cores, not to all of them
+        if tensor_parallel_size > 1:  # "0-3|4-7": each worker its own cores
+            cores = list(cores or [])
+            if len(cores) < tensor_parallel_size:
+                raise ValueError(f"generator.tensor_parallel_size {tensor_parallel_size} on the CPU needs a core per "
+                                 f"worker; the replica has {len(cores)}")
+            each = len(cores) // tensor_parallel_size
+            environment["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                ",".join(map(str, cores[w * each:(w + 1) * each])) for w in range(tensor_parallel_size))
+        elif cpus:  # vLLM binds its OpenMP threads itself: to our cores, not to all of them
             environment["VLLM_CPU_OMP_THREADS_BIND"] = cpus
     if devices:  # this replica's GPUs (meshrl/runtime/gpu_plan.py), before anything starts CUDA
         environment["CUDA_VISIBLE_DEVICES"] = devices
@@ -70,7 +81,8 @@ def start_vllm(checkpoint: str, *, dtype: str, max_model_len: int, memory_fracti
 
     settings = engine_settings(engine or EngineConfig(), on_gpu=torch.cuda.device_count() > 0,
                                tensor_parallel_size=tensor_parallel_size, memory_fraction=memory_fraction,
-                               num_threads=num_threads, cpus=cpus, kv_cache_gib=kv_cache_gib, devices=devices)
+                               num_threads=num_threads, cpus=cpus, kv_cache_gib=kv_cache_gib, devices=devices,
+                               cores=sorted(parse_cpus(cpus)))
     os.environ.update(settings.environment)
     # vLLM's per-call CPU notices would drown the progress bar; VLLM_LOGGING_LEVEL=INFO brings them back.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
