@@ -2,16 +2,18 @@
 
 For each model kind (the tiny random Llama, Qwen3 and Qwen3-MoE, and the Llama with a LoRA adapter) a
 trainer actor on the CPU in fp32 is the reference; a trainer on the device takes one `forward_backward`
-of the same micro-batch in fp32 and one in bf16 autocast (the gradients dropped in between). Figures: the loss's relative difference, and the
-gradients' (per tensor ||g - g_ref|| / ||g_ref||, the largest; and over all tensors at once), each
-against a tolerance per dtype. In the dry mode the device is the CPU too, and the CPU's trainer takes every
-pass: the fp32 row is the same pass twice (it must agree to rounding), the bf16 row the CPU's autocast against its fp32, where the trainer
-runs the CPU in bf16 at all (`autocast` says whether it did).
+of the same micro-batch in fp32 and one in bf16 autocast (the gradients dropped in between). Figures:
+the loss's relative difference, and the gradients' (per tensor ||g - g_ref|| / ||g_ref||, the largest;
+and over all tensors at once), each against a tolerance per dtype. In the dry mode the device is the
+CPU too, and the CPU's trainer takes every pass: the fp32 row is the same pass twice (it must agree to
+rounding), the bf16 row the CPU's autocast against its fp32, where the trainer runs the CPU in bf16 at
+all (`autocast` says whether it did).
 """
 
 from meshrl.tools.checks import standins, workloads
 
-KINDS = {"llama": ("tiny", 0), "qwen3": ("tiny_qwen3", 0), "qwen3_moe": ("tiny_qwen3_moe", 0), "llama_lora": ("tiny", 8)}
+KINDS = {"llama": ("tiny", 0), "qwen3": ("tiny_qwen3", 0), "qwen3_moe": ("tiny_qwen3_moe", 0),
+         "llama_lora": ("tiny", 8)}  # (model.source, LoRA rank)
 # relative differences allowed: fp32 is rounding (and the GPU's other summation order); bf16 autocast
 # rounds every matmul's operands to 8 bits of mantissa (relative 4e-3 each), compounded over the layers
 TOLERANCE = {"fp32": {"loss": 1e-4, "grad": 1e-3, "grad_tensor": 1e-2},
@@ -25,7 +27,8 @@ def run(check) -> dict:
     from meshrl.models.lora import is_adapter
     from meshrl.models.model import read_hf_config, resolve_checkpoint
 
-    out, passed = {"device": str(check.device), "tolerance": TOLERANCE, "kinds": {}}, True
+    out, passed = {"device": str(check.device), "tolerance": TOLERANCE, "kinds": {},
+                   "tf32": torch.backends.cuda.matmul.allow_tf32}, True  # on: CUDA's fp32 matmuls round to 10 bits
     for kind, (source, lora_rank) in KINDS.items():
         checkpoint = resolve_checkpoint(source)
         batch = workloads.batch(TOKENS, read_hf_config(checkpoint)["vocab_size"], seed=1, sequence=SEQUENCE)
