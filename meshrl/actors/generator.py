@@ -283,10 +283,11 @@ class VLLMGenerator(Actor):
             return self.reload(weights)
         self.swapped.clear()
         self.book.admitting.clear()
+        swap = asyncio.ensure_future(asyncio.to_thread(self.reload, weights))
         try:
-            await asyncio.to_thread(self.reload, weights)
-        finally:
-            self.swapped.set()
+            await asyncio.shield(swap)
+        finally:  # the engine steps again once the workers are done, even if this wait was cancelled
+            swap.add_done_callback(lambda _: self.swapped.set())
 
     def reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors into vLLM in place: handed to its one worker in this process, or with
