@@ -89,7 +89,8 @@ def cli(capsys):
 SLOW_FIRST = ["test_checkpoint.py", "test_multihost.py", "test_train_smoke.py", "test_lora.py", "test_chaos.py",
               "test_generator_pool.py", "test_multiturn.py", "test_actors.py", "test_sync_vs_async.py",
               "test_weight_stress.py", "test_bench_weight_sync.py", "test_weight_updates.py", "test_bench_trainer.py",
-              "test_jobs.py", "test_trainer_ranks.py", "test_tasks.py", "test_decoupled_ratio.py", "test_clean_stop.py"]
+              "test_check_gpu.py", "test_jobs.py", "test_trainer_ranks.py", "test_tasks.py", "test_decoupled_ratio.py",
+              "test_clean_stop.py"]
 
 
 def pytest_collection_modifyitems(items):
