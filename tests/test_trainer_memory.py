@@ -152,15 +152,23 @@ def _two_ranks(rank: int, port: int, out: dict) -> None:
     batch = sample_batch()
     half = TrainBatch(*(getattr(batch, f)[rank::2] if isinstance(getattr(batch, f), torch.Tensor) else getattr(batch, f)
                         for f in batch.__dataclass_fields__))
-    results = {}
-    for name, memory, bf16, chunk in (("fp32", OFF, False, 0), ("fp32_saving", MemoryChoice("full", "float32", "float32"), False, 5),
-                                      ("bf16_fp32_gather", OFF, True, 5),
-                                      ("bf16_gather", MemoryChoice("full", "bfloat16", "float32"), True, 5)):
-        model, _ = load_on_ranks(resolve_checkpoint("tiny"), me, None, memory)
+    results, lora = {}, LoraConfig(rank=4, alpha=8.0)
+    bf16_gather = MemoryChoice("full", "bfloat16", "float32")
+    for name, memory, bf16, chunk, adapter in (
+            ("fp32", OFF, False, 0, None), ("fp32_saving", MemoryChoice("full", "float32", "float32"), False, 5, None),
+            ("bf16_fp32_gather", OFF, True, 5, None), ("bf16_gather", bf16_gather, True, 5, None),
+            ("lora_bf16_fp32_gather", OFF, True, 5, lora), ("lora_bf16_gather", bf16_gather, True, 5, lora)):
+        torch.manual_seed(0)  # the adapter's A, alike in both
+        model, _ = load_on_ranks(resolve_checkpoint("tiny"), me, adapter, memory)
+        if adapter:  # B away from zero, so that A gets a gradient too
+            with torch.no_grad():
+                for param_name, param in model.named_parameters():
+                    if ".lora_b." in param_name:
+                        param.fill_(0.01)
         masters = {p.dtype for p in model.parameters()}
         loss, grads = loss_and_grads(model, half, chunk, bf16)
         torch.distributed.all_reduce(loss)  # each rank's share of the step's loss
-        results[name] = (loss, grads, masters, {local(p.grad).dtype for p in model.parameters()})
+        results[name] = (loss, grads, masters, {local(p.grad).dtype for p in model.parameters() if p.grad is not None})
     torch.distributed.destroy_process_group()
     if rank == 0:
         out.update(results)
@@ -170,7 +178,8 @@ def test_fsdp2_bf16_all_gathers_on_two_ranks_keep_fp32_masters_and_match_within_
     """2 ranks over gloo (FSDP2's MixedPrecisionPolicy works there): activation checkpointing and chunked
     logprobs on the sharded model give fp32's loss and gradients (sums in another order only); bf16
     all-gathers keep the shards (master weights) and their gradients in fp32, and stay within bf16 rounding
-    of fp32 gathers under the same bf16 autocast, without being equal to them."""
+    of fp32 gathers under the same bf16 autocast, without being equal to them; with LoRA too (the frozen base
+    gathered in bf16, only the adapter trained)."""
     out = mp.Manager().dict()
     mp.spawn(_two_ranks, args=(_free_port(), out), nprocs=2, join=True)
     fp32, saving, autocast, gathered = (out[k] for k in ("fp32", "fp32_saving", "bf16_fp32_gather", "bf16_gather"))
@@ -181,3 +190,9 @@ def test_fsdp2_bf16_all_gathers_on_two_ranks_keep_fp32_masters_and_match_within_
     for name, grad in autocast[1].items():
         torch.testing.assert_close(gathered[1][name], grad, rtol=0, atol=0.03 * float(grad.abs().max()), msg=name)
     assert any(not torch.equal(autocast[1][k], gathered[1][k]) for k in gathered[1])
+    lora_autocast, lora_gathered = out["lora_bf16_fp32_gather"], out["lora_bf16_gather"]
+    assert lora_gathered[2] == lora_gathered[3] == {torch.float32}
+    assert lora_gathered[1] and all(".lora_" in name for name in lora_gathered[1])
+    torch.testing.assert_close(lora_autocast[0], lora_gathered[0], rtol=0, atol=2e-3)
+    for name, grad in lora_autocast[1].items():
+        torch.testing.assert_close(lora_gathered[1][name], grad, rtol=0, atol=0.03 * float(grad.abs().max()), msg=name)

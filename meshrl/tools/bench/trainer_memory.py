@@ -2,8 +2,8 @@
 memory switches of meshrl/models/memory.py on and off, and the loss and gradients each switch gives
 against none.
 
-Each size runs in a fresh process: a warm-up step, then each configuration in turn on a freshly loaded
-policy (loaded as the trainer loads it on one rank): one forward and backward of the trainer's loss
+Each size runs in a fresh process: a warm-up step, then each configuration in turn on the policy loaded
+as the trainer loads it on one rank (once per checkpointing mode): one forward and backward of the trainer's loss
 (`policy_terms` + `policy_loss`, bf16 autocast as the trainer's default) on a fixed batch of `tokens`
 positions. Peak memory is what that step adds over the loaded model: on the CPU the kernel's high-water
 mark of resident memory (VmHWM, reset just before the step) minus the resident memory then, the C heap's
@@ -18,6 +18,7 @@ same run: on a shared CPU the absolute figures are noise.
 """
 
 import multiprocessing
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -49,22 +50,34 @@ def _fresh(fn, *args) -> dict:
 
 
 def _sizes(checkpoint: str, tokens: int, device: str) -> dict:
-    """Every configuration at `tokens` positions, one after another in this fresh process (the C heap's free
-    pages returned to the system before each), after a warm-up step of 256 positions (oneDNN's kernels,
-    torch's first allocations): {configuration: figures}, times as ratios to "off"'s."""
+    """Every configuration at `tokens` positions, one after another in this fresh process (the policy loaded
+    once per checkpointing mode, gradients dropped and the C heap's free pages returned to the system before
+    each step), after a warm-up step of 256 positions (oneDNN's kernels, torch's first allocations):
+    {configuration: figures}, times as ratios to "off"'s."""
+    import gc
+
+    from meshrl.actors.distributed import Rank, load_on_ranks
+    from meshrl.models.memory import MemoryChoice
+
     where = _setup(device)
-    _train_step(checkpoint, SEQUENCE, "off", 0, where)  # warm-up
     figures, off = {}, None
-    for name, (ac, chunk) in SWITCHES.items():  # "off" first: the others compare with its gradients
-        figures[name], grads = _train_step(checkpoint, tokens, ac, chunk, where)
+    for ac in dict.fromkeys(ac for ac, _ in SWITCHES.values()):
+        model, _ = load_on_ranks(checkpoint, Rank(0, 1, where), None, MemoryChoice(ac, "float32", "float32"))
         if off is None:
-            off = grads
-        diff = (grads - off).abs().max().item()
-        figures[name] |= {"grad_max_abs_diff_vs_off": diff, "grad_rel_diff_vs_off": diff / off.abs().max().item(),
-                          "loss_diff_vs_off": figures[name]["loss"] - figures["off"]["loss"]}
-        del grads
+            _train_step(model, SEQUENCE, 0, where)  # warm-up
+        for name in (n for n, (mode, _) in SWITCHES.items() if mode == ac):  # "off" first: the others compare with it
+            figures[name], grads = _train_step(model, tokens, SWITCHES[name][1], where)
+            off = grads if off is None else off
+            diff = (grads - off).abs().max().item()
+            figures[name] |= {"grad_max_abs_diff_vs_off": diff, "grad_rel_diff_vs_off": diff / off.abs().max().item(),
+                              "loss_diff_vs_off": figures[name]["loss"] - figures["off"]["loss"]}
+            del grads
+        del model
+        gc.collect()
     for f in figures.values():
         f["seconds_vs_off"] = f["seconds"] / figures["off"]["seconds"]
+    print(f"{tokens} tokens: " + ", ".join(f"{k} {f['peak_added_mb']:.0f} MB" for k, f in figures.items()),
+          file=sys.stderr, flush=True)  # as it goes: a long run's figures so far
     return figures
 
 
@@ -116,19 +129,15 @@ def _setup(device: str):
     return resolve_device(device)
 
 
-def _train_step(checkpoint: str, tokens: int, ac: str, chunk: int, where) -> tuple[dict, object]:
-    """One forward and backward of the trainer's loss on a freshly loaded policy: the memory it adds, its
-    seconds and loss, and the gradients (flat, float32, on the host)."""
-    import gc
-
+def _train_step(model, tokens: int, chunk: int, where) -> tuple[dict, object]:
+    """One forward and backward of the trainer's loss: the memory it adds (gradients included: they are
+    dropped first), its seconds and loss, and the gradients (flat, float32, on the host)."""
     import torch
 
-    from meshrl.actors.distributed import Rank, load_on_ranks
     from meshrl.configs import LossConfig
     from meshrl.losses import policy_loss, policy_terms
-    from meshrl.models.memory import MemoryChoice
 
-    model, _ = load_on_ranks(checkpoint, Rank(0, 1, where), None, MemoryChoice(ac, "float32", "float32"))
+    model.zero_grad(set_to_none=True)
     batch = _batch(tokens).to(where)
     peak = _Peak(where)
     peak.start()
@@ -138,11 +147,8 @@ def _train_step(checkpoint: str, tokens: int, ac: str, chunk: int, where) -> tup
     loss.backward()
     added = peak.added_mb()
     seconds = time.perf_counter() - start
-    value = loss.item()
     grads = torch.cat([p.grad.flatten().float().cpu() for p in model.parameters() if p.grad is not None])
-    del model, logprobs, entropy, loss
-    gc.collect()
-    return {"peak_added_mb": added, "seconds": seconds, "loss": value, "gradients_mb": grads.numel() * 4 / 2**20}, grads
+    return {"peak_added_mb": added, "seconds": seconds, "loss": loss.item(), "gradients_mb": grads.numel() * 4 / 2**20}, grads
 
 
 def _reference(checkpoint: str, tokens: int, device: str) -> dict:
@@ -167,6 +173,11 @@ def _reference(checkpoint: str, tokens: int, device: str) -> dict:
         load.start()
         model, _ = load_on_ranks(checkpoint, Rank(0, 1, where), memory=MemoryChoice("off", "float32", dtype),
                                  frozen=True)
+        if where.type == "cpu":  # what stays resident: the load's temporaries freed and handed back first
+            from meshrl.actors import return_free_memory
+
+            gc.collect()
+            return_free_memory()
         weights = _status_mb("VmRSS") - load.before if where.type == "cpu" else load.added_mb()
         peak = _Peak(where)
         peak.start()
