@@ -5,11 +5,12 @@ endpoint, real or stood in.
 - `monarch.actor` and `monarch.rdma`: the trainer actor class is built as a plain object and its endpoints
   are called in this process (`call`); a ring's RDMA handles become plain references to its memory (a
   reader on the same host copies over shared memory anyway).
-- `torch.distributed.fsdp.DataParallelMeshDims`: torchtitan 0.3 imports it; torch before 2.12 lacks it,
+- `torch.distributed.fsdp.DataParallelMeshDims`: torchtitan 0.3 imports it; torch 2.11 lacks it (2.13 has it),
   and FSDP over one mesh dimension never passes it (torchtitan only hands it on when it is set).
 
-Each is installed only where the real one is missing (Monarch also on request), and `install` says which
-were, so the check's output names the parts that ran on stand-ins.
+Each is installed only where the real one is missing (Monarch also where it fails to import, or on
+request), and `install` says which were and why, so the check's output names the parts that ran on
+stand-ins.
 """
 
 import functools
@@ -69,15 +70,19 @@ def _standin_monarch() -> dict[str, types.ModuleType]:
 
 
 def install(force_monarch: bool = False) -> list[str]:
-    """Install the stand-ins for what this machine lacks (Monarch also when `force_monarch`); returns what
-    was stood in. Call it before anything imports meshrl.actors or torchtitan."""
+    """Install the stand-ins for what this machine lacks (Monarch also when `force_monarch`, or where it is
+    installed but does not import); returns what was stood in, and why. Call it before anything imports
+    meshrl.actors or torchtitan."""
     stood_in = []
-    if force_monarch or not available("monarch"):
+    why = "asked for (--stand-ins)" if force_monarch else monarch_fails()
+    if why:
         if not getattr(sys.modules.get("monarch"), "STAND_IN", False):
             if "meshrl.actors" in sys.modules:
                 raise RuntimeError("meshrl.actors was imported with the real Monarch before its stand-in")
+            for name in [n for n in sys.modules if n == "monarch" or n.startswith("monarch.")]:
+                del sys.modules[name]  # what a failed import left
             sys.modules.update(_standin_monarch())
-        stood_in.append("monarch (monarch.actor, monarch.rdma): actors built and called in this process")
+        stood_in.append(f"monarch (monarch.actor, monarch.rdma): actors built and called in this process; {why}")
     import torch.distributed.fsdp as fsdp
 
     if not hasattr(fsdp, "DataParallelMeshDims"):
@@ -91,6 +96,19 @@ def torch_version() -> str:
     import torch
 
     return torch.__version__
+
+
+def monarch_fails() -> str | None:
+    """None where Monarch's actor and RDMA modules import here, else why not (not installed; or installed and
+    failing, as a build for another torch may)."""
+    if available("monarch") and not getattr(sys.modules.get("monarch"), "STAND_IN", False):
+        try:
+            import monarch.actor  # noqa: F401
+            import monarch.rdma  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - any failure to import is the reason for the stand-in, reported
+            return f"installed but its import failed: {type(e).__name__}: {e}"
+        return None
+    return "not installed"
 
 
 def available(module: str) -> bool:
