@@ -108,7 +108,7 @@ def run(chosen: list[str], dry: bool, tmp: Path, stood_in: list[str], smoke_time
         for name in SECTIONS:
             if name not in chosen:
                 continue
-            if name == "endpoints":  # from here on: one rank in a process group of world 1 (FSDP2 applies)
+            if name != "parity":  # after parity (one rank, no group): a process group of world 1, FSDP2 applies
                 init_group(device)
             module = importlib.import_module(f"meshrl.tools.checks.{name}")
             began = time.perf_counter()

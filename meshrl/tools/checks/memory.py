@@ -21,7 +21,10 @@ def run(check) -> dict:
     sizes = DRY_SIZES if check.dry else SIZES
     batches = {n: workloads.batch(n, hf["vocab_size"], seed=4, sequence=n // 4 if check.dry else workloads.SEQUENCE)
                for n in sizes}
+    import torch.distributed as dist
+
     out = {"measured": check.device.type == "cuda", "tokens": list(sizes), "trainer": {}, "reference": {},
+           "fsdp2": dist.is_initialized(),  # one rank in a process group of world 1: sharded as on several
            "switches": {f"{section}.{name}": {"off": off, "on": on} for (section, name), (off, on)
                         in workloads.SWITCHES.items()}}
     missing = set()

@@ -84,7 +84,7 @@ def run(check) -> dict:
     peak = peak_by_name(name) if name else None
     out = {"model": "random Llama-3.2-1B shape" if not check.dry else "tiny Llama (dry mode)",
            "parameters": sum(p.numel() for p in trainer.model.parameters()), "tokens": batch.input_ids.numel(),
-           "loss_tokens": int(batch.loss_mask.sum()), "flops_per_step": flops, "compute_dtype": "bf16" if bf16 else "fp32",
+           "loss_tokens": int(batch.loss_mask.sum()), "fsdp2": torch.distributed.is_initialized(), "flops_per_step": flops, "compute_dtype": "bf16" if bf16 else "fp32",
            "switches": {k: getattr(config, k, None) for k in ("activation_checkpointing", "bf16_all_gather",
                                                                "logprob_chunk_tokens")},
            "forward_backward_s": min(fb), "optim_step_s": min(step), "measured_matmul_tflops": measured,
