@@ -74,14 +74,16 @@ def load_on_ranks(checkpoint, rank: Rank, lora=None, memory: MemoryChoice | None
     .checkpoint's Hugging Face reader), so the full model is never in one rank's memory.
 
     `memory` (meshrl/models/memory.py): torchtitan's activation checkpointing on its layers, and FSDP2's
-    all-gathers in its dtype; a `frozen` model (the reference) holds its weights in its reference dtype
-    instead, and all-gathers them as they are."""
+    all-gathers in its dtype; a `frozen` model (the reference) with reference dtype bfloat16 holds its
+    matrix products' weights in bf16 instead (`bf16_matmul_weights`)."""
     memory = memory or resolve("cpu", False, "off", "off", "float32")
-    weights = memory.torch_dtype("reference_dtype") if frozen else torch.float32
-    gather = weights if frozen else memory.torch_dtype("all_gather_dtype")
+    bf16_weights = frozen and memory.reference_dtype == "bfloat16"
+    # a frozen model's shards are gathered as fp32 (its bf16 weights exactly), and cast to bf16 by autocast
+    gather = torch.float32 if frozen else memory.torch_dtype("all_gather_dtype")
     if not sharded(rank):
         model, adapter = load_policy(checkpoint, lora=lora)
-        _cast_parameters(model, weights)
+        if bf16_weights:
+            bf16_matmul_weights(model)
         apply_checkpointing(model, memory.activation_checkpointing)
         return model.to(rank.device), adapter
     from torch.distributed.tensor import distribute_tensor
@@ -89,7 +91,8 @@ def load_on_ranks(checkpoint, rank: Rank, lora=None, memory: MemoryChoice | None
     hf_config = read_hf_config(checkpoint)
     with torch.device("meta"):
         model, adapter = build_policy(hf_config, lora)
-    _cast_parameters(model, weights)
+    if bf16_weights:
+        bf16_matmul_weights(model)
     apply_checkpointing(model, memory.activation_checkpointing)  # inside FSDP2's units, as torchtitan applies it
     family = family_of(hf_config)
     shard(model, rank, family.shard, gather)
@@ -106,11 +109,18 @@ def load_on_ranks(checkpoint, rank: Rank, lora=None, memory: MemoryChoice | None
     return model, adapter
 
 
-def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """The parameters (not the buffers: RoPE tables stay as built) in `dtype`; tied ones stay tied."""
-    if dtype != torch.float32:
-        for param in model.parameters():
-            param.data = param.data.to(dtype)
+def bf16_matmul_weights(model: torch.nn.Module) -> None:
+    """The weights of the matrix products bf16 autocast runs in bf16 (linear layers, MoE experts) held in
+    bf16: exactly the values autocast would multiply with, so the model's outputs under autocast are
+    bit-identical to the fp32 model's. The embedding (and an LM head tied to it), the norms and the MoE
+    router (whose gate runs in fp32) stay fp32: the residual stream stays fp32, as the policy's."""
+    embedding = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    for name, module in model.named_modules():
+        if "router" in name or not (isinstance(module, torch.nn.Linear) or name.endswith("experts")):
+            continue
+        for param in module.parameters(recurse=False):
+            if param.dim() >= 2 and id(param) not in embedding:
+                param.data = param.data.to(torch.bfloat16)
 
 
 def read_hf_shards(checkpoint, state: dict, adapter) -> dict:

@@ -10,8 +10,9 @@ plenty of, so it is off there.
 
 bf16 parameter all-gathers (FSDP2's MixedPrecisionPolicy) and a bf16 reference follow the compute
 dtype: with bf16 autocast on a device with bf16 math, the matrix products already run on bf16 copies of
-the fp32 weights, so gathering bf16 and holding the frozen reference in bf16 lose nothing the compute
-kept; in fp32 compute they would, and stay off.
+the fp32 weights, so gathering bf16 costs little of what the compute kept, and the frozen reference can
+hold those bf16 copies themselves (its linear layers' and experts' weights: its logprobs are bit-identical
+to the fp32 reference's under autocast); in fp32 compute they would lose precision, and stay off.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ def resolve(device_type: str, bf16_compute: bool, activation_checkpointing: str 
         activation_checkpointing = "full" if device_type == "cuda" else "off"
     gather = bf16_compute if bf16_all_gather == "auto" else bf16_all_gather == "on"
     reference = bf16_compute if reference_dtype == "auto" else reference_dtype == "bfloat16"
+    if reference and not bf16_compute:
+        raise ValueError("reference.dtype bfloat16 holds the weights bf16 autocast multiplies with: it needs "
+                         "reference.bf16_autocast on a device with bf16 math")
     return MemoryChoice(activation_checkpointing, "bfloat16" if gather else "float32",
                         "bfloat16" if reference else "float32")
 

@@ -10,13 +10,15 @@ mark of resident memory (VmHWM, reset just before the step) minus the resident m
 free pages handed back to the system first (`malloc_trim`), so that memory freed by the configuration
 before is not reused unseen; on CUDA `torch.cuda.max_memory_allocated` minus the allocated memory before
 it. Either includes the gradients (the trained parameters' size in fp32). The reference model is measured
-alike in a process of its own: the resident memory its weights add in fp32 and in bf16, and its logprobs
-in bf16 against fp32's.
+alike in a process of its own: the resident memory its weights add in fp32 and in bf16 (its linear layers'
+and experts' weights: meshrl/actors/distributed.py `bf16_matmul_weights`), and its logprobs in bf16 against
+fp32's.
 
 Times are reported as ratios to the configuration with every switch off at the same size, measured in the
 same run: on a shared CPU the absolute figures are noise.
 """
 
+import json
 import multiprocessing
 import sys
 import time
@@ -76,8 +78,7 @@ def _sizes(checkpoint: str, tokens: int, device: str) -> dict:
         gc.collect()
     for f in figures.values():
         f["seconds_vs_off"] = f["seconds"] / figures["off"]["seconds"]
-    print(f"{tokens} tokens: " + ", ".join(f"{k} {f['peak_added_mb']:.0f} MB" for k, f in figures.items()),
-          file=sys.stderr, flush=True)  # as it goes: a long run's figures so far
+    print(f"{tokens} tokens: " + json.dumps(figures), file=sys.stderr, flush=True)  # as it goes: a long run's figures so far
     return figures
 
 
@@ -203,6 +204,7 @@ def report(result: dict) -> str:
                  "relative to the largest gradient)")
     ref = result["reference"]
     lines.append(f"  reference weights resident: float32 {ref['float32']['weights_mb']:.0f} MB, bfloat16 "
-                 f"{ref['bfloat16']['weights_mb']:.0f} MB; bf16 logprobs within "
-                 f"{ref['bfloat16']['logprob_max_abs_diff_vs_float32']:.3f} of fp32's")
+                 f"{ref['bfloat16']['weights_mb']:.0f} MB (parameters {ref['float32']['parameters_mb']:.0f} and "
+                 f"{ref['bfloat16']['parameters_mb']:.0f} MB); bf16 logprobs within "
+                 f"{ref['bfloat16']['logprob_max_abs_diff_vs_float32']:.3g} of fp32's")
     return "\n".join(lines)
