@@ -18,8 +18,8 @@ from meshrl.configs.job import JobConfig
 from meshrl.configs.lr_schedule import LrScheduleConfig
 from meshrl.configs.overrides import ConfigError, apply_overrides
 from meshrl.models.lora import LoraConfig
-from meshrl.tasks.dataset import DatasetConfig
 from meshrl.models.memory import CHECKPOINTING, ON_OFF, REFERENCE_DTYPES
+from meshrl.tasks.dataset import DatasetConfig
 from meshrl.tasks.reasoning_gym import ReasoningGymConfig
 from meshrl.tasks.sum_digits import SumDigitsConfig
 from meshrl.tasks.zorplex import ZorplexConfig
