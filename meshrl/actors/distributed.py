@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from meshrl.actors import pin_cpus, placement, resolve_device
 from meshrl.models.families import family_of
-from meshrl.models.memory import MemoryChoice, apply_checkpointing, resolve
+from meshrl.models.memory import NO_SAVINGS, MemoryChoice, apply_checkpointing, resolve
 from meshrl.models.model import build_policy, load_policy, load_weights, read_hf_config
 from meshrl.types import BatchRef, TrainBatch
 
@@ -76,7 +76,7 @@ def load_on_ranks(checkpoint, rank: Rank, lora=None, memory: MemoryChoice | None
     `memory` (meshrl/models/memory.py): torchtitan's activation checkpointing on its layers, and FSDP2's
     all-gathers in its dtype; a `frozen` model (the reference) with reference dtype bfloat16 holds its
     matrix products' weights in bf16 instead (`bf16_matmul_weights`)."""
-    memory = memory or resolve("cpu", False, "off", "off", "float32")
+    memory = memory or NO_SAVINGS
     bf16_weights = frozen and memory.reference_dtype == "bfloat16"
     # a frozen model's shards are gathered as fp32 (its bf16 weights exactly), and cast to bf16 by autocast
     gather = torch.float32 if frozen else memory.torch_dtype("all_gather_dtype")

@@ -42,6 +42,9 @@ class MemoryChoice:
         return getattr(torch, getattr(self, which))
 
 
+NO_SAVINGS = MemoryChoice("off", "float32", "float32")  # every switch off: the model as it was loaded
+
+
 def resolve(device_type: str, bf16_compute: bool, activation_checkpointing: str = "auto",
             bf16_all_gather: str = "auto", reference_dtype: str = "auto") -> MemoryChoice:
     """The switches' values on a device of `device_type` ("cuda", "cpu"), where the forward runs in bf16
