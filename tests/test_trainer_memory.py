@@ -127,11 +127,12 @@ def test_bf16_reference_holds_its_matmul_weights_in_bf16_and_gives_the_fp32_refe
 
 def test_auto_chooses_per_device():
     """CUDA: every saving on (full checkpointing; bf16 gathers and reference with bf16 compute); the CPU:
-    no checkpointing (measured slower, docs/performance.md); fp32 compute keeps fp32 gathers and reference;
+    no checkpointing (measured slower, docs/performance.md) and fp32 gathers (bf16 ones move the logprobs off
+    the reference's), a bf16 reference with bf16 compute; fp32 compute keeps fp32 gathers and reference;
     explicit values win; an unknown value, or a bf16 reference without bf16 compute, is one clear error."""
     assert resolve("cuda", True) == MemoryChoice("full", "bfloat16", "bfloat16")
     assert resolve("cuda", False) == MemoryChoice("full", "float32", "float32")
-    assert resolve("cpu", True) == MemoryChoice("off", "bfloat16", "bfloat16")
+    assert resolve("cpu", True) == MemoryChoice("off", "float32", "bfloat16")
     assert resolve("cpu", False) == MemoryChoice("off", "float32", "float32")
     assert resolve("cuda", True, "selective", "off", "float32") == MemoryChoice("selective", "float32", "float32")
     assert resolve("cpu", False, "full", "on", "float32") == MemoryChoice("full", "bfloat16", "float32")
