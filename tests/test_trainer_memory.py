@@ -12,7 +12,8 @@ import torch.multiprocessing as mp
 
 from meshrl.actors.distributed import Rank, load_on_ranks, local
 from meshrl.configs import LossConfig
-from meshrl.losses import policy_logprobs, policy_loss, policy_terms
+from meshrl.losses import (on_positions, policy_logprobs, policy_loss, policy_terms, response_logits, token_entropy,
+                           token_logprobs)
 from meshrl.models.lora import LoraConfig
 from meshrl.models.memory import MemoryChoice, resolve
 from meshrl.models.model import resolve_checkpoint
@@ -46,6 +47,19 @@ def loss_and_grads(model, batch, chunk: int, bf16: bool = False, entropy_coef: f
     return loss.detach(), grads
 
 
+def plain_loss_and_grads(model, batch, entropy_coef: float = 0.01):
+    """`loss_and_grads` in fp32 without `policy_terms`: the logits of every loss position at once
+    (`response_logits`), their logprobs and their entropy with its gradient, as the trainer took them before
+    the chunks."""
+    mask = batch.loss_mask
+    logits = response_logits(model, batch).float()
+    logprobs = on_positions(token_logprobs(logits, batch.target_ids[mask]), mask)
+    entropy = on_positions(token_entropy(logits), mask)
+    loss, _ = policy_loss(logprobs, batch, LossConfig(entropy_coef=entropy_coef), entropy)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
 def lora_model(source: str, memory: MemoryChoice, lora: LoraConfig | None):
     torch.manual_seed(0)  # the adapter's A
     model, _ = load_on_ranks(resolve_checkpoint(source), ONE, lora, memory)
@@ -69,11 +83,14 @@ def assert_same(a, b, rtol: float, atol: float):
 @pytest.mark.parametrize("source", ["tiny", "tiny_qwen3_moe"])
 def test_chunked_logprobs_and_entropy_bonus_match_all_positions_at_once(source):
     """fp32: chunks of 5 of 17 positions (the last one short), the temperatures and the entropy bonus applied
-    per chunk, give the loss and gradients of one pass over all positions, to float32's rounding."""
+    per chunk, give the loss and gradients of one pass over all positions, and of the loss taken without
+    `policy_terms` (whole logits, then logprobs and entropy), to float32's rounding."""
     batch = sample_batch()
     whole = loss_and_grads(lora_model(source, OFF, None), batch, chunk=0)
     chunked = loss_and_grads(lora_model(source, OFF, None), batch, chunk=5)
     assert_same(whole, chunked, rtol=1e-5, atol=1e-7)
+    # both against the loss taken without policy_terms: an entropy bonus losing its gradient fails here
+    assert_same(plain_loss_and_grads(lora_model(source, OFF, None), batch), chunked, rtol=1e-5, atol=1e-7)
     # and without a graph (logprobs for the ratio's pi_old, the reference's): equal
     model = lora_model(source, OFF, None)
     torch.testing.assert_close(policy_logprobs(model, batch, False, 5), policy_logprobs(model, batch, False, 0),
