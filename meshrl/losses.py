@@ -200,13 +200,11 @@ def _head_terms(head, hidden, targets, temperature, bf16: bool, entropy: str | N
     logits = logits.float()
     if temperature is not None:
         logits = logits / temperature.unsqueeze(-1)
-    lse = torch.logsumexp(logits, dim=-1)
-    logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    logprobs = token_logprobs(logits, targets)
     if entropy is None:
         return logprobs, None
-    if entropy == "bonus":  # differentiable: logsumexp - E_p[logit]
-        return logprobs, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logprobs, token_entropy(logits.detach())  # a metric: rows at a time, no graph
+    # the bonus differentiable, over the whole chunk; a metric rows at a time, no graph (token_entropy)
+    return logprobs, token_entropy(logits if entropy == "bonus" else logits.detach())
 
 
 def head_terms(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor | None, bf16: bool,
