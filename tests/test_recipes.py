@@ -28,7 +28,7 @@ RECIPES = {
     "sum_digits_smollm2_v4": "454e8ad2cabc287e",
     "zorplex_smollm2": "850b76abfdee5dfa",
 }
-DEFAULTS = "ec90b3609ada47f7"
+DEFAULTS = "b935cbeb4bccbe27"
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

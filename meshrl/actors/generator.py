@@ -49,6 +49,7 @@ from meshrl.types import Completion, Prompt, Sampling
 from meshrl.weight_sync import published_weights
 from meshrl.weight_sync.disk import DiskHandle, DiskReader
 from meshrl.weight_sync.handoff import Handoff
+from meshrl.weight_sync.relay import RelayedReader, RelayHandle, open_reader
 from meshrl.weight_sync.ring import RingHandle
 from meshrl.weight_sync.shards import ShardedReader
 from meshrl.weight_sync.verify import Verifier
@@ -112,7 +113,7 @@ class VLLMGenerator(Actor):
         if self.update not in WEIGHT_UPDATES:
             raise ValueError(f"unknown generator.weight_update {config.weight_update!r}; known: auto, "
                              f"{', '.join(WEIGHT_UPDATES)}")
-        self.ring: ShardedReader | DiskReader | None = None
+        self.ring: ShardedReader | RelayedReader | DiskReader | None = None
         # versions reach vLLM's workers in processes of their own through shared memory (tensor parallelism)
         self.through_workers = config.tensor_parallel_size > 1
         self.handoff = Handoff()
@@ -338,12 +339,11 @@ class VLLMGenerator(Actor):
             self.asleep = False
 
     @endpoint
-    async def attach_weights(self, rings: list[RingHandle | DiskHandle | None]) -> str:
-        """Pull weights from the trainer's rings (one per rank, in rank order) from now on, or from its
-        directory of versions (transport disk); returns the transport chosen."""
-        disk = [h for h in rings if isinstance(h, DiskHandle)]
-        self.ring = DiskReader(disk[0]) if disk else ShardedReader(rings, self.layout, self.to_hf,
-                                                                   self.transport)
+    async def attach_weights(self, rings: list[RingHandle | DiskHandle | RelayHandle | None]) -> str:
+        """Pull weights from the trainer's rings (one per rank, in rank order) from now on, or from its host's
+        relay of them (meshrl/weight_sync/relay.py), or from its directory of versions (transport disk);
+        returns the transport chosen."""
+        self.ring = open_reader(rings, self.layout, self.to_hf, self.transport)
         served, published = self.engine.model_config.dtype, self.layout.specs[0].dtype
         if served != published:
             logger.warning("versions are published in %s but vLLM serves %s here: the served policy is a rounded "

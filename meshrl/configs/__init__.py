@@ -212,12 +212,17 @@ class WeightSyncConfig:
     poll_s: float = 0.05  # in_flight and recompute: how often a generating replica looks for a newer version
     verify: bool = False  # also write each version to disk_dir and have every generator load it a second time from there and compare every tensor vLLM holds (meshrl/weight_sync/verify.py)
     disk_dir: str = ""  # disk and verify: where the versions' files go, on a filesystem the trainer and the generators share; "": RUN_DIR/weights
+    relay: str = "auto"  # a relay on each generator host pulls each version once from the trainer's rings and its replicas read it there over shared memory (meshrl/weight_sync/relay.py): auto (on where a generator host runs 2+ replicas and the generators are not on the trainer's hosts) | on | off
     staging: str = "auto"  # how a trainer rank's shard reaches its ring: auto (pinned on CUDA, pageable on the CPU) | pinned (device-to-host on a side CUDA stream into pinned memory, then a memcpy: the next forward and backward run meanwhile) | pageable (straight from the weights into the ring's memory, in the copy thread)
 
     def check(self) -> None:
         at_least(self, "weight_sync", slots=1, chunk_mb=1)
         one_of(self, "weight_sync", transport=("auto", "shm", "rdma", "disk"),
-               dtype=("auto", "bfloat16", "float32", "float16"), staging=("auto", "pinned", "pageable"))
+               dtype=("auto", "bfloat16", "float32", "float16"), staging=("auto", "pinned", "pageable"),
+               relay=("auto", "on", "off"))
+        if self.transport == "disk" and self.relay == "on":
+            raise ValueError("weight_sync.relay republishes the trainer's ring: it needs one (weight_sync.transport "
+                             "auto, shm or rdma)")
         if self.transport == "disk" and self.verify:
             raise ValueError("weight_sync.verify checks the ring's loads against the disk path: it needs a ring "
                              "(weight_sync.transport auto, shm or rdma)")

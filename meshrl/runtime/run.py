@@ -45,6 +45,7 @@ from meshrl.runtime.launch import (Actors, actor_classes, generator_args, note_f
 from meshrl.runtime.loggers import MetricLoggers, RolloutRecorder
 from meshrl.runtime.metric_rows import MetricRows
 from meshrl.runtime.plot import plot_curves
+from meshrl.runtime.relays import Relays
 from meshrl.tasks import make_task, task_config
 from meshrl.weight_sync import published_weights
 from meshrl.work_buffer import TooManyFailures
@@ -79,7 +80,8 @@ class Run:
         self.transports: dict[str, str] = {}  # generator replica -> the weight transport it chose
         self.controller: Controller | None = None
         self.where: dict[str, tuple] = {}  # trainer / reference -> (host(s), pid(s))
-        self.rings: list = []  # the trainer ranks' weight rings, which generators attach to
+        self.rings: list = []  # the trainer ranks' weight rings, which generators (or their hosts' relays) attach to
+        self.relays: Relays | None = None  # a weight relay per generator host, if weight_sync.relay says so
         self.dtypes: Dtypes | None = None  # what each role computes in, and why (decided at the start)
 
     def fit_prompts(self) -> None:
@@ -217,6 +219,8 @@ class Run:
         cfg, timeouts = self.gpus.apply(self.config), self.timeouts
         async with self.tracer.span("trainer", "attach", timeout=timeouts.trainer):
             self.rings = await in_rank_order(self.actors.trainer.weight_ring.call())
+        self.relays = Relays(cfg, self.placement, self.hosts, timeouts)
+        await self.relays.start(self.rings)
         gen, grade = cfg.generator, cfg.grader
 
         generators = ReplicaPool("generator", monarch_replicas(
@@ -241,10 +245,11 @@ class Run:
                 for name, p in placed.items() if name != "job"))
 
     async def _attach(self, replica) -> None:
-        """Generator `replica` pulls from the trainer's weight rings."""
+        """Generator `replica` pulls from the trainer's weight rings, or from its host's relay."""
         async with self.tracer.span("generator", "attach", replica=replica.index, timeout=self.timeouts.generate):
             name = replica_name("generator", replica.index, self.config.generator.replicas)
-            self.transports[name] = await replica.actor.attach_weights.call_one(self.rings)
+            rings = await self.relays.attach_to(replica.index) if self.relays else self.rings
+            self.transports[name] = await replica.actor.attach_weights.call_one(rings)
 
     async def _respawn(self, role: str):
         """The dead trainer's, reference's or replay buffer's mesh stopped (if it can be) and a new one started
@@ -273,6 +278,8 @@ class Run:
         replica that cannot attach is the pool's to replace at its next call."""
         async with self.tracer.span("trainer", "attach", timeout=self.timeouts.trainer):
             self.rings = await in_rank_order(trainer.weight_ring.call())
+        if self.relays:
+            await self.relays.attach(self.rings)
         generators = self.pools[0]
         await asyncio.gather(*(self._attach(r) for r in generators.replicas if r.healthy), return_exceptions=True)
 
@@ -306,7 +313,9 @@ class Run:
         pools = [pool.stop() for pool in self.pools]
         meshes = [bounded(mesh.stop(), self.timeouts.stop, "stopping a mesh")
                   for mesh in (self.actors.procs.values() if self.actors else [])]
-        await asyncio.gather(*pools, *meshes, return_exceptions=True)
+        relays = [bounded(self.relays.stop(self.run_dir), self.timeouts.stop, "stopping the weight relays")
+                  ] if self.relays else []
+        await asyncio.gather(*pools, *meshes, *relays, return_exceptions=True)
         if self.hosts:
             self.hosts.kill()
 

@@ -67,6 +67,10 @@ class DiskReader:
         handoff copies it all."""
         return []
 
+    def take_trainer_bytes(self) -> int:
+        """No ring is read: 0 (as `ShardedReader.take_trainer_bytes`)."""
+        return 0
+
     async def newest(self) -> int:
         found = versions(self.directory)
         return found[-1] if found else -1

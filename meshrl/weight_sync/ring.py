@@ -243,6 +243,7 @@ class RingReader:
         self.header_bytes = torch.empty(_header_bytes(handle.slots, handle.writers), dtype=torch.uint8)
         self.torn_reads = 0  # copies thrown away because the slot was rewritten meanwhile
         self.corrupt_reads = 0  # copies the seqlock passed but the checksum refused (should stay 0)
+        self.bytes_read = 0  # payload bytes copied out of the ring, torn copies included (headers not counted)
         self.copying = threading.Lock()  # one thread at a time writes `bytes` (an abandoned copy stops first)
         if self.transport == "shm":
             if needs_checksums() and not handle.checksums:
@@ -300,6 +301,7 @@ class RingReader:
         if self.transport == "shm":
             return await asyncio.to_thread(self._copy, slot, begins, cancel)
         await asyncio.gather(*(src.read_into(dst) for src, dst in zip(self.handle.chunks[slot], self.chunk_views)))
+        self.bytes_read += self.layout.nbytes
         return True
 
     def _copy(self, slot: int, begins: list[int], cancel: threading.Event) -> bool:
@@ -310,6 +312,7 @@ class RingReader:
                 if cancel.is_set():
                     return False
                 self.bytes[lo:lo + _COPY_CHUNK].copy_(source[lo:lo + _COPY_CHUNK])
+                self.bytes_read += min(_COPY_CHUNK, source.numel() - lo)
                 fence()  # the chunk's loads are done before begin is looked at again
                 if self.rows[slot, :, BEGIN].tolist() != begins:
                     return False  # overtaken: the rest would be thrown away

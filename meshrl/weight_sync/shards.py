@@ -101,6 +101,7 @@ class ShardedReader:
         self.transport = self.readers[0].transport
         self.assembled: SharedMemory | None = None  # the full tensors, with several rings
         self.assembling = threading.Lock()
+        self.reported_bytes = 0  # `bytes_read` at the last `take_trainer_bytes`
 
     def memory(self) -> list[SharedMemory]:
         """The shared memory that what `read_latest` returns lies in (besides any tensor `to_hf` made anew):
@@ -115,6 +116,18 @@ class ShardedReader:
     @property
     def corrupt_reads(self) -> int:
         return sum(r.corrupt_reads for r in self.readers)
+
+    @property
+    def bytes_read(self) -> int:
+        """Payload bytes copied out of the rings so far, torn copies included (their headers not counted)."""
+        return sum(r.bytes_read for r in self.readers)
+
+    def take_trainer_bytes(self) -> int:
+        """Bytes read from the rings since the last call: the trainer's, when these are the trainer's rings
+        (a relay's reader says otherwise: meshrl/weight_sync/relay.py)."""
+        now = self.bytes_read
+        taken, self.reported_bytes = now - self.reported_bytes, now
+        return taken
 
     async def newest(self) -> int:
         """The newest version every rank's ring holds complete (headers only: cheap to ask often); -1: none."""
