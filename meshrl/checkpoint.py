@@ -134,7 +134,7 @@ def commit(partial: Path, state: RunState, keep: int) -> Path:
     torch.save(state, partial / "state.pt")
     w = state.work
     untrained = {*(i for f in w["filling"].values() for i in f.kept),
-                 *(r["prompt_index"] for b in w["ready"].values() for r in b.records)}
+                 *(i for b in w["ready"].values() for i in b.groups)}
     (partial / "checkpoint.json").write_text(json.dumps({
         "step": state.step, "policy_version": state.trainer_version, "next_prompt": w["next_prompt"],
         "batches_complete": w["complete_below"], "prompts_to_redo": w["redo"],
@@ -157,10 +157,10 @@ class UnsafeCheckpoint(CheckpointError):
 
 def _state_classes() -> list[type]:
     from meshrl.episodes import Kept
-    from meshrl.types import Completion, Episode, ScoredCompletion, Trajectory
+    from meshrl.types import Completion, Episode, Generated, ScoredCompletion, Trajectory
     from meshrl.work_buffer import Batch, Filling, Group
 
-    return [RunState, Filling, Group, Batch, Kept, Completion, Trajectory, ScoredCompletion, Episode]
+    return [RunState, Filling, Group, Batch, Kept, Completion, Generated, Trajectory, ScoredCompletion, Episode]
 
 
 def _why(error: Exception) -> str:

@@ -2,8 +2,10 @@
 
 The rollout loop keeps groups in flight across the generator replicas: it starts every group the
 work buffer's staleness gate lets start (meshrl/work_buffer.py), and wakes whenever a group ends or
-a new policy version is published; each kept group's episodes go to the replay buffer as it ends
-(meshrl/actors/replay_buffer.py). The training loop takes batch b (complete, its episodes within
+a new policy version is published. The controller routes and the actors carry: a group's tokens go
+from its generator to the replay buffer (meshrl/actors/replay_buffer.py) without passing here, and
+what the controller decides for each kept group (its advantages) follows them, kept groups added
+together while an add is on its way. The training loop takes batch b (complete, its episodes within
 the bound), has the replay buffer compose and collate it, trains step b + 1 on it at policy version
 b (meshrl/train_step.py: the trainer's ranks take the micro-batches from the buffer), publishes version
 b + 1, evaluates now and then, and logs the step's row. It does not wait for the publish: the next
@@ -25,11 +27,13 @@ import asyncio
 import gc
 import logging
 import time
+from typing import Awaitable, Callable
 
 from monarch.actor import ActorError
 
 from meshrl.actors import first, in_rank_order
 from meshrl.actors.replay_buffer import fresh_groups, generation_ahead
+from meshrl.actors.weight_updates import cache_figures, gather_reports, no_figures
 from meshrl.actors.replicas import ReplicaPool, RoleFailed
 from meshrl.actors.timeouts import Stopped, StopSignals, Timeouts, bounded, deadline
 from meshrl.checkpoint import Checkpointer, RunState, latest
@@ -58,11 +62,14 @@ class Controller:
 
     def __init__(self, config: Config, task, tokenizer, generators: ReplicaPool, graders: ReplicaPool, trainer,
                  reference, buffer, tracer, signals: StopSignals, checkpointer: Checkpointer, rows,
-                 timeouts: Timeouts = Timeouts(), respawner: Respawner | None = None):
+                 timeouts: Timeouts = Timeouts(), respawner: Respawner | None = None,
+                 egress: Callable[[], Awaitable[int]] | None = None):
         """`trainer`, `reference` (or None) and `buffer`: actor meshes following roles.Trainer,
         roles.Reference and roles.ReplayBuffer (the trainer's and reference's ranks attached to it);
         `respawner`: how a dead trainer or reference is replaced (None: its death ends the run); `rows`:
-        where each step's row goes (meshrl/runtime/metric_rows.py). The whole `config`: the loops run every
+        where each step's row goes (meshrl/runtime/metric_rows.py); `egress()`: bytes read from the trainer's
+        hosts' weight rings since the last call (the weight relays', meshrl/weight_sync/relay.py; None: the
+        generators report theirs). The whole `config`: the loops run every
         role, so they read the controller's, generator's, trainer's, reference's, replay buffer's and
         checkpoint's sections (the collector gets its two, the restarts theirs)."""
         self.config, self.task, self.tokenizer, self.tracer, self.timeouts = config, task, tokenizer, tracer, timeouts
@@ -73,11 +80,16 @@ class Controller:
         self.work = WorkBuffer(cfg.steps, fresh, cfg.max_policy_age, batch_builder(cfg, tracer.now, task.accuracy),
                                fresh * (cfg.max_sample_rounds if cfg.drop_equal_reward_groups else 1),
                                cfg.drop_equal_reward_groups, cfg.max_failed_fraction, self._keep,
-                               generation_ahead(config))
-        self.adding: list[asyncio.Future] = []  # groups' episodes on their way to the replay buffer
+                               generation_ahead(config), self._discard)
+        # what the replay buffer is still to be told, in order: ("add", batch, kept groups) or ("discard", group, None)
+        self.outbox: list[tuple[str, int, list[GroupEpisodes] | None]] = []
+        self.adding: asyncio.Future | None = None  # tells it, while there is anything
         self.rollouts: asyncio.Task | None = None  # the rollout loop, while it runs
         self.collector = RolloutCollector(config.controller, config.generator, task, tokenizer, generators, graders,
-                                          tracer, self.work, timeouts)
+                                          tracer, self.work, lambda: self.buffer, timeouts)
+        self.counted = {"bytes_in": 0, "regenerated": 0}  # the collector's counts at the last step's row
+        self.bookkeeping: asyncio.Future | None = None  # the replicas', trainer's and buffer's reports, arriving
+        self.figures = no_figures()  # what they reported since the last row
         self.trainer_version = 0  # the newest version the trainer published
         self.publishing: asyncio.Future | None = None  # the newest publish, maybe still copying
         self.training: dict | None = None  # while a step trains: {"updates": its updates applied so far}
@@ -85,6 +97,7 @@ class Controller:
         self.trainer_busy = 0.0  # seconds the trainer has spent working
         self.updates = {"weight_swaps_in_flight": 0, "prefix_cache_resets_refused": 0}  # the generators', so far
         self.restarts = Restarts(respawner, config)
+        self.egress = egress
 
     async def restore(self, state: RunState, checkpoint) -> None:
         """Go on from a checkpoint: the trainer's state (published again), the work buffer's position,
@@ -109,6 +122,7 @@ class Controller:
         try:
             if self.signals.stopped_by:  # stopped while the actors started
                 return
+            await self.record_rollouts()
             if not self.rows.done:
                 self.initial = await self.collector.evaluate(step=0)
             self.rollouts = asyncio.create_task(self._rollout_loop())
@@ -129,9 +143,9 @@ class Controller:
                 self.rollouts.cancel()
                 await asyncio.gather(self.rollouts, return_exceptions=True)
             await bounded(self.collector.stop(), self.timeouts.stop, "stopping the groups in flight")
-            await bounded(self._weight_updates(), self.timeouts.stop, "the generators' last loads (for the trace)")
-            await bounded(asyncio.gather(self._trainer_spans(), return_exceptions=True), self.timeouts.stop,
-                          "the trainer's last spans (for the trace)")
+            if self.bookkeeping:
+                await asyncio.gather(self.bookkeeping, return_exceptions=True)
+            await bounded(self._bookkeeping(), self.timeouts.stop, "the last loads and spans (for the trace)")
         if self.rows.done and not self.signals.held:
             stop = self.timeouts.stop if self.signals.stopped_by else None
             await bounded(self.checkpoint(), stop, "the stop's checkpoint")
@@ -150,21 +164,54 @@ class Controller:
         await self.checkpointer.write(RunState(self.rows.done, self.trainer_version, self.work.snapshot(),
                                                list(self.rows.rows), self.initial, counters))
 
+    async def record_rollouts(self) -> None:
+        """The replay buffer writes rollouts.jsonl from now on, after the steps logged."""
+        async with deadline(self.timeouts.buffer, "replay_buffer", "record_rollouts"):
+            await self.buffer.record_rollouts.call_one(str(self.checkpointer.run_dir),
+                                                       self.config.logging.rollouts_fraction, self.rows.done)
+
     def _keep(self, batch: int, group: Group):
-        """A kept group of batch `batch`: its episodes go to the replay buffer, a summary stays here."""
+        """A kept group of batch `batch`: what to train of it goes to the replay buffer (which holds its
+        tokens), with the groups kept while the last add is on its way; a summary stays here."""
         episodes, kept = keep_group(group.scored, group.prompt_index, self.config.controller, self.task,
                                     self.config.generator.temperature)
-        self.adding.append(asyncio.ensure_future(self._add(batch, episodes)))
+        last = self.outbox[-1] if self.outbox else None
+        if last and last[0] == "add" and last[1] == batch:
+            last[2].append(episodes)
+        else:
+            self._send("add", batch, [episodes])
         return kept
 
-    async def _add(self, batch: int, episodes: GroupEpisodes) -> None:
-        async with deadline(self.timeouts.buffer, "replay_buffer", "add"):
-            await self.buffer.add.call_one(batch, episodes)
+    def _discard(self, group: Group) -> None:
+        """A finished group not trained (dropped, stale): the replay buffer lets its staged tokens go."""
+        if group.scored:
+            self._send("discard", group.prompt_index, None)
+
+    def _send(self, endpoint: str, key: int, groups: list[GroupEpisodes] | None) -> None:
+        """To the replay buffer, in order, one call at a time (a call that failed stops them: `_added` raises
+        its error until a restarted buffer replaces the dead one, `lose_adds`)."""
+        self.outbox.append((endpoint, key, groups))
+        if self.adding is None or (self.adding.done() and (self.adding.cancelled() or not self.adding.exception())):
+            self.adding = asyncio.ensure_future(self._send_all())
+
+    async def _send_all(self) -> None:
+        while self.outbox:
+            endpoint, key, groups = self.outbox[0]
+            async with deadline(self.timeouts.buffer, "replay_buffer", endpoint):
+                await getattr(self.buffer, endpoint).call_one(*([key, groups] if groups is not None else [key]))
+            self.outbox.pop(0)
 
     async def _added(self) -> None:
-        """Wait until every group's episodes sent so far are in the replay buffer (raising its error)."""
-        adding, self.adding = self.adding, []
-        await asyncio.gather(*adding)
+        """Wait until every kept group sent so far is in the replay buffer (raising its error)."""
+        if self.adding is not None:
+            await self.adding
+
+    def lose_adds(self) -> None:
+        """The replay buffer died: the kept groups on their way to it are lost with it (generated again)."""
+        if self.adding is not None:
+            self.adding.cancel()
+            self.adding.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self.adding, self.outbox = None, []
 
     async def _rollout_loop(self) -> None:
         """Keep every group the gate allows in flight; raise what ends the run (a pool out of replicas,
@@ -220,10 +267,10 @@ class Controller:
                 if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
                     await self._published()  # the policy just trained is the one evaluated
                     row |= await self.collector.evaluate(step)
-                self.rows.log(row, batch)
+                self.rows.log(row)
                 self.work.trained(batch.index)
                 async with deadline(self.timeouts.buffer, "replay_buffer", "trained"):
-                    await self.buffer.trained.call_one(batch.index)
+                    await self.buffer.trained.call_one(batch.index, step)
                 if self.rows.bad_steps:
                     logger.warning("step %d: %d of its updates had a NaN or infinite loss or gradient norm and "
                                    "were not applied", step, row["updates_skipped"])
@@ -260,6 +307,7 @@ class Controller:
         """Train `batch` at its policy version, publish the next one; the step's row (without eval). A
         batch with nothing to train (every group dropped) trains nothing: 0 updates, no lr step."""
         t1 = time.perf_counter()
+        self._bookkeep()
         await self._sleep_generators()
         await self._added()
         async with self.tracer.span("replay_buffer", "sample", batch.index, timeout=self.timeouts.buffer):
@@ -284,8 +332,7 @@ class Controller:
         self.publishing = asyncio.ensure_future(self._publish(version, batch.index + 1))
         t3 = time.perf_counter()
         self.trainer_busy += t3 - t1
-        pull, engines_busy, cache = await self._weight_updates()
-        await self._trainer_spans()
+        figures, self.figures = self.figures, no_figures()  # what the bookkeeping brought so far
         kept, moved = self.generators.kept, self.generators.moved
         routed = {"generator_calls_kept": kept - self.routed[0], "generator_calls_moved": moved - self.routed[1]}
         self.routed = (kept, moved)
@@ -297,10 +344,15 @@ class Controller:
                     "replay_buffer_restarts": self.restarts.count["replay_buffer"],
                     "restart_seconds": self.restarts.seconds_lost,
                     **self.updates, "batches_ready": len(self.work.ready) - 1}
+        c = self.collector
+        counters |= {"controller_bytes_in": c.bytes_in - self.counted["bytes_in"],
+                     "groups_regenerated": c.regenerated - self.counted["regenerated"],
+                     "weight_bytes_egress": figures["egress"]}
+        self.counted = {"bytes_in": c.bytes_in, "regenerated": c.regenerated}
         # what the batch held, the replicas' counters, what training did (the plan's staleness among it)
-        row = {"step": step, "policy_version": version, **batch.stats, **counters, **cache, **train,
-               "train_time_s": t2 - t1, "weight_sync_s": t3 - t2 + pull, "wait_time_s": t1 - start}
-        row["generator_idle"] = max(0.0, 1 - engines_busy / self.config.generator.replicas
+        row = {"step": step, "policy_version": version, **batch.stats, **counters, **cache_figures(figures), **train,
+               "train_time_s": t2 - t1, "weight_sync_s": t3 - t2 + figures["pull"], "wait_time_s": t1 - start}
+        row["generator_idle"] = max(0.0, 1 - figures["busy"] / self.config.generator.replicas
                                     / (time.perf_counter() - start))
         return row
 
@@ -332,43 +384,35 @@ class Controller:
         if self.publishing:
             await self.publishing
 
-    async def _weight_updates(self) -> tuple[float, float, dict]:
-        """What the generator replicas did since the last step: their loads become `pull` spans of the
-        trace, their counts add up; returns the longest load's seconds, the seconds their engines had
-        requests to run, all together, and their prefix caches' figures: the prompt tokens served from
-        cache and prefilled, all together, and `prefix_cache_hit_rate`, each replica's share of its prompt
-        tokens served from its cache averaged over the replicas that had prompts (absent if none did)."""
-        async def ask(replica):  # bookkeeping: bounded, not traced
-            async with deadline(self.timeouts.generate, "generator", "weight_updates"):
-                return replica, await replica.actor.weight_updates.call_one()
+    def _bookkeep(self) -> None:
+        """Gather the replicas', the trainer's and the buffer's reports beside the loop (not awaited: a row
+        reports what has arrived, the rest goes in the next)."""
+        if self.bookkeeping is None or self.bookkeeping.done():
+            self.bookkeeping = asyncio.ensure_future(self._bookkeeping())
 
-        answers = await asyncio.gather(*(ask(r) for r in self.generators.replicas if r.healthy),
-                                       return_exceptions=True)  # a replica failing now is the pool's to find
-        longest = busy = 0.0
-        cached = prompts = 0
-        rates = []
-        for replica, updates in (a for a in answers if not isinstance(a, BaseException)):
-            busy += updates["busy_s"]
-            if updates.get("prompt_tokens"):  # optional in the contract (roles.Generator.weight_updates)
-                prompts, cached = prompts + updates["prompt_tokens"], cached + updates["cached_prompt_tokens"]
-                rates.append(updates["cached_prompt_tokens"] / updates["prompt_tokens"])
-            for pull in updates["pulls"]:
-                self.tracer.add("generator", "pull", pull["start"], pull["end"], replica.index, pull["version"])
-                longest = max(longest, pull["end"] - pull["start"])
-            for key in self.updates:
-                self.updates[key] += updates[key]
-        cache = {"prompt_tokens_cached": cached, "prompt_tokens_prefilled": prompts - cached,
-                 **({"prefix_cache_hit_rate": sum(rates) / len(rates)} if rates else {})}
-        return longest, busy, cache
+    async def _bookkeeping(self) -> None:
+        """What the generators did (their loads, into the trace and `figures`), the trainer's and the replay
+        buffer's spans (into the trace) and the weights' egress, since the last time; a role failing now is
+        for the loops to find."""
+        await asyncio.gather(self._weight_updates(), self._spans(self.trainer, "trainer", self.timeouts.trainer),
+                             self._spans(self.buffer, "replay_buffer", self.timeouts.buffer), self._egress(),
+                             return_exceptions=True)
 
-    async def _trainer_spans(self) -> None:
-        """The trainer's spans since the last step, timed by its ranks, into the trace (bookkeeping:
-        bounded, not traced)."""
-        async with deadline(self.timeouts.trainer, "trainer", "spans"):
-            ranks = await in_rank_order(self.trainer.spans.call())
+    async def _egress(self) -> None:
+        if self.egress is not None:
+            self.figures["egress"] += await self.egress()
+
+    async def _weight_updates(self) -> None:
+        await gather_reports(self.generators.replicas, self.timeouts.generate, self.tracer, self.figures, self.updates,
+                             self.egress is None)
+
+    async def _spans(self, mesh, role: str, timeout) -> None:
+        """The spans `role`'s actors timed since the last call (each rank's), into the trace."""
+        async with deadline(timeout, role, "spans"):
+            ranks = await in_rank_order(mesh.spans.call())
         for rank, spans in enumerate(ranks):
             for s in spans:
-                self.tracer.add("trainer", s["what"], s["start"], s["end"], rank, s["policy_version"])
+                self.tracer.add(role, s["what"], s["start"], s["end"], rank, s["policy_version"])
 
     def _busy(self) -> tuple[float, float]:
         """Seconds worked so far: by the average generator replica, by the trainer."""

@@ -2,9 +2,12 @@
 advantages, together with the batch's rollout metrics and the records rollouts.jsonl keeps. Pure
 functions: the controller's side of the data, after the grader and before the trainer."""
 
+import json
 import math
+import random
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from meshrl.advantages import STEP_WISE, estimator, population_std, step_wise
@@ -14,39 +17,45 @@ from meshrl.work_buffer import Batch, Filling
 
 
 def build_episodes(group: list[ScoredCompletion], group_id: int, advantage: str = "grpo", eps: float = 1e-6,
-                   divide_by_turns: bool = False, temperature: float = 1.0,
-                   staleness: str = "oldest_token") -> list[Episode]:
+                   divide_by_turns: bool = False, temperature: float = 1.0, staleness: str = "oldest_token",
+                   sequences: list[list[Completion]] | None = None) -> list[Episode]:
     """One prompt's scored completions (or trajectories) -> flat Episodes carrying the group advantage:
     one per completion, trained on all its model turns; with a `step_wise_` estimator one per model turn
     (everything before the turn as its prompt), each with its trajectory's advantage, divided by the
     trajectory's number of turns with `divide_by_turns`. `temperature`: the one they were sampled at; an
     episode's policy version is its sequence's, by the `staleness` rule (a step-wise episode's, its
-    whole trajectory's)."""
-    return flatten(group_episodes(group, group_id, advantage, eps, divide_by_turns, temperature, staleness))
+    whole trajectory's). `sequences`: each one's model turns as whole Completions (the replay buffer's,
+    taken from the generators); by default the scored ones' own, when they are whole Completions."""
+    if sequences is None:
+        sequences = [model_turns(s.completion) for s in group]
+    return flatten(group_episodes(group, group_id, advantage, eps, divide_by_turns, temperature, staleness),
+                   sequences)
 
 
 def group_episodes(group: list[ScoredCompletion], group_id: int, advantage: str = "grpo", eps: float = 1e-6,
                    divide_by_turns: bool = False, temperature: float = 1.0,
                    staleness: str = "oldest_token") -> GroupEpisodes:
-    """`build_episodes`'s Episodes before they are flattened: the turns, advantage and version of each
-    (no token list copied)."""
+    """`build_episodes`'s Episodes before they are flattened: the sequence and turns, advantage and version
+    of each (no token list: the controller has none)."""
     rewards = [s.reward for s in group]
-    turns = [model_turns(s.completion) for s in group]
+    counts = [len(model_turns(s.completion)) for s in group]
     versions = [s.completion.sampled_version(staleness) for s in group]
     if advantage.startswith(STEP_WISE):
-        per_turn = step_wise(rewards, [len(t) for t in turns], advantage.removeprefix(STEP_WISE), divide_by_turns, eps)
-        each = [([turn], a, version) for ts, advantages, version in zip(turns, per_turn, versions)
-                for turn, a in zip(ts, advantages)]
+        per_turn = step_wise(rewards, counts, advantage.removeprefix(STEP_WISE), divide_by_turns, eps)
+        each = [((i, j, j + 1), a, version) for i, (advantages, version) in enumerate(zip(per_turn, versions))
+                for j, a in enumerate(advantages)]
     else:
-        each = list(zip(turns, estimator(advantage)(rewards, eps), versions))
+        each = [((i, 0, n), a, v) for i, (n, a, v) in enumerate(zip(counts, estimator(advantage)(rewards, eps),
+                                                                      versions))]
     return GroupEpisodes(group_id, [t for t, _, _ in each], [a for _, a, _ in each], [v for _, _, v in each], rewards,
                          temperature)
 
 
-def flatten(group: GroupEpisodes) -> list[Episode]:
-    """A group's flat, trainer-ready Episodes."""
-    return [episode(turns, a, group.group_id, group.temperature, version)
-            for turns, a, version in zip(group.turns, group.advantages, group.versions)]
+def flatten(group: GroupEpisodes, sequences: list[list[Completion]]) -> list[Episode]:
+    """A group's flat, trainer-ready Episodes from its sequences' model turns (`sequences`, as the
+    generators kept them), each trained on the turns `group.turns` names."""
+    return [episode(sequences[s][first:end], a, group.group_id, group.temperature, version)
+            for (s, first, end), a, version in zip(group.turns, group.advantages, group.versions)]
 
 
 def episode(turns: list[Completion], advantage: float, group_id: int, temperature: float = 1.0,
@@ -85,16 +94,55 @@ def rollout_record(scored: ScoredCompletion, group_id: int, prompt: str, stalene
     """One completion as rollouts.jsonl keeps it (the recorder adds the step and the staleness, counted
     from `counted_version`: its oldest or newest token's by the `staleness` rule, as the bound and the
     step's metrics count it): with `versions`, [token offset, version] of each model turn's tokens where
-    weights changed under them; `logprob`: the sum of its tokens' sampling logprobs."""
+    weights changed under them; `logprob`: the sum of its tokens' sampling logprobs. A single completion's
+    text is not here (the controller never has it): the replay buffer, which holds it, fills it in."""
     c = scored.completion
     changed = [t.versions for t in model_turns(c) if t.versions]
-    return {"prompt_index": c.prompt_index, "group": group_id, "prompt": prompt, "completion": c.text,
-            "logprob": sum(sum(t.logprobs) if t.logprob_sum is None else t.logprob_sum for t in model_turns(c)),
+    return {"prompt_index": c.prompt_index, "group": group_id, "prompt": prompt,
+            **({"completion": c.text} if c.text is not None else {}),
+            "logprob": sum(t.logprob_sum for t in model_turns(c)),
             "reward": scored.reward, "reward_components": scored.reward_components,
             "policy_version": c.policy_version, "counted_version": c.sampled_version(staleness),
             "finish_reason": c.finish_reason,
             **({"versions": [t.versions for t in model_turns(c)]} if changed else {}),
             **({"turns": len(c.turns)} if isinstance(c, Trajectory) else {})}
+
+
+class RolloutRecorder:
+    """`rollouts.jsonl`: each trained completion (or a `fraction` of them, the same ones on a rerun)
+    with the step that trained it, its prompt and reply, reward and checks, policy version,
+    staleness (by controller.staleness, as the bound counts it) and finish reason: what the model
+    really did."""
+
+    def __init__(self, run_dir: Path, fraction: float, resumed_step: int | None = None):
+        """`resumed_step`: a resumed run keeps the records of the steps up to its checkpoint's."""
+        self.fraction = fraction
+        path = run_dir / "rollouts.jsonl"
+        kept = []
+        if resumed_step is not None and path.is_file():
+            kept = [line for line in path.read_text().splitlines(keepends=True)  # a last line cut short: dropped
+                    if line.endswith("\n") and json.loads(line)["step"] <= resumed_step]
+        self.file = open(path, "w") if fraction > 0 else None
+        if self.file:
+            self.file.writelines(kept)
+            self.file.flush()  # the buffer's process may never write another record
+
+    def write(self, step: int, trained_version: int, records: list[dict]) -> None:
+        """Batch `trained_version`'s records, trained by step `step` (in the replay buffer's process, which
+        holds their text)."""
+        if self.file is None:
+            return
+        rng = random.Random(step)
+        for record in records:
+            if self.fraction >= 1 or rng.random() < self.fraction:
+                # a batch checkpointed before records had counted_version: its oldest token's
+                staleness = trained_version - record.get("counted_version", record["policy_version"])
+                self.file.write(json.dumps({"step": step, **record, "staleness": staleness}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
 
 
 @dataclass
@@ -107,20 +155,21 @@ class Kept:
     turns: list[int]  # each completion's model turns
     tokens_after_swap: int  # sampled under a newer version than the sequence's first tokens
     versions: list[int]  # its episodes' policy versions
-    records: list[dict]  # rollouts.jsonl's
 
 
 def keep_group(group: list[ScoredCompletion], group_id: int, cfg: ControllerConfig, task,
                temperature: float) -> tuple[GroupEpisodes, Kept]:
-    """A kept group's episodes (for the replay buffer, not yet flat) and what the controller keeps of it."""
+    """A kept group's episodes and records (for the replay buffer, which holds its sequences) and what the
+    controller keeps of it."""
     episodes = group_episodes(group, group_id, cfg.advantage, cfg.advantage_eps, cfg.divide_by_turns, temperature,
                               cfg.staleness)
     prompt = task.train_sample(group_id).prompt
+    episodes.records = [rollout_record(s, group_id, prompt, cfg.staleness) for s in group]
     return episodes, Kept(
         [s.reward for s in group], [s.reward_components for s in group],
         [len(model_turns(s.completion)) for s in group],
-        sum(len(t.token_ids) - t.versions[1][0] for s in group for t in model_turns(s.completion) if t.versions),
-        list(episodes.versions), [rollout_record(s, group_id, prompt, cfg.staleness) for s in group])
+        sum(t.num_tokens - t.versions[1][0] for s in group for t in model_turns(s.completion) if t.versions),
+        list(episodes.versions))
 
 
 def batch_builder(cfg: ControllerConfig, now: Callable[[], float], accuracy: str = "correct"):
@@ -160,7 +209,6 @@ def batch_builder(cfg: ControllerConfig, now: Callable[[], float], accuracy: str
             "tokens_after_swap": sum(k.tokens_after_swap for _, k in kept),
         }
         stats["tokens_discarded"] = sum(v for k, v in stats.items() if k.startswith("tokens_discarded_"))
-        return Batch(f.index, [gid for gid, _ in kept], [v for _, k in kept for v in k.versions], stats,
-                     [r for _, k in kept for r in k.records])
+        return Batch(f.index, [gid for gid, _ in kept], [v for _, k in kept for v in k.versions], stats)
 
     return build

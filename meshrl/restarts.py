@@ -103,7 +103,7 @@ async def replay(trainer, reference, buffer, batches: range, config, span, timeo
         if version != b + 1:
             raise RoleFailed(f"the restarted trainer published version {version} for batch {b}, expected {b + 1}")
         async with deadline(timeouts.buffer, "replay_buffer", "trained"):
-            await buffer.trained.call_one(b)  # a batch trained again counts no new use
+            await buffer.trained.call_one(b, b + 1)  # a batch trained again counts no new use, writes no record
 
 
 class Restarts:
@@ -168,18 +168,18 @@ class Restarts:
                              "the newest checkpoint with --resume")
         buffer = await self.respawner.respawn("replay_buffer")
         # nothing awaited between the swap and the loss: every group kept so far is generated again, each
-        # kept from now on goes to the new buffer
+        # kept from now on goes to the new buffer; the groups in flight (some staged in the dead buffer) stop,
+        # their prompts started again
         controller.buffer = controller.checkpointer.buffer = buffer
         lost = controller.work.lose()
-        for adding in controller.adding:  # on their way to the dead buffer
-            adding.cancel()
-            adding.add_done_callback(lambda f: f.cancelled() or f.exception())
-        controller.adding = []
+        controller.lose_adds()
+        controller.collector.cancel()
         logger.warning("the replay buffer failed (%s); restarted empty: the %d groups it held for batches not yet "
                        "trained are generated again", cause, lost)
         for mesh in (controller.trainer, controller.reference):
             if mesh is not None:
                 await mesh.attach_buffer.call(buffer)
+        await controller.record_rollouts()
         if training is not None:  # the failed step's micro-batches trained so far: it is trained again whole
             await controller.trainer.drop_gradients.call()
         if controller.rollouts is not None and controller.rollouts.done():  # it ended with every batch complete

@@ -9,6 +9,13 @@ A group whose call raised an error of its own (vLLM rejecting its prompt, an env
 fails: it is counted, its prompt named once in the log, and the run goes on. A replica that died or
 hung is replaced by its pool and the call redone elsewhere (meshrl/actors/replicas.py).
 
+No token passes through here: a generator answers each completion's key and what the rules need
+(`Generated`); the grader takes the completions from that generator, and a training group's are
+staged in the replay buffer (`stage`), which takes them from the generators itself. Every answer
+the controller receives is counted (`bytes_in`, the step's `controller_bytes_in`). A generator that
+dies holding a group's completions before the buffer took them costs the group: it is generated
+again (`regenerated`, the step's `groups_regenerated`). What the buffer does not take is let go.
+
 Multi-turn rollouts (`converse`, below): the controller's side of a group's conversations with an environment.
 
 The generator still only generates, one call per turn, from exact token ids; the environment (in a
@@ -21,32 +28,43 @@ import asyncio
 import dataclasses
 import logging
 import math
+import pickle
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+from monarch.actor import ActorError
 from tqdm import tqdm
 
 from meshrl.actors.replicas import CallFailed, Replica, ReplicaPool
-from meshrl.actors.timeouts import Timeouts
+from meshrl.actors.roles import TokensLost
+from meshrl.actors.timeouts import CallTimeout, Timeouts, deadline
 from meshrl.configs import ControllerConfig, GeneratorConfig
 from meshrl.episodes import check_rates
 from meshrl.models.model import ChatTokenizer
 from meshrl.tasks import Sample, is_environment
-from meshrl.types import Completion, Prompt, Sampling, ScoredCompletion, Trajectory
+from meshrl.types import Generated, Prompt, Sampling, ScoredCompletion, Trajectory, model_turns
 from meshrl.work_buffer import Group, WorkBuffer
 
 logger = logging.getLogger(__name__)
+MAX_REGENERATIONS = 2  # times a group whose tokens died with their generator is generated again
+EXAMPLES = 3  # eval prompts whose first reply is printed
+LETTING_GO: set[asyncio.Task] = set()  # `forget` calls on their way (not awaited: bookkeeping)
 
 
 class RolloutCollector:
     """Runs groups on the generator and grader pools; each finished group goes to the work buffer."""
 
     def __init__(self, controller: ControllerConfig, generator: GeneratorConfig, task, tokenizer,
-                 generators: ReplicaPool, graders: ReplicaPool, tracer, work: WorkBuffer,
+                 generators: ReplicaPool, graders: ReplicaPool, tracer, work: WorkBuffer, buffer: Callable[[], object],
                  timeouts: Timeouts = Timeouts()):
-        """The controller's section (group size, turns, evals) and the generator's (sampling, context)."""
+        """The controller's section (group size, turns, evals) and the generator's (sampling, context);
+        `buffer()`: the replay buffer's mesh now (a restarted one replaces it)."""
         self.controller, self.generator, self.task, self.tokenizer = controller, generator, task, tokenizer
         self.generators, self.graders, self.work, self.timeouts, self.tracer = generators, graders, work, timeouts, tracer
+        self.buffer = buffer
+        self.bytes_in = 0  # the pickled size of every answer a training group's calls received
+        self.regenerated = 0  # groups generated again: their tokens died with their generator
         self.sampling = Sampling(n=controller.group_size, temperature=generator.temperature, top_p=generator.top_p,
                                  max_tokens=generator.max_tokens)
         self.latest = 0  # the newest version the trainer published: a group's first tokens come from it or newer
@@ -71,7 +89,7 @@ class RolloutCollector:
             else:
                 if self.work.finish(group):
                     self.batch_ready.set()
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # stopped, or its replay buffer died: its prompt starts again
             if index in self.work.running:
                 self.work.stop(index)
             raise
@@ -90,9 +108,13 @@ class RolloutCollector:
 
     async def stop(self) -> None:
         """Stop every group in flight; their prompts start first again (work buffer)."""
+        self.cancel()
+        await asyncio.gather(*self.groups.values(), return_exceptions=True)
+
+    def cancel(self) -> None:
+        """Ask every group in flight to stop (each puts its prompt back, first, as it stops)."""
         for task in list(self.groups.values()):
             task.cancel()
-        await asyncio.gather(*self.groups.values(), return_exceptions=True)
 
     async def evaluate(self, step: int | None, split: str = "validation") -> dict[str, float]:
         """The newest policy on the task's held-out `split` (`eval_samples` per prompt at `eval_temperature`;
@@ -117,7 +139,7 @@ class RolloutCollector:
         when = f" at step {step}" if step is not None else ""  # None: a finished run's policy (meshrl eval)
         lines = [f"{split} eval{when} ({len(samples)} prompts): "
                  + "  ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in rates.items())]
-        for g in groups[:3]:
+        for g in groups[:EXAMPLES]:
             reply = g.scored[0].completion.text.strip() if g.scored else "(failed, or its reward function did)"
             lines += [f"  prompt: {samples[g.prompt_index].prompt}", f"  reply:  {reply!r}"]
         tqdm.write("\n".join(lines))
@@ -125,93 +147,183 @@ class RolloutCollector:
 
     async def run_group(self, index: int, sample: Sample, sampling: Sampling, what: str) -> Group:
         """One prompt's completions (or, for an environment, conversations) from generator replicas (from the
-        newest published version on), graded by grader replicas. A replica that fails is replaced and its
-        call redone elsewhere; CallFailed if a call raised an error of its own. The group's policy version
+        newest published version on), graded by grader replicas, and (training groups) staged in the replay
+        buffer. A replica that fails is replaced and its call redone elsewhere; a group whose tokens died
+        with their generator before the buffer took them is generated again (`regenerated`), up to
+        MAX_REGENERATIONS times; CallFailed if a call raised an error of its own. The group's policy version
         is its oldest sequence's, each counted by `controller.staleness`."""
         launched = self.tracer.now()
-        spans = []  # each generate call's span
-        tokens, oldest = 0, math.inf
-        served_by: Replica | None = None  # the replica of the previous turn: its prefix cache holds the group
+        for attempt in range(MAX_REGENERATIONS + 1):
+            try:
+                return await Attempt(self, index, what, launched).run(sample, sampling)
+            except TokensLost as e:
+                self.regenerated += 1
+                if attempt == MAX_REGENERATIONS:
+                    raise CallFailed(f"its tokens were lost {attempt + 1} times: {e}") from None
+                logger.warning("the group of prompt %d is generated again: %s", index, e)
 
-        async def generate(prompts: list[Prompt], sampling: Sampling) -> list[Completion]:
-            nonlocal tokens, oldest
-            version = self.latest
+class Attempt:
+    """One try at a group: its calls, timed and counted, and the generators holding what it made until
+    the replay buffer takes it (or, at the end, it is let go)."""
 
-            async def on(replica: Replica):
-                nonlocal served_by
-                served_by = replica
-                async with self.tracer.span("generator", what, version, replica.index,
-                                            timeout=self.timeouts.generate) as span:
-                    out = await replica.actor.generate.call_one(prompts, sampling=sampling, min_version=version)
-                    # the version served (its first tokens'), not the one asked for
-                    span["min_version"], span["policy_version"] = version, min(
-                        (c.policy_version for c in out), default=version)
-                    return out, span
+    def __init__(self, collector: RolloutCollector, index: int, what: str, launched: float):
+        self.c, self.index, self.what, self.launched = collector, index, what, launched
+        self.spans: list[dict] = []  # each generate call's
+        self.tokens, self.oldest = 0, math.inf
+        self.served_by: Replica | None = None  # the previous turn's replica: its prefix cache holds the group
+        self.holders: dict[int, Replica] = {}  # each completion's key -> the replica holding it
+        self.staged: set[int] = set()  # keys the replay buffer took
 
-            completions, span = await self.generators.call(on, prefer=served_by)
-            spans.append(span)
-            tokens += sum(len(c.token_ids) for c in completions)
-            oldest = min(oldest, *(c.sampled_version(self.staleness) for c in completions))
-            return completions
-
-        def grade(endpoint: str, *args):  # a reward (score) or an environment's answer (step): a "grade" span
-            async def on(replica: Replica):
-                async with self.tracer.span("grader", "grade", replica=replica.index, timeout=self.timeouts.grade,
-                                            lock=replica.calls):
-                    return await getattr(replica.actor, endpoint).call_one(*args)
-            return self.graders.call(on)
-
+    async def run(self, sample: Sample, sampling: Sampling) -> Group:
+        c = self.c
         try:
-            if is_environment(self.task):
-                scored, completions = await self._converse(index, sample, sampling, generate, grade)
+            if is_environment(c.task):
+                scored, failed = await converse(
+                    self.index, c.task.opening(sample), dataclasses.replace(sampling, stop=list(c.task.stop)),
+                    c.controller.max_turns, c.generator.max_model_len, c.tokenizer,
+                    lambda prompts, s: self.generate(prompts, s, text=True),
+                    lambda conversations, last: self.grade("step", sample, conversations, last))
+                completions = len(scored) + failed
             else:
-                first = await generate([Prompt(index, self.tokenizer.encode_chat(sample.prompt))], sampling)
-                scored, completions = await grade("score", first, sample), len(first)
+                first = await self.generate([Prompt(self.index, c.tokenizer.encode_chat(sample.prompt))], sampling)
+                scores = await self.grade("score", sample, self.holders[first[0].key].actor, [g.key for g in first])
+                scored = [ScoredCompletion(g, *score) for g, score in zip(first, scores) if score is not None]
+                completions = len(first)
+            if self.what == "generate" and scored:
+                await self.stage(scored)
+            elif self.what == "evaluate" and self.index < EXAMPLES and scored:
+                await self.example(scored[0].completion)
         except CallFailed as e:
-            e.tokens = tokens  # generated, and now not trained
+            e.tokens = self.tokens  # generated, and now not trained
             raise
-        return Group(index, scored, completions, tokens, oldest, launched, spans[0]["start"], spans[-1]["end"])
+        finally:
+            self.let_go()
+        return Group(self.index, scored, completions, self.tokens, self.oldest, self.launched, self.spans[0]["start"],
+                     self.spans[-1]["end"])
 
-    async def _converse(self, index: int, sample: Sample, sampling: Sampling, generate, grade):
-        """A multi-turn group: (its scored trajectories, how many it started)."""
-        scored, failed = await converse(
-            index, self.task.opening(sample), dataclasses.replace(sampling, stop=list(self.task.stop)),
-            self.controller.max_turns, self.generator.max_model_len, self.tokenizer, generate,
-            lambda conversations, last: grade("step", sample, conversations, last))
-        return scored, len(scored) + failed
+    def meter(self, answer):
+        """An answer a training group received, counted in the controller's bytes in."""
+        if self.what == "generate":
+            self.c.bytes_in += len(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
+        return answer
+
+    async def generate(self, prompts: list[Prompt], sampling: Sampling, text: bool = False) -> list[Generated]:
+        """Completions from a generator replica, from the newest published version on; a later turn's prompt
+        names the earlier turn, and the replica holding it when that is not the one called."""
+        c, version = self.c, self.c.latest
+        for p in prompts:
+            if p.prefix is not None and not self.holders[p.prefix].healthy:
+                raise TokensLost(f"generator {self.holders[p.prefix].index}, holding its previous turns, died")
+
+        async def on(replica: Replica):
+            self.served_by = replica
+            sent = [p if p.prefix is None or self.holders[p.prefix] is replica
+                    else dataclasses.replace(p, prefix_holder=self.holders[p.prefix].actor) for p in prompts]
+            async with c.tracer.span("generator", self.what, version, replica.index,
+                                     timeout=c.timeouts.generate) as span:
+                out = self.meter(await replica.actor.generate.call_one(sent, sampling=sampling, min_version=version,
+                                                                       text=text))
+                # the version served (its first tokens'), not the one asked for
+                span["min_version"], span["policy_version"] = version, min((g.policy_version for g in out),
+                                                                           default=version)
+                return out, span
+
+        out, span = await c.generators.call(on, prefer=self.served_by)
+        self.spans.append(span)
+        for g in out:
+            self.holders[g.key] = self.served_by
+        self.tokens += sum(g.num_tokens for g in out)
+        self.oldest = min(self.oldest, *(g.sampled_version(c.staleness) for g in out))
+        return out
+
+    def grade(self, endpoint: str, *args):
+        """A reward (score) or an environment's answer (step) from a grader replica: a "grade" span."""
+        c = self.c
+
+        async def on(replica: Replica):
+            async with c.tracer.span("grader", "grade", replica=replica.index, timeout=c.timeouts.grade,
+                                     lock=replica.calls):
+                return self.meter(await getattr(replica.actor, endpoint).call_one(*args))
+        return c.graders.call(on)
+
+    async def stage(self, scored: list[ScoredCompletion]) -> None:
+        """The scored sequences' completions into the replay buffer, which takes them from their generators;
+        TokensLost if a generator holding them died (or the buffer could not take them)."""
+        replicas = list(dict.fromkeys(self.holders[t.key] for s in scored for t in model_turns(s.completion)))
+        at = {r: i for i, r in enumerate(replicas)}
+        sequences = [[(at[self.holders[t.key]], t.key) for t in model_turns(s.completion)] for s in scored]
+        try:
+            async with deadline(self.c.timeouts.buffer, "replay_buffer", "stage"):
+                taken = self.meter(await self.c.buffer().stage.call_one(self.index, [r.actor for r in replicas],
+                                                                        sequences))
+        except (ActorError, SupervisionError, CallTimeout) as e:
+            raise TokensLost(f"the replay buffer could not take them: {str(e).splitlines()[0]}") from None
+        if not taken:
+            raise TokensLost("a generator holding them died before the replay buffer took them")
+        self.staged = {key for turns in sequences for _, key in turns}
+
+    async def example(self, completion: Generated | Trajectory) -> None:
+        """An eval example's text, taken from its generator (the controller prints it)."""
+        if completion.text is None:
+            [whole] = await self.holders[completion.key].actor.completions.call_one([completion.key])
+            completion.text = whole.text
+
+    def let_go(self) -> None:
+        """Every completion the buffer did not take is forgotten by its generator (not awaited)."""
+        keys: dict[Replica, list[int]] = {}
+        for key, replica in self.holders.items():
+            if key not in self.staged and replica.healthy:
+                keys.setdefault(replica, []).append(key)
+        for replica, forget in keys.items():
+            task = asyncio.ensure_future(forget_on(replica, forget, self.c.timeouts))
+            LETTING_GO.add(task)
+            task.add_done_callback(LETTING_GO.discard)
+
+
+async def forget_on(replica: Replica, keys: list[int], timeouts: Timeouts) -> None:
+    try:
+        async with deadline(timeouts.generate, "generator", "forget"):
+            await replica.actor.forget.call_one(keys)
+    except Exception:  # a replica failing now is the pool's to find
+        pass
 
 
 # Multi-turn: one group's conversations with an environment, turn by turn.
 
-Generate = Callable[[list[Prompt], Sampling], Awaitable[list[Completion]]]
+Generate = Callable[[list[Prompt], Sampling], Awaitable[list[Generated]]]
 Step = Callable[[list[list[dict]], bool], Awaitable[list]]  # -> one grader.EnvReply per conversation
 
 
 @dataclass
 class Conversation:
     messages: list[dict]  # as the environment sees it: the opening, then each turn and answer
-    turns: list[Completion]
+    turns: list[Generated]
+    between: list[list[int]]  # the template's tokens after each turn (its end, the answer, the next turn opened)
 
-    def take(self, completion: Completion) -> None:
-        self.turns.append(completion)
-        self.messages.append({"role": "assistant", "content": completion.text})
+    def take(self, turn: Generated) -> None:
+        self.turns.append(turn)
+        self.messages.append({"role": "assistant", "content": turn.text})
 
-    def trajectory(self, tokenizer: ChatTokenizer, opening_tokens: int) -> Trajectory:
-        last = self.turns[-1]
-        ids = (last.prompt_token_ids + last.token_ids)[opening_tokens:]
-        return Trajectory(self.turns, tokenizer.tokenizer.decode(ids, skip_special_tokens=False))
+    def trajectory(self, tokenizer: ChatTokenizer) -> Trajectory:
+        """Its model turns, and its text: each turn's and the template's tokens between them."""
+        parts = []
+        for i, turn in enumerate(self.turns):
+            parts.append(turn.text)
+            if i + 1 < len(self.turns):
+                parts.append(tokenizer.tokenizer.decode(self.between[i], skip_special_tokens=False))
+        return Trajectory(self.turns, "".join(parts))
 
 
 async def converse(index: int, opening: list[dict], sampling: Sampling, max_turns: int, max_model_len: int,
                    tokenizer: ChatTokenizer, generate: Generate, step: Step) -> tuple[list[ScoredCompletion], int]:
     """`sampling.n` conversations from the `opening` messages: returns the scored trajectories and the
-    number of conversations the environment failed on (left out). A conversation whose next prompt
-    would leave no room for `sampling.max_tokens` within `max_model_len` ends where it is."""
-    opening_ids = tokenizer.encode_messages(opening)
-    first = await generate([Prompt(index, opening_ids)], sampling)
-    live = [Conversation(list(opening), []) for _ in first]
-    for conversation, completion in zip(live, first):
-        conversation.take(completion)
+    number of conversations the environment failed on (left out). Each later turn's prompt is its new
+    tokens after the previous turn (`Prompt.prefix`), which the generators hold. A conversation whose
+    next prompt would leave no room for `sampling.max_tokens` within `max_model_len` ends where it is."""
+    first = await generate([Prompt(index, tokenizer.encode_messages(opening))], sampling)
+    live = [Conversation(list(opening), [], []) for _ in first]
+    for conversation, turn in zip(live, first):
+        conversation.take(turn)
     scored, failed = [], 0
 
     def finish(conversation: Conversation, reply) -> None:
@@ -219,8 +331,7 @@ async def converse(index: int, opening: list[dict], sampling: Sampling, max_turn
         if reply.failed:
             failed += 1
         else:
-            scored.append(ScoredCompletion(conversation.trajectory(tokenizer, len(opening_ids)), reply.reward,
-                                           reply.checks))
+            scored.append(ScoredCompletion(conversation.trajectory(tokenizer), reply.reward, reply.checks))
 
     for turn in range(1, max_turns + 1):
         going, prompts, full = [], [], []
@@ -229,15 +340,16 @@ async def converse(index: int, opening: list[dict], sampling: Sampling, max_turn
                 finish(conversation, reply)
                 continue
             last = conversation.turns[-1]
-            # the next turn's prompt: everything so far, the environment's messages, the assistant's turn opened
-            ids = (last.prompt_token_ids + last.token_ids
-                   + tokenizer.continuation(conversation.messages, last.token_ids, reply.messages))
+            # the next turn's new tokens: the template's end of the turn, the environment's messages, the
+            # assistant's turn opened
+            new = tokenizer.continuation(conversation.messages, last.tail, reply.messages)
             conversation.messages += reply.messages
-            if len(ids) + sampling.max_tokens > max_model_len:
+            conversation.between.append(new)
+            if last.prompt_tokens + last.num_tokens + len(new) + sampling.max_tokens > max_model_len:
                 full.append(conversation)
             else:
                 going.append(conversation)
-                prompts.append(Prompt(index, ids))
+                prompts.append(Prompt(index, new, prefix=last.key))
         if full:  # out of context: scored as they stand
             for conversation, reply in zip(full, await step([c.messages for c in full], True)):
                 finish(conversation, reply)

@@ -41,12 +41,19 @@ def split(episodes: list, parts: int) -> list[list]:
 
 
 def micro_batches(episodes: list[Episode], size: int, pad_id: int, max_tokens: int = 0) -> list[TrainBatch]:
-    """One mini-batch's micro-batches: `size` sequences each, or (`max_tokens` > 0) as many as fit in
-    that many padded positions; their normalisers count the whole mini-batch either way."""
+    """One mini-batch's micro-batches (`micro_groups`), collated; their normalisers count the whole
+    mini-batch."""
     loss_tokens = sum(e.num_response_tokens for e in episodes)
-    groups = (by_tokens(episodes, max_tokens) if max_tokens > 0
-              else [episodes[i:i + size] for i in range(0, len(episodes), size)])
-    return [TrainBatch.collate(group, loss_tokens, len(episodes), pad_id) for group in groups]
+    return [TrainBatch.collate(group, loss_tokens, len(episodes), pad_id)
+            for group in micro_groups(episodes, size, max_tokens)]
+
+
+def micro_groups(episodes: list[Episode], size: int, max_tokens: int = 0) -> list[list[Episode]]:
+    """One mini-batch's episodes in micro-batches: `size` sequences each, or (`max_tokens` > 0) as many as
+    fit in that many padded positions."""
+    if max_tokens > 0:
+        return by_tokens(episodes, max_tokens)
+    return [episodes[i:i + size] for i in range(0, len(episodes), size)]
 
 
 def by_tokens(episodes: list[Episode], max_tokens: int) -> list[list[Episode]]:

@@ -3,6 +3,11 @@ A multi-turn rollout's Completions (one per model turn) make a Trajectory, score
 
 Each stage adds only what its producer knows: the generator knows tokens and logprobs, the grader
 knows rewards, the controller knows groups and advantages. The trainer sees only TrainBatch.
+
+Tokens travel actor to actor, not through the controller: a generator keeps each Completion it made
+and answers with a `Generated` (its key there and what the controller decides with: lengths, finish
+reason, versions); the grader and the replay buffer take the Completion from that generator by key.
+The controller's own answers stay the same size however long the sequences grow.
 """
 
 from __future__ import annotations
@@ -17,10 +22,14 @@ if TYPE_CHECKING:  # imported where a TrainBatch is made: a grader's process nev
 
 @dataclass
 class Prompt:
-    """A tokenized prompt. `index` ties its completions back to the task's sample (and its answer)."""
+    """A tokenized prompt. `index` ties its completions back to the task's sample (and its answer). A
+    multi-turn conversation's later turn sends only its new tokens: `prefix` names the earlier turn
+    (its prompt and tokens come first), held by the generator called or by `prefix_holder`."""
 
     index: int
-    token_ids: list[int]
+    token_ids: list[int]  # the prompt's tokens; with a prefix, those after it
+    prefix: int | None = None  # the key of the held Completion whose prompt and tokens come first
+    prefix_holder: object = None  # the generator (actor mesh) holding it, when not the one called
 
 
 @dataclass
@@ -54,13 +63,43 @@ class Completion:
 
 
 @dataclass
+class Generated:
+    """A generator's answer for one Completion it made and keeps (under `key`, until the replay buffer
+    takes it or the controller lets it go): what the controller decides with, no token list. `tail`:
+    its last few tokens (how its turn ended, which the chat template's continuation needs); `text`:
+    only when asked for (an environment's turn, which the controller hands to the environment)."""
+
+    key: int
+    prompt_index: int
+    prompt_tokens: int  # its whole prompt's length (a later turn's: the conversation before it)
+    num_tokens: int
+    policy_version: int
+    finish_reason: str
+    versions: list[list[int]] = field(default_factory=list)  # as Completion.versions
+    logprob_sum: float = 0.0
+    tail: list[int] = field(default_factory=list)
+    text: str | None = None
+
+    def sampled_version(self, rule: str = "oldest_token") -> int:
+        return self.versions[-1][1] if rule == "newest_token" and self.versions else self.policy_version
+
+    @staticmethod
+    def of(key: int, c: Completion, text: bool = False, tail: int = 8) -> "Generated":
+        """What a generator answers for Completion `c`, kept under `key`."""
+        return Generated(key, c.prompt_index, len(c.prompt_token_ids), len(c.token_ids), c.policy_version,
+                         c.finish_reason, c.versions,
+                         sum(c.logprobs) if c.logprob_sum is None else c.logprob_sum, c.token_ids[-tail:],
+                         c.text if text else None)
+
+
+@dataclass
 class Trajectory:
     """A multi-turn rollout, as the controller assembled it: the model's turns in order, each generated
     from everything before it (its prompt_token_ids are the previous turn's prompt and tokens, then the
     environment's messages in the chat template's tokens)."""
 
-    turns: list[Completion]
-    text: str  # the conversation after the opening prompt, as the model saw it (special tokens included)
+    turns: list[Generated]
+    text: str  # the conversation after the opening prompt: each turn's text and the template's tokens between
 
     @property
     def prompt_index(self) -> int:
@@ -79,33 +118,36 @@ class Trajectory:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(t.token_ids) for t in self.turns)
+        return sum(t.num_tokens for t in self.turns)
 
 
-def model_turns(completion: "Completion | Trajectory") -> list[Completion]:
+def model_turns(completion: "Generated | Trajectory") -> list[Generated]:
     """The model's turns: a trajectory's, or the one completion."""
     return completion.turns if isinstance(completion, Trajectory) else [completion]
 
 
 @dataclass
 class ScoredCompletion:
-    completion: Completion | Trajectory
+    completion: Generated | Trajectory
     reward: float
     reward_components: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
 class GroupEpisodes:
-    """A kept group's episodes as the controller hands them to the replay buffer, not yet flat: for each,
-    the model turns it trains on, its advantage and its policy version. The buffer flattens them
-    (meshrl/episodes.py's `episode`) in its own process, so the controller copies no token list."""
+    """A kept group's episodes as the controller hands them to the replay buffer, which holds its
+    sequences' Completions already (`stage`): for each episode, which sequence and which of its model
+    turns it trains on, its advantage and its policy version; and the group's rollouts.jsonl records,
+    whose completion text the buffer fills in (it holds the text). The buffer flattens them
+    (meshrl/episodes.py's `episode`) in its own process: no token list passes through the controller."""
 
     group_id: int
-    turns: list[list["Completion"]]  # each episode's model turns
+    turns: list[tuple[int, int, int]]  # each episode's (sequence, first turn, end turn)
     advantages: list[float]
     versions: list[int]
     rewards: list[float]  # the group's rewards (the replay buffer's priority)
     temperature: float = 1.0  # the one its tokens were sampled at
+    records: list[dict] = field(default_factory=list)  # one per sequence, for rollouts.jsonl
 
 
 @dataclass

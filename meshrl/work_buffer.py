@@ -72,7 +72,6 @@ class Batch:
     groups: list[int]  # its kept groups' prompt indices, in prompt order (the order they are trained in)
     versions: list[int]  # its episodes' policy versions
     stats: dict  # its rollout metrics (rewards, checks, group counts, times)
-    records: list[dict]  # one per trained completion, for rollouts.jsonl
 
 
 class TooManyFailures(RuntimeError):
@@ -92,6 +91,8 @@ class WorkBuffer:
     # episodes go to the replay buffer, and a summary stays); by default its scored completions
     keep: Callable[[int, Group], object] = lambda batch, group: group.scored
     ahead: int = -1  # versions generation may run ahead of the trainer (the gate); -1: max_policy_age
+    # a finished group not kept (dropped, or stale) -> the controller's: the replay buffer lets its tokens go
+    drop: Callable[[Group], None] = lambda group: None
 
     def __post_init__(self):
         self.tries = self.tries or self.batch_size
@@ -144,12 +145,15 @@ class WorkBuffer:
             f.stale_tokens += group.tokens
             self.totals["groups_stale"] += 1
             bisect.insort(self.redo, group.prompt_index)
+            self.drop(group)
             return None
         f.groups.append(group)
         no_signal = all_equal([s.reward for s in group.scored])
         f.equal += no_signal
         if not (no_signal and self.drop_equal):
             f.kept[group.prompt_index] = self.keep(f.index, group)
+        else:
+            self.drop(group)
         if not f.complete(self.batch_size, self.tries):
             return None
         batch = self.ready[f.index] = self.build(f)

@@ -42,7 +42,7 @@ def group(index: int, rewards=(1.0, 0.0), tokens: int = 4) -> Group:
 
 
 def buffer(size: int = 4) -> WorkBuffer:
-    build = lambda f: Batch(f.index, sorted(f.kept), [], {}, [])  # noqa: E731
+    build = lambda f: Batch(f.index, sorted(f.kept), [], {})  # noqa: E731
     return WorkBuffer(3, size, 0, build, max_failed_fraction=0.5)
 
 
@@ -64,7 +64,7 @@ def test_a_group_with_no_scored_completion_fails_toward_max_failed_fraction():
 def test_tokens_generated_counts_every_group_of_the_batch_and_tokens_discarded_is_part_of_it():
     f = Filling(0, groups=[group(0, tokens=10), group(1, tokens=3)], failed=1, failed_tokens=7, stale=1,
                 stale_tokens=5)
-    f.kept = {0: Kept([1.0, 0.0], [{}, {}], [1, 1], 0, [0, 0], [])}  # group 1 dropped (equal rewards)
+    f.kept = {0: Kept([1.0, 0.0], [{}, {}], [1, 1], 0, [0, 0])}  # group 1 dropped (equal rewards)
     stats = batch_builder(ControllerConfig(), lambda: 0.0)(f).stats
     assert stats["tokens_generated"] == 10 + 3 + 7 + 5  # kept, dropped, failed, stale
     assert (stats["tokens_discarded_dropped"], stats["tokens_discarded_failed"], stats["tokens_discarded_stale"],

@@ -11,7 +11,7 @@ from meshrl.work_buffer import Batch, Filling, Group, TooManyFailures, WorkBuffe
 def build(f: Filling) -> Batch:
     """A stand-in for episodes.batch_builder: its kept groups, each completion one episode at its version."""
     return Batch(f.index, sorted(f.kept), [s.completion.policy_version for _, g in sorted(f.kept.items()) for s in g],
-                 {"equal": f.equal, "stale": f.stale, "failed": f.failed}, [])
+                 {"equal": f.equal, "stale": f.stale, "failed": f.failed})
 
 
 def group(index: int, version: int = 0, rewards=(1.0, 0.0)) -> Group:
@@ -164,7 +164,7 @@ def test_a_snapshot_holds_what_is_not_trained_and_running_groups_as_to_redo():
 def test_handing_over_a_batch_outside_the_bound_is_an_error():
     work = buffer(size=1, age=0)
     starts(work, 0)
-    work.ready[0] = Batch(0, [0], [1], {}, [])  # an episode from the future
+    work.ready[0] = Batch(0, [0], [1], {})  # an episode from the future
     with pytest.raises(RuntimeError, match="outside the staleness bound"):
         work.batch(0)
 

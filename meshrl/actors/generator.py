@@ -7,6 +7,11 @@ the same tokens under.
 single driver task steps the engine while any request is unfinished (continuous batching), so the
 controller can send one prompt's group at a time without losing throughput.
 
+The Completions stay here (`held`, by a key unique to the run) until the replay buffer takes them
+(`completions(keys, forget=True)`) or the controller lets them go (`forget`); the controller gets a
+`Generated` of each, no token list. A later turn of a conversation names the earlier one (`Prompt.prefix`)
+and sends only its new tokens; the earlier turn is taken from the generator holding it if not this one.
+
 The generator loads new weights itself, between two engine steps, as `generator.weight_update` says:
 - `drain`: a call that needs a newer version than the one served (`min_version`) stops new requests,
   waits for the running ones to finish, loads, and goes on. No sequence spans two versions.
@@ -32,6 +37,7 @@ meanwhile.
 import asyncio
 import itertools
 import logging
+import random
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -41,11 +47,11 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.actors.adapters import MergedAdapter, ServedAdapter, lora_options, serves_adapters
 from meshrl.actors.engine import start_vllm
-from meshrl.actors.roles import ReplicaBroken
+from meshrl.actors.roles import ReplicaBroken, TokensLost
 from meshrl.actors.weight_updates import WeightUpdates
 from meshrl.configs import GeneratorConfig, WeightSyncConfig
 from meshrl.models.lora import LoraConfig
-from meshrl.types import Completion, Prompt, Sampling
+from meshrl.types import Completion, Generated, Prompt, Sampling
 from meshrl.weight_sync import published_weights
 from meshrl.weight_sync.disk import DiskHandle, DiskReader
 from meshrl.weight_sync.handoff import Handoff
@@ -125,6 +131,9 @@ class VLLMGenerator(Actor):
         self.policy_version = 0
         self.engine = self.llm.llm_engine
         self.request_ids = itertools.count()
+        # the Completions made and not yet taken, by a key no other replica of the run uses
+        self.held: dict[int, Completion] = {}
+        self.keys = itertools.count(random.SystemRandom().getrandbits(40) << 23)
         self.running: dict[str, Request] = {}
         self.driver: asyncio.Task | None = None
         self.poller: asyncio.Task | None = None
@@ -135,8 +144,10 @@ class VLLMGenerator(Actor):
 
     @concurrent_endpoint
     async def generate(self, prompts: list[Prompt], *, sampling: Sampling | None = None,
-                       min_version: int = 0) -> list[Completion]:
-        """`sampling.n` completions per prompt, their first tokens from version `min_version` or newer."""
+                       min_version: int = 0, text: bool = False) -> list[Generated]:
+        """`sampling.n` completions per prompt, their first tokens from version `min_version` or newer, each
+        held here and answered as a Generated (with its text if `text`)."""
+        prompts = [await self._whole(p) for p in prompts]
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -173,7 +184,41 @@ class VLLMGenerator(Actor):
         if self.driver is None or self.driver.done():
             self.driver = asyncio.create_task(self._drive())
         await asyncio.gather(*(r.done for r in requests))
-        return [self._completion(r.prompt, sample) for r in requests for sample in r.samples]
+        answers = []
+        for r in requests:
+            for sample in r.samples:
+                key = next(self.keys)
+                self.held[key] = completion = self._completion(r.prompt, sample)
+                answers.append(Generated.of(key, completion, text))
+        return answers
+
+    async def _whole(self, prompt: Prompt) -> Prompt:
+        """`prompt` with its prefix's tokens in front (the held turn it names, here or on its holder)."""
+        if prompt.prefix is None:
+            return prompt
+        if prompt.prefix_holder is None:
+            before = self.held[prompt.prefix]
+        else:
+            try:
+                [before] = await prompt.prefix_holder.completions.call_one([prompt.prefix])
+            except Exception as e:  # its holder died: the group is generated again
+                raise TokensLost(f"the generator holding the previous turn is gone: {e}") from None
+        return Prompt(prompt.index, before.prompt_token_ids + before.token_ids + prompt.token_ids)
+
+    @concurrent_endpoint
+    async def completions(self, keys: list[int], forget: bool = False) -> list[Completion]:
+        """The held Completions `keys` name, let go here with `forget` (the replay buffer took them)."""
+        taken = [self.held[k] for k in keys]
+        if forget:
+            for k in keys:
+                del self.held[k]
+        return taken
+
+    @concurrent_endpoint
+    async def forget(self, keys: list[int]) -> None:
+        """Let the held Completions `keys` go (a group dropped, failed or evaluated)."""
+        for k in keys:
+            self.held.pop(k, None)
 
     def _completion(self, prompt: Prompt, sample: Sample) -> Completion:
         first = sample.versions[0][1] if sample.versions else self.policy_version

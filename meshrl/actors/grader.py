@@ -1,6 +1,7 @@
 """The grader: scores completions with the task's reward function, and hosts a multi-turn environment
 (its answers to the model's turns, its reward at the end), so user code runs in an actor that is
-replaced if it dies, not in the controller.
+replaced if it dies, not in the controller. It takes the completions it scores from the generator
+holding them and answers only their rewards and checks: no token or text goes back to the controller.
 
 User code that raises is never silent. A completion (or conversation) whose reward function or
 environment raised is left out and counted (`reward_errors`); the first traceback of each kind of
@@ -15,9 +16,10 @@ from dataclasses import dataclass, field
 
 from monarch.actor import Actor, endpoint
 
+from meshrl.actors.roles import TokensLost
 from meshrl.configs import GraderConfig
 from meshrl.tasks import Sample, make_task
-from meshrl.types import Completion, ScoredCompletion
+from meshrl.types import Completion
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +76,19 @@ class Grader(Actor):
                          type(error).__name__, exc_info=error)
 
     @endpoint
-    async def score(self, completions: list[Completion], sample: Sample) -> list[ScoredCompletion]:
-        """Completions whose reward function raises are logged and left out; the caller counts them.
-        UserCodeFailed if it raised on most of them."""
-        rewards = self.rewards(completions, sample)
-        return [ScoredCompletion(c, reward, checks) for c, (reward, checks) in zip(completions, rewards)
-                if reward is not None]
+    async def score(self, sample: Sample, holder, keys: list[int]) -> list[tuple[float, dict[str, float]] | None]:
+        """The completions `keys` names, taken from the generator `holder`: (reward, checks) of each, None
+        where its reward function raised (logged; the caller counts them). UserCodeFailed if it raised on
+        most of them."""
+        try:
+            completions = await holder.completions.call_one(keys)
+        except Exception as e:  # their generator died: the group is generated again
+            raise TokensLost(f"the generator holding them is gone: {e}") from None
+        return self.scores(completions, sample)
+
+    def scores(self, completions: list[Completion], sample: Sample) -> list[tuple[float, dict[str, float]] | None]:
+        """`score`'s answer for `completions`: here, the task's reward function's."""
+        return [None if reward is None else (reward, checks) for reward, checks in self.rewards(completions, sample)]
 
     def rewards(self, completions: list[Completion], sample: Sample) -> list[tuple[float | None, dict]]:
         """The task's (reward, checks) of each completion, its checks with `truncated` (cut off at its token

@@ -14,14 +14,12 @@ runs; its failures (the engine raising, the replica dying) are handled like any 
 
 import math
 
-from monarch.actor import endpoint
-
 from meshrl.actors.engine import start_vllm
 from meshrl.actors.grader import Grader
 from meshrl.configs import GraderConfig
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
 from meshrl.tasks import Sample
-from meshrl.types import Completion, ScoredCompletion
+from meshrl.types import Completion
 
 RUBRIC = """You are grading a reply to a question against the reference answer.
 
@@ -68,21 +66,21 @@ class JudgeGrader(Grader):
                               memory_fraction=self.judge.memory_fraction, seed=0, num_threads=self.judge.num_threads,
                               cpus=self.judge.cpus, kv_cache_gib=self.judge.kv_cache_gib, devices=self.judge.devices)
 
-    @endpoint
-    async def score(self, completions: list[Completion], sample: Sample) -> list[ScoredCompletion]:
-        """Completions whose task reward raises are logged and left out, as with the rule grader."""
+    def scores(self, completions: list[Completion], sample: Sample) -> list[tuple[float, dict[str, float]] | None]:
+        """The judge's score of each; None where the task's reward raises (logged), as with the rule grader."""
         rules = self.rewards(completions, sample)
         verdicts = self.verdicts([c.text for c in completions], sample)
         w, accuracy = self.judge.rule_weight, self.task.accuracy
         scored = []
-        for completion, (rule, checks), yes in zip(completions, rules, verdicts):
+        for (rule, checks), yes in zip(rules, verdicts):
             if rule is None:
+                scored.append(None)
                 continue
             parsed, yes = yes is not None, yes or 0.0  # no yes or no among its tokens: scored 0
             checks = {**checks, "judge_yes": yes, "judge_parsed": float(parsed)}
             if accuracy in checks:
                 checks["judge_agrees"] = float((yes > 0.5) == (checks[accuracy] >= 0.5))
-            scored.append(ScoredCompletion(completion, (1 - w) * yes + w * rule, checks))
+            scored.append(((1 - w) * yes + w * rule, checks))
         return scored
 
     def verdicts(self, replies: list[str], sample: Sample) -> list[float | None]:

@@ -1,13 +1,21 @@
-"""The replay buffer: the data plane between the controller and the trainer, on a process of its own.
+"""The replay buffer: the data plane between the generators and the trainer, on a process of its own.
 
-The controller puts each kept group's episodes here as the group finishes (`add`: their turns,
-advantages and versions, flattened into Episodes here) and keeps only what its rules need (prompt,
-reward, version, length). When the work buffer says batch b is
-complete, the controller asks for its plan (`sample`): the buffer composes the batch, collates its
-micro-batches here and answers only their count per optimizer update; the trainer's ranks (and the
-reference's) then take each micro-batch from the buffer themselves (`micro_batch`, by a `BatchRef`)
-and put back what they compute for it (`attach`: pi_old, the reference's logprobs). No token of a
-training batch passes through the controller.
+A graded group's Completions come here from the generators holding them (`stage`, which the
+controller asks for; the buffer takes them itself, concurrently with everything else). The controller
+then says what to train (`add`, in batches of groups: which sequence and turns each episode trains,
+its advantage and version, flattened into Episodes here) or lets the group go (`discard`), and keeps
+only what its rules need (prompt, reward, version, length). When the work buffer says batch b is
+complete, the controller asks for its plan (`sample`): the buffer composes the batch and its
+micro-batches and answers only their count per optimizer update; the trainer's ranks (and the
+reference's) then take each micro-batch from the buffer themselves, all at once (`micro_batch`, by a
+`BatchRef`, a concurrent endpoint: each collated in a thread the first time it is asked for, every
+fetch a span of the buffer's own clock) and put back what they compute for it (`attach`: pi_old, the
+reference's logprobs). No token of a training batch passes through the controller, nor does the text
+of its completions: the buffer writes a trained batch's records to rollouts.jsonl (`trained`).
+
+The state the concurrent endpoints share is guarded by the event loop itself: each touches it only
+between awaits (a dict read or write), and a micro-batch is collated once (one future per micro-batch,
+which every rank asking for it awaits).
 
 The work buffer (meshrl/work_buffer.py) stays the one owner of admission and of the staleness bound;
 this buffer asserts the bound for every episode it hands out. Two implementations, by
@@ -27,19 +35,24 @@ Every batch handed out is logged, in order, until a checkpoint holding its step 
 time. The state (groups waiting, their use counts) is saved with each checkpoint (`save_state`).
 """
 
+import asyncio
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from monarch.actor import Actor, endpoint
+from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.actors import pin_cpus
+from meshrl.actors.trace import ActorClock
 from meshrl.advantages import population_std
 from meshrl.configs import ReplayBufferConfig, TrainerConfig
-from meshrl.episodes import flatten
-from meshrl.train_step import micro_batches, padding_fraction, split
-from meshrl.types import BatchRef, Episode, GroupEpisodes, TrainBatch
+from meshrl.episodes import RolloutRecorder, flatten
+from meshrl.train_step import micro_groups, split
+from meshrl.types import BatchRef, Completion, Episode, GroupEpisodes, TrainBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,6 +64,17 @@ class StoredGroup:
     version: int  # its oldest episode's policy version
     reward_std: float  # the spread of its rewards: 0 means no learning signal
     uses: int = 0  # times trained
+    records: list[dict] = field(default_factory=list)  # rollouts.jsonl's, its text filled in
+
+
+@dataclass
+class MicroBatch:
+    """A micro-batch of a composed batch: its episodes, collated the first time a rank asks for it."""
+
+    episodes: list[Episode]
+    loss_tokens: int
+    loss_sequences: int
+    collated: asyncio.Future | None = None  # -> TrainBatch
 
 
 @dataclass
@@ -59,6 +83,7 @@ class Handed:
 
     groups: list[int]
     episodes: list[Episode] = field(default_factory=list)
+    fresh: int = 0  # its first groups, generated for it (their records are written when it is trained)
     reused: int = 0  # episodes trained before
     groups_reused: int = 0
     trained: bool = False  # its step was logged (handed out again, to a restarted trainer, it counts no new use)
@@ -74,14 +99,52 @@ class FifoBuffer(Actor):
         self.config, self.trainer, self.pad_id = config, trainer, pad_id
         self.prompts_per_step, self.max_policy_age = prompts_per_step, max_policy_age
         self.groups: dict[int, StoredGroup] = {}  # by group id (its prompt index)
+        self.staged: dict[int, list[list[Completion]]] = {}  # graded groups' sequences, by group id
         self.log: dict[int, Handed] = {}  # batches handed out since the newest checkpoint, by index
-        self.micro: dict[int, list[list[TrainBatch]]] = {}  # the collated micro-batches of batches not yet trained
+        self.micro: dict[int, list[list[MicroBatch]]] = {}  # the micro-batches of batches not yet trained
+        self.clock = ActorClock()  # its fetches, as it timed them
+        self.recorder: RolloutRecorder | None = None
+
+    @concurrent_endpoint
+    async def stage(self, group_id: int, holders: list, sequences: list[list[tuple[int, int]]]) -> bool:
+        """Take a graded group's Completions from the generators holding them, all at once, forgetting them
+        there; False if a holder is gone (its process died): the controller generates the group again."""
+        wanted: dict[int, list[int]] = {}
+        for turns in sequences:
+            for holder, key in turns:
+                wanted.setdefault(holder, []).append(key)
+        try:
+            taken = await asyncio.gather(*(holders[h].completions.call_one(keys, forget=True)
+                                           for h, keys in wanted.items()))
+        except Exception as e:  # a holder that died, or no longer holds them: the group is lost, not the buffer
+            logger.warning("group %d's completions could not be taken from their generator: %s", group_id,
+                           str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return False
+        by_key = {key: c for (h, keys), completions in zip(wanted.items(), taken) for key, c in zip(keys, completions)}
+        self.staged[group_id] = [[by_key[key] for _, key in turns] for turns in sequences]
+        return True
 
     @endpoint
-    async def add(self, batch: int, group: GroupEpisodes) -> None:
-        """A kept group's episodes, generated for batch `batch`: flattened here, off the controller."""
-        self.groups[group.group_id] = StoredGroup(batch, flatten(group), min(group.versions, default=batch),
-                                                  population_std(group.rewards) if group.rewards else 0.0)
+    async def discard(self, group_id: int) -> None:
+        """A staged group not trained (dropped, stale): let it go."""
+        self.staged.pop(group_id, None)
+
+    @endpoint
+    async def add(self, batch: int, groups: list[GroupEpisodes]) -> None:
+        """Kept groups' episodes, generated for batch `batch`: flattened here from their staged sequences."""
+        for group in groups:
+            sequences = self.staged.pop(group.group_id)
+            episodes = flatten(group, sequences)
+            records = [{**r, "completion": sequences[i][-1].text} if "completion" not in r else r
+                       for i, r in enumerate(group.records)]
+            self.groups[group.group_id] = StoredGroup(batch, episodes, min(group.versions, default=batch),
+                                                      population_std(group.rewards) if group.rewards else 0.0,
+                                                      records=records)
+
+    @endpoint
+    async def record_rollouts(self, run_dir: str, fraction: float, resumed_step: int | None) -> None:
+        """Write rollouts.jsonl in `run_dir` from now on (a resumed run's: the records after `resumed_step` go)."""
+        self.recorder = RolloutRecorder(Path(run_dir), fraction, resumed_step)
 
     @endpoint
     async def sample(self, batch: int, fresh: list[int]) -> dict:
@@ -96,44 +159,65 @@ class FifoBuffer(Actor):
                                f"{batch - min(ages)}: outside the staleness bound ({self.max_policy_age})")
         self.log[batch] = handed
         t = self.trainer
-        updates = [micro_batches(chunk, t.micro_batch_size, self.pad_id, t.micro_batch_tokens)
-                   for chunk in split(handed.episodes, t.mini_batches)]
+        updates = []
+        for chunk in split(handed.episodes, t.mini_batches):
+            loss_tokens = sum(e.num_response_tokens for e in chunk)
+            updates.append([MicroBatch(group, loss_tokens, len(chunk))
+                            for group in micro_groups(chunk, t.micro_batch_size, t.micro_batch_tokens)])
         self.micro[batch] = updates
+        positions = sum(len(m.episodes) * (max(len(e.tokens) for e in m.episodes) - 1) for u in updates for m in u)
         return {"micro_batches": [len(u) for u in updates], "episodes_trained": len(handed.episodes),
                 "episodes_reused": handed.reused, "groups_reused": handed.groups_reused,
                 "tokens_trained": sum(len(e.tokens) for e in handed.episodes),
-                "padding_fraction": padding_fraction(handed.episodes, [b for u in updates for b in u]),
+                "padding_fraction": 1 - sum(len(e.tokens) - 1 for e in handed.episodes) / max(positions, 1),
                 "staleness_mean": sum(ages) / len(ages) if ages else 0.0, "staleness_max": max(ages, default=0),
                 "episodes_by_age": [ages.count(a) for a in range(max(ages, default=0) + 1)]}
 
     def compose(self, batch: int, fresh: list[int]) -> Handed:
         """The groups batch `batch` trains: here, exactly its fresh ones."""
-        return Handed(list(fresh), [e for g in fresh for e in self.groups[g].episodes])
+        return Handed(list(fresh), [e for g in fresh for e in self.groups[g].episodes], len(fresh))
 
-    @endpoint
+    @concurrent_endpoint
     async def micro_batch(self, ref: BatchRef) -> TrainBatch:
         """The micro-batch `ref` names, with what was attached to it; an `idle` one trains nothing (no loss
-        token: a rank's turn in a round short of micro-batches)."""
-        micro = self.micro[ref.batch][ref.update][ref.micro]
+        token: a rank's turn in a round short of micro-batches). Collated in a thread the first time it is
+        asked for, while other ranks' fetches go on; each fetch a span of the buffer's clock."""
+        with self.clock.span(f"fetch {ref.update}.{ref.micro}" + (" idle" if ref.idle else ""), ref.batch):
+            micro = await self._collated(ref)
         if ref.idle:
             return dataclasses.replace(micro, loss_mask=torch.zeros_like(micro.loss_mask))
         return micro
 
-    @endpoint
+    def _collated(self, ref: BatchRef) -> asyncio.Future:
+        micro = self.micro[ref.batch][ref.update][ref.micro]
+        if micro.collated is None:
+            micro.collated = asyncio.ensure_future(asyncio.to_thread(
+                TrainBatch.collate, micro.episodes, micro.loss_tokens, micro.loss_sequences, self.pad_id))
+        return micro.collated
+
+    @concurrent_endpoint
     async def attach(self, ref: BatchRef, values: torch.Tensor) -> None:
         """What an actor computed for micro-batch `ref` (its `into`: old_logprobs or ref_logprobs)."""
         if not ref.idle:
-            setattr(self.micro[ref.batch][ref.update][ref.micro], ref.into, values)
+            setattr(await self._collated(ref), ref.into, values)
 
     @endpoint
-    async def trained(self, batch: int) -> None:
-        """Batch `batch` is trained and its step logged: its micro-batches go, its groups count a use (the
-        first time only: a restarted trainer trains logged batches again)."""
+    async def spans(self) -> list[dict]:
+        """Its fetches since the last call, as it timed them (meshrl/actors/trace.py's ActorClock)."""
+        return self.clock.take()
+
+    @endpoint
+    async def trained(self, batch: int, step: int) -> None:
+        """Batch `batch` is trained and step `step` logged: its micro-batches go, its fresh groups' records
+        go to rollouts.jsonl and its groups count a use (the first time only: a restarted trainer trains
+        logged batches again)."""
         self.micro.pop(batch, None)
         handed = self.log[batch]
         if handed.trained:
             return
         handed.trained = True
+        if self.recorder:
+            self.recorder.write(step, batch, [r for g in handed.groups[:handed.fresh] for r in self.groups[g].records])
         for g in handed.groups:
             self.groups[g].uses += 1
         self.evict(batch + 1)
@@ -156,7 +240,7 @@ class FifoBuffer(Actor):
     async def save_state(self, path: str) -> None:
         """The groups waiting and their use counts, into `path` (a checkpoint's `replay_buffer/`)."""
         Path(path).mkdir(parents=True, exist_ok=True)
-        state = {g: [s.batch, s.episodes, s.version, s.reward_std, s.uses] for g, s in self.groups.items()}
+        state = {g: [s.batch, s.episodes, s.version, s.reward_std, s.uses, s.records] for g, s in self.groups.items()}
         torch.save({"groups": state}, Path(path) / "state.pt")
 
     @endpoint
@@ -166,7 +250,7 @@ class FifoBuffer(Actor):
 
         state = load_safely(Path(path) / "state.pt", [Episode])
         self.groups = {g: StoredGroup(*fields) for g, fields in state["groups"].items()}
-        self.log, self.micro = {}, {}
+        self.log, self.micro, self.staged = {}, {}, {}
         return len(self.groups)
 
 
@@ -181,7 +265,7 @@ class ReplayBuffer(FifoBuffer):
         again = sorted(old, key=key)[:max(self.prompts_per_step - len(fresh), 0)]
         groups = list(fresh) + sorted(again)
         episodes = [e for g in groups for e in self.groups[g].episodes]
-        return Handed(groups, episodes, sum(len(self.groups[g].episodes) for g in again), len(again))
+        return Handed(groups, episodes, len(fresh), sum(len(self.groups[g].episodes) for g in again), len(again))
 
     def reusable(self, group: StoredGroup, batch: int) -> bool:
         """Trained before, at most max_reuse times again so far, and within the bound for `batch`."""

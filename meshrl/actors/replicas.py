@@ -29,7 +29,7 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import Actor, ActorError, endpoint
 
 from meshrl.actors import in_rank_order, spawn
-from meshrl.actors.roles import ReplicaBroken
+from meshrl.actors.roles import ReplicaBroken, TokensLost
 from meshrl.actors.timeouts import CallTimeout, Timeout, bounded, deadline
 
 logger = logging.getLogger(__name__)
@@ -194,6 +194,8 @@ class ReplicaPool:
                 replica.served += 1
                 return answer
             except ActorError as e:
+                if isinstance(e.exception, TokensLost):  # the work's tokens died elsewhere: the caller's to redo
+                    raise TokensLost(str(e.exception)) from None
                 if not isinstance(e.exception, ReplicaBroken):
                     raise CallFailed(error_line(e)) from None
                 reason = e

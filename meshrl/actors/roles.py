@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from meshrl.types import BatchRef, Completion, GroupEpisodes, Prompt, Sampling, ScoredCompletion, TrainBatch
+from meshrl.types import BatchRef, Completion, Generated, GroupEpisodes, Prompt, Sampling, TrainBatch
 
 if TYPE_CHECKING:  # the contracts name tensors; a grader's process (which reads this module) never loads torch
     import torch
@@ -25,6 +25,11 @@ class ReplicaBroken(RuntimeError):
     engine failed): the controller replaces it and redoes the call elsewhere."""
 
 
+class TokensLost(RuntimeError):
+    """Raised by a generator or grader endpoint when the generator holding the completions it needs (a
+    later turn's prefix, those to score) is gone: the group is generated again, nobody is replaced."""
+
+
 class Generator(Protocol):
     """Makes Completions (tokens, behaviour logprobs, the policy version of every token); knows nothing of
     rewards. Loads new weights itself, between engine steps, as `generator.weight_update` says.
@@ -32,13 +37,23 @@ class Generator(Protocol):
     called before each synchronous step trains: free the device's memory until the next call or load."""
 
     async def generate(self, prompts: list[Prompt], *, sampling: Sampling | None = None,
-                       min_version: int = 0) -> list[Completion]:
+                       min_version: int = 0, text: bool = False) -> list[Generated]:
         """`sampling.n` completions per prompt, their first tokens sampled from version `min_version` or newer
         (loaded first if need be), each with the versions its tokens were sampled from (`Completion.versions`)
         and the logprob of each sampled token under the distribution it was sampled from (at
-        `sampling.temperature`: vLLM's processed logprobs). The controller sends one prompt's group per call,
-        many calls at once: make it a `concurrent_endpoint` that batches them, or throughput falls to one
-        group at a time."""
+        `sampling.temperature`: vLLM's processed logprobs). Each Completion is kept here under a key unique to
+        the run, and answered as a `Generated` (with its text if `text`); a prompt with a `prefix` starts with
+        the held Completion it names (its `prefix_holder`'s, taken from that generator, when not this one's).
+        The controller sends one prompt's group per call, many calls at once: make it a
+        `concurrent_endpoint` that batches them, or throughput falls to one group at a time."""
+
+    async def completions(self, keys: list[int], forget: bool = False) -> list[Completion]:
+        """The held Completions `keys` name (the grader scores them, the replay buffer trains them), forgotten
+        here with `forget`. A concurrent endpoint: it must answer while generation runs. `KeyError` for a key
+        not held."""
+
+    async def forget(self, keys: list[int]) -> None:
+        """Let the held Completions `keys` go (a group dropped, failed or evaluated); keys not held are ignored."""
 
     async def attach_weights(self, rings: list) -> str:
         """Pull weights from the trainer's rings (a `RingHandle` per trainer rank, in rank order) from now on:
@@ -63,9 +78,10 @@ class Grader(Protocol):
     """Scores one prompt's group. Constructed with (task name, task config, GraderConfig). Raising
     (rather than leaving a completion out) fails the group."""
 
-    async def score(self, completions: list[Completion], sample) -> list[ScoredCompletion]:
+    async def score(self, sample, holder, keys: list[int]) -> list[tuple[float, dict[str, float]] | None]:
         """Scores the completions of one prompt (`sample`: the task's Sample, with the prompt and the
-        reference answer). Completions whose reward function raises are left out (the caller counts them)."""
+        reference answer), taken from the generator `holder` (an actor mesh following Generator) by their
+        `keys`: one (reward, checks) each, None where the reward function raised (the caller counts them)."""
 
     async def step(self, sample, conversations: list[list[dict]], last: bool) -> list:
         """Needed only for a multi-turn task (an `Environment`): one `EnvReply` per conversation, the environment's
@@ -142,9 +158,22 @@ class ReplayBuffer(Protocol):
     handed out since the newest checkpoint. Constructed with (ReplayBufferConfig, TrainerConfig,
     prompts_per_step, max_policy_age, pad token id). meshrl/actors/replay_buffer.py has two."""
 
-    async def add(self, batch: int, group: GroupEpisodes) -> None:
-        """A kept group's episodes (with its rewards), generated for batch `batch`, to flatten
-        (meshrl/episodes.py's `flatten`)."""
+    async def stage(self, group_id: int, holders: list, sequences: list[list[tuple[int, int]]]) -> bool:
+        """Take a graded group's Completions from the generators holding them (each sequence's model turns
+        as (index into `holders`, key)), forgetting them there; False if a holder is gone (the group is
+        generated again). Concurrent with the other endpoints."""
+
+    async def discard(self, group_id: int) -> None:
+        """A staged group that is not trained (dropped, stale): let it go."""
+
+    async def add(self, batch: int, groups: list[GroupEpisodes]) -> None:
+        """Kept groups' episodes (which staged sequence and turns each trains, its advantage, with the group's
+        rewards and records), generated for batch `batch`, to flatten (meshrl/episodes.py's `flatten`)."""
+
+    async def record_rollouts(self, run_dir: str, fraction: float, resumed_step: int | None) -> None:
+        """Write rollouts.jsonl in `run_dir` from now on (meshrl/episodes.py's RolloutRecorder): each
+        trained batch's records, their completion text filled in here (a resumed run's `resumed_step`: the
+        records of the steps after it go)."""
 
     async def sample(self, batch: int, fresh: list[int]) -> dict:
         """Compose batch `batch` (its fresh groups `fresh`, in order, and whatever else the buffer trains),
@@ -154,14 +183,15 @@ class ReplayBuffer(Protocol):
         A batch handed out before (since the newest checkpoint) is handed out again exactly."""
 
     async def micro_batch(self, ref: BatchRef) -> TrainBatch:
-        """The micro-batch `ref` names, with what was attached to it (no loss token if `ref.idle`)."""
+        """The micro-batch `ref` names, with what was attached to it (no loss token if `ref.idle`). Every
+        trainer and reference rank fetches at once: a concurrent endpoint."""
 
     async def attach(self, ref: BatchRef, values: torch.Tensor) -> None:
         """Set `ref.into` of the micro-batch `ref` names."""
 
-    async def trained(self, batch: int) -> None:
-        """Batch `batch` is trained and its step logged (again, for a batch a restarted trainer trained
-        again: no new use is counted)."""
+    async def trained(self, batch: int, step: int) -> None:
+        """Batch `batch` is trained and step `step` logged: its fresh groups' records go to rollouts.jsonl
+        (again, for a batch a restarted trainer trained again: no new use is counted, nothing is written)."""
 
     async def checkpointed(self, step: int) -> None:
         """A checkpoint of every step up to `step` is written: drop the log of the batches they trained."""

@@ -1,11 +1,14 @@
 """What a generator replica keeps about its weight updates, whatever its engine: whether new requests
 may start (a drain holds them back until the running ones are done), how long its engine had requests,
 and the loads it did since the controller last asked (roles.Generator.weight_updates). The vLLM
-generator and the fake one (meshrl/tools/simulation.py) load alike through it."""
+generator and the fake one (meshrl/tools/simulation.py) load alike through it. And the controller's
+side: the replicas' reports gathered, beside its loops, into the step's figures (`gather_reports`)."""
 
 import asyncio
 import time
 from contextlib import asynccontextmanager
+
+from meshrl.actors.timeouts import deadline
 
 
 class WeightUpdates:
@@ -58,3 +61,44 @@ class WeightUpdates:
         report = {"pulls": self.pulls, **self.counts, "busy_s": busy}
         self.pulls, self.counts = [], dict.fromkeys(self.counts, 0)
         return report
+
+
+def no_figures() -> dict:
+    """The generators' figures before any report (`gather_reports`)."""
+    return {"pull": 0.0, "busy": 0.0, "prompts": 0, "cached": 0, "rates": [], "egress": 0}
+
+
+def cache_figures(f: dict) -> dict:
+    """The prompt tokens served from cache and prefilled, all replicas together, and
+    `prefix_cache_hit_rate`, each replica's share of its prompt tokens served from its cache averaged over
+    the replicas that had prompts (absent if none did)."""
+    return {"prompt_tokens_cached": f["cached"], "prompt_tokens_prefilled": f["prompts"] - f["cached"],
+            **({"prefix_cache_hit_rate": sum(f["rates"]) / len(f["rates"])} if f["rates"] else {})}
+
+
+async def gather_reports(replicas: list, timeout, tracer, figures: dict, counts: dict, egress: bool) -> None:
+    """What the healthy generator `replicas` did since the last call: their loads become `pull` spans of the
+    trace; into `figures` (from `no_figures`): the longest load's seconds, the seconds their engines had
+    requests to run, all together, their prompt tokens and those their prefix caches served, each replica's
+    share served from its cache (for `cache_figures`), and with `egress` the bytes they read from the
+    trainer's rings; their swap and cache counts added to `counts`. Each ask bounded by `timeout`; a replica
+    failing now is its pool's to find."""
+    async def ask(replica):  # bookkeeping: bounded, not traced
+        async with deadline(timeout, "generator", "weight_updates"):
+            return replica, await replica.actor.weight_updates.call_one()
+
+    answers = await asyncio.gather(*(ask(r) for r in replicas if r.healthy), return_exceptions=True)
+    f = figures
+    for replica, updates in (a for a in answers if not isinstance(a, BaseException)):
+        f["busy"] += updates["busy_s"]
+        if updates.get("prompt_tokens"):  # optional in the contract (roles.Generator.weight_updates)
+            f["prompts"] += updates["prompt_tokens"]
+            f["cached"] += updates["cached_prompt_tokens"]
+            f["rates"].append(updates["cached_prompt_tokens"] / updates["prompt_tokens"])
+        if egress:
+            f["egress"] += updates.get("trainer_bytes", 0)
+        for pull in updates["pulls"]:
+            tracer.add("generator", "pull", pull["start"], pull["end"], replica.index, pull["version"])
+            f["pull"] = max(f["pull"], pull["end"] - pull["start"])
+        for key in counts:
+            counts[key] += updates[key]

@@ -1,6 +1,6 @@
 """Where each step's metrics go: `metrics.jsonl` (the source of truth), TensorBoard event files in
-the run directory (on by default), and Weights & Biases (opt-in); and where the trained
-completions go (`rollouts.jsonl`).
+the run directory (on by default), and Weights & Biases (opt-in). (The trained completions go to
+`rollouts.jsonl` from the replay buffer, which holds their text: meshrl/episodes.py's RolloutRecorder.)
 
 Every logger gets the same keys at the same step. A list value (one number per optimizer update,
 such as `clip_fraction_by_update`) stays a list in metrics.jsonl and becomes `key/0`, `key/1`, ...
@@ -13,7 +13,6 @@ import logging
 import math
 import netrc
 import os
-import random
 import socket
 from pathlib import Path
 
@@ -104,37 +103,3 @@ class MetricLoggers:
             self.tensorboard.close()
         if self.wandb:
             self.wandb.finish()
-
-
-class RolloutRecorder:
-    """`rollouts.jsonl`: each trained completion (or a `fraction` of them, the same ones on a rerun)
-    with the step that trained it, its prompt and reply, reward and checks, policy version,
-    staleness (by controller.staleness, as the bound counts it) and finish reason: what the model
-    really did."""
-
-    def __init__(self, run_dir: Path, fraction: float, resumed_step: int | None = None):
-        """`resumed_step`: a resumed run keeps the records of the steps up to its checkpoint's."""
-        self.fraction = fraction
-        path = run_dir / "rollouts.jsonl"
-        kept = []
-        if resumed_step is not None and path.is_file():
-            kept = [line for line in path.read_text().splitlines(keepends=True)  # a last line cut short: dropped
-                    if line.endswith("\n") and json.loads(line)["step"] <= resumed_step]
-        self.file = open(path, "w") if fraction > 0 else None
-        if self.file:
-            self.file.writelines(kept)
-
-    def write(self, step: int, trained_version: int, records: list[dict]) -> None:
-        if self.file is None:
-            return
-        rng = random.Random(step)
-        for record in records:
-            if self.fraction >= 1 or rng.random() < self.fraction:
-                # a batch checkpointed before records had counted_version: its oldest token's
-                staleness = trained_version - record.get("counted_version", record["policy_version"])
-                self.file.write(json.dumps({"step": step, **record, "staleness": staleness}) + "\n")
-        self.file.flush()
-
-    def close(self) -> None:
-        if self.file:
-            self.file.close()

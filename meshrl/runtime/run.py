@@ -42,7 +42,7 @@ from meshrl.runtime.gpu_plan import plan_gpus
 from meshrl.runtime.jobs import Hosts, gpus_per_host, host_gpus, make_job, plan
 from meshrl.runtime.launch import (Actors, actor_classes, generator_args, note_fault, spawn_actors, spawn_buffer,
                                    spawn_ranked)
-from meshrl.runtime.loggers import MetricLoggers, RolloutRecorder
+from meshrl.runtime.loggers import MetricLoggers
 from meshrl.runtime.metric_rows import MetricRows
 from meshrl.runtime.plot import plot_curves
 from meshrl.runtime.relays import Relays
@@ -104,9 +104,7 @@ class Run:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.config), indent=2))
         rows = MetricRows(MetricLoggers(self.run_dir, self.config, name=self.run_dir.name,
-                                        resumed_rows=resumed.rows if resumed else ()),
-                          RolloutRecorder(self.run_dir, self.config.logging.rollouts_fraction,
-                                          resumed.step if resumed else None))
+                                        resumed_rows=resumed.rows if resumed else ()))
         self.rows = rows
         self.tracer = Tracer(self.run_dir, resume=resumed is not None)
         monarch.actor.unhandled_fault_hook = note_fault  # failures reach us as errors of the calls

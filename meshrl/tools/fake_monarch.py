@@ -129,8 +129,10 @@ def endpoint_of(actor, name: str):
     (an `@endpoint` or `concurrent_endpoint` of an Actor subclass run in process: the real replay buffer)."""
     prop = getattr(type(actor), name)
     if isinstance(prop, EndpointProperty):
-        return (functools.partial(prop._method, actor),
-                getattr(prop._method, "_monarch_concurrent_endpoint_wrapper", False))
+        is_concurrent = getattr(prop._method, "_monarch_concurrent_endpoint_wrapper", False)
+        # a concurrent endpoint's method is Monarch's wrapper (it answers on a port): the body it wraps
+        method = prop._method.__wrapped__ if is_concurrent else prop._method
+        return functools.partial(method, actor), is_concurrent
     method = getattr(actor, name)
     return method, getattr(method, "concurrent", False)
 

@@ -10,6 +10,7 @@ replica's process dying), or ask for a stop there, as a signal would. `Costs` gi
 training simulated durations (meshrl/tools/bench/controller.py); zero by default."""
 
 import asyncio
+import itertools
 import json
 import os
 import time
@@ -25,7 +26,7 @@ from meshrl.actors import load_actor_class
 from meshrl.actors.distributed import from_buffer, to_buffer
 from meshrl.actors.replay_buffer import buffer_impl
 from meshrl.actors.replicas import Replica, ReplicaPool, sticky_slack
-from meshrl.actors.roles import ReplicaBroken
+from meshrl.actors.roles import ReplicaBroken, TokensLost
 from meshrl.actors.timeouts import StopSignals, Timeout, Timeouts
 from meshrl.actors.trace import ActorClock, Tracer
 from meshrl.actors.weight_updates import WeightUpdates
@@ -33,11 +34,11 @@ from meshrl.configs import Config, ControllerConfig
 from meshrl.controller import Controller
 from meshrl.restarts import Respawner
 from meshrl.runtime.launch import weight_update
-from meshrl.runtime.loggers import MetricLoggers, RolloutRecorder
+from meshrl.runtime.loggers import MetricLoggers
 from meshrl.runtime.metric_rows import MetricRows
 from meshrl.tasks import Sample
 from meshrl.tools.fake_monarch import FakeMesh, FakeProcs, concurrent
-from meshrl.types import Completion, ScoredCompletion
+from meshrl.types import Completion, Generated
 
 PROMPT_ID = 100  # FakeTokenizer: a prompt's first token is PROMPT_ID + its index, so the trainer can tell
 
@@ -116,9 +117,23 @@ class FakeGenerator:
         self.loading, self.book = asyncio.Lock(), WeightUpdates()
         self.swaps: list[tuple[float, int]] = []  # (time, version) of every load
         self.poller: asyncio.Task | None = None
+        self.held: dict[int, Completion] = {}  # as the real generator's: until taken or forgotten
+        self.keys = itertools.count(id(self) << 20)
 
     @concurrent
-    async def generate(self, prompts, *, sampling=None, min_version: int = 0) -> list[Completion]:
+    async def completions(self, keys: list[int], forget: bool = False) -> list[Completion]:
+        taken = [self.held[k] for k in keys]
+        for k in keys if forget else ():
+            del self.held[k]
+        return taken
+
+    @concurrent
+    async def forget(self, keys: list[int]) -> None:
+        for k in keys:
+            self.held.pop(k, None)
+
+    @concurrent
+    async def generate(self, prompts, *, sampling=None, min_version: int = 0, text: bool = False) -> list[Generated]:
         if self.version < min_version:
             await self._load()
         if self.version < min_version:  # as the real generator: it cannot serve what it was asked for
@@ -147,10 +162,12 @@ class FakeGenerator:
             self.script.late.pop(index, None)
             if index in self.script.reject:
                 raise ValueError(f"prompt {index} is longer than the model's context (fake)")
-            out += [Completion(p.index, p.token_ids, list(range(7, 7 + length)), [-0.5] * length,
-                               "1" if index in self.script.equal else str(j % 2), first, "stop", versions,
-                               -0.5 * length)
-                    for j in range(sampling.n)]
+            for j in range(sampling.n):
+                key = next(self.keys)
+                self.held[key] = c = Completion(p.index, p.token_ids, list(range(7, 7 + length)), [-0.5] * length,
+                                                "1" if index in self.script.equal else str(j % 2), first, "stop",
+                                                versions, -0.5 * length)
+                out.append(Generated.of(key, c, text))
         return out
 
     def _versions(self, start: float, end: float, first: int, length: int) -> list[list[int]]:
@@ -207,8 +224,12 @@ class FakeGenerator:
 class FakeGrader:
     """roles.Grader: a completion's reward is the number its text is."""
 
-    async def score(self, completions: list[Completion], sample) -> list[ScoredCompletion]:
-        return [ScoredCompletion(c, float(c.text), {"correct": float(c.text)}) for c in completions]
+    async def score(self, sample, holder, keys: list[int]) -> list[tuple[float, dict[str, float]] | None]:
+        try:
+            completions = await holder.completions.call_one(keys)
+        except Exception as e:  # as the real grader: their generator died, the group is generated again
+            raise TokensLost(f"the generator holding them is gone: {e}") from None
+        return [(float(c.text), {"correct": float(c.text)}) for c in completions]
 
 
 class FakeTrainer:
@@ -391,7 +412,6 @@ async def run_fake(config: Config, run_dir: Path, script: Script | None = None, 
     await asyncio.gather(generators.start(), graders.start())
     tracer = Tracer(run_dir, resume=resume)
     rows = MetricRows(MetricLoggers(run_dir, config, "fake", resumed_rows=state.rows if state else ()),
-                      RolloutRecorder(run_dir, config.logging.rollouts_fraction, state.step if state else None),
                       progress=progress)
 
     async def attach(new_trainer: FakeMesh) -> None:  # as meshrl/runtime/run.py's: every generator, and those to come
