@@ -211,6 +211,30 @@ def test_a_dead_replica_is_replaced_and_its_group_redone_elsewhere(tmp_path):
     assert all(r["groups_failed"] == 0 for r in done.rows)
 
 
+def test_the_controllers_bytes_in_per_group_stay_the_same_however_long_the_completions(tmp_path):
+    """No token passes through the controller: the answers it receives for a group (generate, score,
+    stage) are as large for 512-token completions as for 8-token ones."""
+    per_group, tokens = {}, {}
+    for length in (8, 512):
+        config = fake_config(steps=3, prompts=3, max_policy_age=1)
+        config.generator.max_tokens = length
+        done = run(config, tmp_path / str(length))
+        per_group[length] = sum(r["controller_bytes_in"] for r in done.rows) / 9
+        tokens[length] = sum(r["tokens_generated"] for r in done.rows)
+    assert tokens[512] == 64 * tokens[8]
+    # the same but for a few bytes: larger token ids and counts pickle longer (the fake's ids count up)
+    assert 0 < per_group[512] <= 1.1 * per_group[8], per_group
+
+
+def test_a_generator_that_dies_holding_a_groups_tokens_costs_the_group_which_is_generated_again(tmp_path):
+    # a replica dies at the third time a grader or the buffer takes completions from it: what it held is lost
+    done = run(fake_config(steps=4, prompts=3, max_policy_age=1), tmp_path, Script(die_at={"completions": 3}))
+    assert sum(r["groups_regenerated"] for r in done.rows) >= 1
+    assert done.rows[-1]["generator_restarts"] == 1
+    assert all(r["groups_failed"] == 0 for r in done.rows)
+    assert_each_group_trained_once(done.trainer.trained, range(12), 2)  # none lost, none twice
+
+
 @pytest.mark.parametrize("endpoint, role", [("generate", "generator"), ("score", "grader")])
 def test_a_call_that_hangs_is_timed_out_and_its_replica_replaced(tmp_path, endpoint, role):
     # one grader: its replacement's calls must not queue behind the call still parked on the hung one
