@@ -89,6 +89,12 @@ def _parser() -> argparse.ArgumentParser:
     weight_sync.add_argument("--ranks", default="1,2", help="trainer rank counts to measure, comma separated")
     weight_sync.add_argument("--lora-rank", type=int, default=16, help="the rank of the LoRA adapter measured beside "
                                                                      "the whole model (0: none)")
+    relay = bench.add_parser("relay", help="bytes from the trainer's ring and seconds to load a version: each "
+                             "replica reading it, or one relay on their host (meshrl/tools/bench/relay.py)")
+    relay.add_argument("--json", type=Path, required=True, help="where to write the figures")
+    relay.add_argument("--model", default="smollm2", help=MODEL_HELP)
+    relay.add_argument("--replicas", type=int, default=2, help="stand-in replicas on the host")
+    relay.add_argument("--versions", type=int, default=3, help="versions published and loaded per arm")
     generation = bench.add_parser("generation", help="raw vLLM against one generator replica and against N")
     generation.add_argument("--json", type=Path, required=True, help="where to write the figures")
     generation.add_argument("--model", default="smollm2", help=MODEL_HELP)
@@ -203,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{len(made)} processes killed; the run's restarts are in {args.run_dir / 'metrics.jsonl'}")
         elif args.command == "bench" and args.bench == "weight-sync":
             _bench_weight_sync(args)
+        elif args.command == "bench" and args.bench == "relay":
+            from meshrl.tools.bench import relay
+
+            _write_bench(args.json, relay, relay.run(args.model, args.replicas, args.versions))
         elif args.command == "bench" and args.bench == "generation":
             _bench_generation(args)
         elif args.command == "bench" and args.bench == "trainer":
