@@ -17,7 +17,7 @@ import monarch.actor
 import pytest
 import torch
 from assertions import read_jsonl
-from monarch.actor import Actor, endpoint, this_host
+from monarch.actor import Actor, ActorError, endpoint, this_host
 from netns_hosts import leftovers, namespace_hosts, usable
 
 from meshrl.actors import spawn
@@ -181,6 +181,46 @@ def test_replicas_whose_relay_died_read_the_trainers_rings_themselves(monkeypatc
                 await relay_procs.stop()
             except Exception:
                 pass
+
+    asyncio.run(main())
+
+
+class StallingRelay(WeightRelay):
+    """Its first pull from the trainer's rings never finishes (a trainer host that stopped answering)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.stalled = False
+
+    def trainer_reader(self, rings, layout):
+        reader = super().trainer_reader(rings, layout)
+        read = reader.read_latest
+
+        async def stall_once(newer_than=-1):
+            if not self.stalled:
+                self.stalled = True
+                await asyncio.Event().wait()
+            return await read(newer_than)
+
+        reader.read_latest = stall_once
+        return reader
+
+
+def test_a_relays_pull_that_stalls_fails_within_the_timeout_and_the_next_ask_pulls_again():
+    async def main():
+        rings = trainer_rings()
+        relay_procs, relay = spawn("relay", StallingRelay, 2, 1, True, "rdma", 2.0)
+        replica_procs, replica = spawn("replica", ReaderReplica)
+        try:
+            handle = await relay.attach.call_one([r.handle() for r in rings])
+            handle.relay = relay
+            await replica.attach.call_one([handle])
+            publish(rings, 1)
+            with pytest.raises(ActorError, match=r"did not finish within 2 s \(weight_sync.timeout_s\)"):
+                await asyncio.wait_for(replica.load.call_one(), 60)
+            assert await replica.load.call_one() == (1, expected(1))
+        finally:
+            await asyncio.gather(replica_procs.stop(), relay_procs.stop())
 
     asyncio.run(main())
 

@@ -50,7 +50,7 @@ class Relays:
 
     async def _start(self, host: int) -> None:
         w = self.config.weight_sync
-        procs, relay = spawn("relay", WeightRelay, w.slots, w.chunk_mb, w.checksums, w.transport,
+        procs, relay = spawn("relay", WeightRelay, w.slots, w.chunk_mb, w.checksums, w.transport, w.timeout_s,
                              host=self.hosts.host("generator", host))
         self.procs[host] = procs
         async with deadline(self.timeouts.pull, "relay", "attach"):

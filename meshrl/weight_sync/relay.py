@@ -76,8 +76,12 @@ class WeightRelay(Actor):
     """On a generator host: pulls each version the host's replicas look for once from the trainer's rings
     and republishes it into its own ring there."""
 
-    def __init__(self, slots: int = 2, chunk_mb: int = 16, checksums: bool = False, transport: str = "auto"):
+    def __init__(self, slots: int = 2, chunk_mb: int = 16, checksums: bool = False, transport: str = "auto",
+                 timeout_s: float = 0.0):
+        """`timeout_s` (weight_sync.timeout_s; 0: none): a pull from the trainer's rings that takes longer fails,
+        for the replicas waiting on it, and stops at its next chunk; the next replica to ask pulls again."""
         self.slots, self.chunk_mb, self.checksums, self.transport = slots, chunk_mb, checksums, transport
+        self.timeout_s = timeout_s
         self.reader: ShardedReader | None = None  # of the trainer's rings
         self.ring: WeightRing | None = None  # this host's copy
         self.published = -1  # the newest version in `ring`
@@ -93,13 +97,17 @@ class WeightRelay(Actor):
         async with self.pulling:
             if self.reader is not None:  # the bytes of the old reader stay counted
                 self.reported -= self.reader.bytes_read
-            self.reader = ShardedReader(rings, layout, lambda named: named, self.transport)
+            self.reader = self.trainer_reader(rings, layout)
             if self.ring is None:
                 self.ring = WeightRing(layout, self.slots, self.chunk_mb, self.checksums)
             else:
                 self.ring.layout.check_matches(layout)
         # the run puts this actor in the handle (`relay`) before handing it to the replicas
         return RelayHandle(self.ring.handle(), None, rings, self.reader.transport)
+
+    def trainer_reader(self, rings: list, layout: WeightLayout) -> ShardedReader:
+        """The reader of the trainer's rings: whole tensors under the trainer's names, as the rings hold them."""
+        return ShardedReader(rings, layout, lambda named: named, self.transport)
 
     @concurrent_endpoint
     async def newest(self) -> int:
@@ -109,7 +117,12 @@ class WeightRelay(Actor):
             raise RuntimeError("the relay was not attached to the trainer's rings")
         async with self.pulling:
             before = self.reader.bytes_read
-            latest = await self.reader.read_latest(newer_than=self.published)
+            try:
+                latest = await asyncio.wait_for(self.reader.read_latest(newer_than=self.published),
+                                                self.timeout_s or None)
+            except TimeoutError:
+                raise TimeoutError(f"the relay's pull from the trainer's rings did not finish within "
+                                   f"{self.timeout_s:g} s (weight_sync.timeout_s)") from None
             if latest is not None:
                 version, weights = latest
                 await asyncio.to_thread(self.ring.publish, dict(weights), version)
