@@ -262,3 +262,24 @@ def test_vllm_serves_each_familys_final_policy(main_run, judge_run, qwen2_run):
     """Qwen3, Qwen3-MoE and Qwen2 (the transformers backend's): each run's final/ loaded in a fresh vLLM
     engine, one after the other in one process, greedily generates."""
     assert not (failure := vllm_generates(main_run[0] / "final", judge_run / "final", qwen2_run / "final")), failure
+
+
+def test_two_ranks_of_an_async_run_take_their_micro_batches_from_the_replay_buffer_at_once(tmp_path):
+    """The replay buffer serves every rank at once (its `micro_batch` a concurrent endpoint): in an async run
+    on 2 trainer ranks, each round's two fetches overlap on the ranks' own clocks, and the buffer timed
+    every fetch it served on its own (the `replay_buffer` lane of trace.jsonl). That the buffer itself
+    serves them concurrently, on its clock, is test_replay_buffer.py's."""
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(run_dir),
+                             "--controller.max_policy_age", "1", "--trainer.ranks", "2", "--trainer.micro_batch_size",
+                             "2", "--checkpoint.every", "0"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    spans = [json.loads(line) for line in (run_dir / "trace.jsonl").read_text().splitlines()]
+    taken = [s for s in spans if s["role"] == "trainer" and s["what"] == "from_buffer" and s["clock"] == "actor"]
+    served = [s for s in spans if s["role"] == "replay_buffer" and s["what"].startswith("fetch")
+              and s["clock"] == "actor"]
+    # one update a step (no pi_old pass) and no reference: each micro-batch fetched once, by the rank training it
+    assert len(served) == len(taken) >= 4
+    by_rank = [[s for s in taken if s["replica"] == rank] for rank in (0, 1)]
+    overlapping = [(a, b) for a in by_rank[0] for b in by_rank[1] if a["start"] < b["end"] and b["start"] < a["end"]]
+    assert len(overlapping) >= 2, by_rank  # at least one round of each step

@@ -30,7 +30,7 @@ from pathlib import Path
 from meshrl.actors.timeouts import Timeout, deadline
 
 _NO_LOCK = nullcontext()  # an async context manager too
-ACTOR_TIMED = {"trainer"}  # roles whose actors report their own spans: the controller's go to an "asked" lane
+ACTOR_TIMED = {"trainer", "replay_buffer"}  # roles whose actors report their own spans: the controller's go to an "asked" lane
 
 
 class Tracer:
