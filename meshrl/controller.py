@@ -67,9 +67,9 @@ class Controller:
         """`trainer`, `reference` (or None) and `buffer`: actor meshes following roles.Trainer,
         roles.Reference and roles.ReplayBuffer (the trainer's and reference's ranks attached to it);
         `respawner`: how a dead trainer or reference is replaced (None: its death ends the run); `rows`:
-        where each step's row goes (meshrl/runtime/metric_rows.py); `egress()`: bytes read from the trainer's
-        hosts' weight rings since the last call (the weight relays', meshrl/weight_sync/relay.py; None: the
-        generators report theirs). The whole `config`: the loops run every
+        where each step's row goes (meshrl/runtime/metric_rows.py); `egress()`: bytes the weight relays
+        (meshrl/runtime/relays.py) read from the trainer's hosts since the last call, beside those the
+        generators read themselves (their `weight_updates`). The whole `config`: the loops run every
         role, so they read the controller's, generator's, trainer's, reference's, replay buffer's and
         checkpoint's sections (the collector gets its two, the restarts theirs)."""
         self.config, self.task, self.tokenizer, self.tracer, self.timeouts = config, task, tokenizer, tracer, timeouts
@@ -403,8 +403,7 @@ class Controller:
             self.figures["egress"] += await self.egress()
 
     async def _weight_updates(self) -> None:
-        await gather_reports(self.generators.replicas, self.timeouts.generate, self.tracer, self.figures, self.updates,
-                             self.egress is None)
+        await gather_reports(self.generators.replicas, self.timeouts.generate, self.tracer, self.figures, self.updates)
 
     async def _spans(self, mesh, role: str, timeout) -> None:
         """The spans `role`'s actors timed since the last call (each rank's), into the trace."""

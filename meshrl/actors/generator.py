@@ -407,10 +407,11 @@ class VLLMGenerator(Actor):
         """What happened since the last call: the loads (`pulls`: wall-clock start and end, version, whether
         requests were running, seconds reading the rings), swaps with requests running, prefix-cache resets vLLM refused, the
         seconds the engine had requests to run (`busy_s`), and the finished requests' prompt tokens and
-        those vLLM's prefix cache served (`prompt_tokens`, `cached_prompt_tokens`)."""
+        those vLLM's prefix cache served (`prompt_tokens`, `cached_prompt_tokens`), and the bytes it read from
+        the trainer's rings itself (`trainer_bytes`; 0 when it reads its host's relay)."""
         cache = {"prompt_tokens": self.prompt_tokens, "cached_prompt_tokens": self.cached_prompt_tokens}
         self.prompt_tokens = self.cached_prompt_tokens = 0
-        return {**self.book.report(), **cache}
+        return {**self.book.report(), **cache, "trainer_bytes": self.ring.take_trainer_bytes() if self.ring else 0}
 
     @endpoint
     async def weight_sync_stats(self) -> dict:

@@ -68,7 +68,8 @@ class Generator(Protocol):
         """Since the last call: {"pulls": [{"start", "end" (wall clock), "version", "in_flight",
         "read_s" (of the load, the seconds spent reading the rings)}, ...],
         "weight_swaps_in_flight", "prefix_cache_resets_refused"}; optionally the finished requests'
-        "prompt_tokens" and "cached_prompt_tokens" (those its prefix cache served)."""
+        "prompt_tokens" and "cached_prompt_tokens" (those its prefix cache served), and "trainer_bytes" (read
+        from the trainer's rings, the step's `weight_bytes_egress`)."""
 
     async def weight_sync_stats(self) -> dict:
         """{"transport", "torn_reads", "corrupt_reads"}."""

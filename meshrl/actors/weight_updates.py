@@ -76,12 +76,12 @@ def cache_figures(f: dict) -> dict:
             **({"prefix_cache_hit_rate": sum(f["rates"]) / len(f["rates"])} if f["rates"] else {})}
 
 
-async def gather_reports(replicas: list, timeout, tracer, figures: dict, counts: dict, egress: bool) -> None:
+async def gather_reports(replicas: list, timeout, tracer, figures: dict, counts: dict) -> None:
     """What the healthy generator `replicas` did since the last call: their loads become `pull` spans of the
     trace; into `figures` (from `no_figures`): the longest load's seconds, the seconds their engines had
     requests to run, all together, their prompt tokens and those their prefix caches served, each replica's
-    share served from its cache (for `cache_figures`), and with `egress` the bytes they read from the
-    trainer's rings; their swap and cache counts added to `counts`. Each ask bounded by `timeout`; a replica
+    share served from its cache (for `cache_figures`), and the bytes they read from the trainer's rings
+    themselves (`egress`; a relay's are its own); their swap and cache counts added to `counts`. Each ask bounded by `timeout`; a replica
     failing now is its pool's to find."""
     async def ask(replica):  # bookkeeping: bounded, not traced
         async with deadline(timeout, "generator", "weight_updates"):
@@ -95,8 +95,7 @@ async def gather_reports(replicas: list, timeout, tracer, figures: dict, counts:
             f["prompts"] += updates["prompt_tokens"]
             f["cached"] += updates["cached_prompt_tokens"]
             f["rates"].append(updates["cached_prompt_tokens"] / updates["prompt_tokens"])
-        if egress:
-            f["egress"] += updates.get("trainer_bytes", 0)
+        f["egress"] += updates.get("trainer_bytes", 0)  # optional in the contract
         for pull in updates["pulls"]:
             tracer.add("generator", "pull", pull["start"], pull["end"], replica.index, pull["version"])
             f["pull"] = max(f["pull"], pull["end"] - pull["start"])

@@ -117,7 +117,8 @@ class Run:
                     self.actors.buffer, self.tracer, self.signals,
                     checkpoint.Checkpointer(self.run_dir, self.config.checkpoint.keep, self.actors.trainer, self.tracer,
                                             self.timeouts, self.actors.buffer), rows, self.timeouts,
-                    Respawner(self._respawn, self._attach_generators))
+                    Respawner(self._respawn, self._attach_generators),
+                    self.relays.egress if self.relays and self.relays.on else None)
                 if resumed:
                     await c.restore(resumed, self.resume_from)
                     tqdm.write(f"resumed from {self.resume_from} (step {resumed.step}, "
