@@ -152,7 +152,7 @@ class Run:
         try:
             await self._start()
             collector = RolloutCollector(self.config.controller, self.config.generator, self.task, self.tokenizer,
-                                         *self.pools, self.tracer, None, self.timeouts)
+                                         *self.pools, self.tracer, None, lambda: self.actors.buffer, self.timeouts)
             return await collector.evaluate(None, split)
         finally:
             await self._stop_actors()
