@@ -1,0 +1,40 @@
+"""A fake generator that only holds Completions: the `completions` and `forget` endpoints of a real
+generator (meshrl/actors/generator.py), over Completions it was given instead of ones it generated, so
+that a real grader or replay buffer actor can take a group's tokens from it without starting vLLM.
+Imported by the actor processes (conftest puts tests/ on their PYTHONPATH)."""
+
+import os
+
+from monarch.actor import Actor, concurrent_endpoint
+
+from meshrl.types import Completion
+
+
+class FakeHolder(Actor):
+    """Holds `completions` under keys 0, 1, ... (their index), as a generator holds what it made."""
+
+    def __init__(self, completions: list[Completion]):
+        self.held = dict(enumerate(completions))
+
+    @concurrent_endpoint
+    async def completions(self, keys: list[int], forget: bool = False) -> list[Completion]:
+        taken = [self.held[k] for k in keys]
+        if forget:
+            for k in keys:
+                del self.held[k]
+        return taken
+
+    @concurrent_endpoint
+    async def forget(self, keys: list[int]) -> None:
+        for k in keys:
+            self.held.pop(k, None)
+
+    @concurrent_endpoint
+    async def keys(self) -> list[int]:
+        """The keys it still holds (what a test checks was taken)."""
+        return sorted(self.held)
+
+    @concurrent_endpoint
+    async def pid(self) -> int:
+        """Its process (for a test to kill)."""
+        return os.getpid()
