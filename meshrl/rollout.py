@@ -107,9 +107,11 @@ class RolloutCollector:
         self.changed.set()
 
     async def stop(self) -> None:
-        """Stop every group in flight; their prompts start first again (work buffer)."""
+        """Stop every group in flight; their prompts start first again (work buffer). The completions their
+        generators still hold are let go."""
         self.cancel()
         await asyncio.gather(*self.groups.values(), return_exceptions=True)
+        await asyncio.gather(*LETTING_GO, return_exceptions=True)
 
     def cancel(self) -> None:
         """Ask every group in flight to stop (each puts its prompt back, first, as it stops)."""

@@ -226,6 +226,19 @@ def test_the_controllers_bytes_in_per_group_stay_the_same_however_long_the_compl
     assert 0 < per_group[512] <= 1.1 * per_group[8], per_group
 
 
+@pytest.mark.parametrize("age", [0, 1])
+def test_no_completion_is_left_held_by_a_generator_or_staged_in_the_buffer_at_the_end_of_a_run(tmp_path, age):
+    """Every completion a generator keeps is taken by the replay buffer or let go: those of groups dropped
+    (equal rewards, dynamic sampling), failed (rejected by vLLM), evaluated, and stopped at the end."""
+    config = fake_config(steps=4, prompts=3, max_policy_age=age)
+    config.controller.drop_equal_reward_groups = True
+    done = run(config, tmp_path, Script(equal={1, 4}, reject={2}))
+    assert sum(r["groups_dropped"] for r in done.rows) >= 2 and sum(r["groups_failed"] for r in done.rows) == 1
+    generators = [a for r in done.controller.generators.replicas for a in r.actor.actors]
+    assert [g.held for g in generators] == [{}] * len(generators)
+    assert done.controller.buffer.actors[0].staged == {}
+
+
 def test_a_generator_that_dies_holding_a_groups_tokens_costs_the_group_which_is_generated_again(tmp_path):
     # a replica dies at the third time a grader or the buffer takes completions from it: what it held is lost
     done = run(fake_config(steps=4, prompts=3, max_policy_age=1), tmp_path, Script(die_at={"completions": 3}))
