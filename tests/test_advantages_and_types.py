@@ -4,16 +4,29 @@ import torch
 
 from meshrl.episodes import build_episodes
 from meshrl.tasks import Sample
-from meshrl.types import Completion, ScoredCompletion, TrainBatch
+from meshrl.types import Completion, Generated, ScoredCompletion, TrainBatch
 
 
-def scored(reward, prompt=(1, 2), tokens=(3, 4), logprobs=(-0.5, -0.25), version=3):
-    c = Completion(0, list(prompt), list(tokens), list(logprobs), "text", version, "stop")
-    return ScoredCompletion(c, reward, {"correct": reward})
+def completion(prompt=(1, 2), tokens=(3, 4), logprobs=(-0.5, -0.25), version=3) -> Completion:
+    """A Completion as its generator keeps it."""
+    return Completion(0, list(prompt), list(tokens), list(logprobs), "text", version, "stop")
+
+
+def scored(reward, **whole):
+    """A scored completion as the controller has it: the generator's Generated (no tokens)."""
+    return ScoredCompletion(Generated.of(0, completion(**whole)), reward, {"correct": reward})
+
+
+def two_scored() -> tuple[list[ScoredCompletion], list[list[Completion]]]:
+    """A group of two scored completions, and their sequences as the replay buffer holds them."""
+    whole = [completion(), completion(tokens=(5,), logprobs=(-2.0,))]
+    group = [ScoredCompletion(Generated.of(k, c), r, {"correct": r}) for k, (c, r) in enumerate(zip(whole, (1.0, 0.0)))]
+    return group, [[c] for c in whole]
 
 
 def test_build_episodes_masks_prompt_and_aligns_logprobs():
-    episodes = build_episodes([scored(1.0), scored(0.0, tokens=(5,), logprobs=(-2.0,))], group_id=7, eps=0.0)
+    group, sequences = two_scored()
+    episodes = build_episodes(group, group_id=7, eps=0.0, sequences=sequences)
     first, second = episodes
     assert first.tokens == [1, 2, 3, 4]
     assert first.loss_mask == [False, False, True, True]
@@ -36,7 +49,8 @@ def test_a_batch_trains_its_groups_in_prompt_order_whatever_order_they_finished_
         def train_sample(self, index):
             return Sample(f"prompt {index}", "")
 
-    groups = {p: [scored(float(i), tokens=(p, i)) for i in range(2)] for p in (4, 5, 9)}
+    # each group's episodes carry its prompt index as their version: the batch's versions show its order
+    groups = {p: [scored(float(i), tokens=(p, i), version=p) for i in range(2)] for p in (4, 5, 9)}
     build = batch_builder(ControllerConfig(), lambda: 0.0)
 
     def filled(order):
@@ -47,13 +61,13 @@ def test_a_batch_trains_its_groups_in_prompt_order_whatever_order_they_finished_
         return build(f)
 
     first, second = filled([9, 5, 4]), filled([4, 9, 5])
-    assert first.groups == [4, 5, 9] and [r["group"] for r in first.records] == [4, 4, 5, 5, 9, 9]
-    assert (first.groups, first.versions, first.records, first.stats) == (
-        second.groups, second.versions, second.records, second.stats)
+    assert first.groups == [4, 5, 9] and first.versions == [4, 4, 5, 5, 9, 9]
+    assert (first.groups, first.versions, first.stats) == (second.groups, second.versions, second.stats)
 
 
 def test_collate_shifts_targets_and_pads():
-    episodes = build_episodes([scored(1.0), scored(0.0, tokens=(5,), logprobs=(-2.0,))], group_id=0, eps=0.0)
+    group, sequences = two_scored()
+    episodes = build_episodes(group, group_id=0, eps=0.0, sequences=sequences)
     batch = TrainBatch.collate(episodes, loss_tokens=3, loss_sequences=2, pad_id=9)
     assert batch.input_ids.tolist() == [[1, 2, 3], [1, 2, 9]]
     assert batch.target_ids.tolist() == [[2, 3, 4], [2, 5, 9]]
