@@ -1,17 +1,22 @@
 """Shared by the tests that run real actors."""
 
-import dataclasses
 import subprocess
 import sys
 import textwrap
 
-from meshrl.episodes import build_episodes
-from meshrl.types import Completion, Episode, ScoredCompletion, TrainBatch
+from meshrl.episodes import episode as flat_episode
+from meshrl.types import Completion, Episode, TrainBatch
 
 
 def episode(completion: Completion, advantage: float, temperature: float = 1.0) -> Episode:
-    return dataclasses.replace(build_episodes([ScoredCompletion(completion, 0.0)], group_id=0,
-                                              temperature=temperature)[0], advantage=advantage)
+    return flat_episode([completion], advantage, group_id=0, temperature=temperature)
+
+
+async def generate_whole(generator, prompts, **kwargs) -> list[Completion]:
+    """A real generator's whole Completions: `generate` answers each one's key (a Generated), `completions`
+    takes them (and the generator forgets them, as when the replay buffer takes a group's)."""
+    made = await generator.generate.call_one(prompts, **kwargs)
+    return await generator.completions.call_one([g.key for g in made], forget=True)
 
 
 async def mismatch(trainer, completion: Completion, temperature: float = 1.0) -> float:

@@ -3,7 +3,8 @@
 import asyncio
 
 import pytest
-from actor_helpers import episode, mismatch
+from actor_helpers import episode, generate_whole, mismatch
+from fake_holder import FakeHolder
 from probe_actors import SlowPublishTrainer, WorkerHandoffGenerator
 
 from meshrl.actors import spawn
@@ -45,11 +46,11 @@ def test_trainer_weights_reach_vllm_and_change_its_output(source, generator_clas
             assert await generator.pull_weights.call_one() == 0  # nothing published yet
             prompt = Prompt(5, ChatTokenizer(tiny_checkpoint).encode_chat("What is 1 + 2?"))
             greedy = Sampling(n=1, temperature=0.0, max_tokens=8)
-            before = (await generator.generate.call_one([prompt], sampling=greedy))[0]
+            before = (await generate_whole(generator, [prompt], sampling=greedy))[0]
             assert before.policy_version == 0 and before.prompt_index == 5 and len(before.token_ids) == 8
             # vLLM and the trainer start from the same weights: their logprobs agree
             gaps.append(await mismatch(trainer, before))
-            sampled = await generator.generate.call_one([prompt], sampling=Sampling(n=4, temperature=0.8,
+            sampled = await generate_whole(generator, [prompt], sampling=Sampling(n=4, temperature=0.8,
                                                                                      max_tokens=16))
             gaps.extend([await mismatch(trainer, c, 0.8) for c in sampled])  # the distribution sampled from
             assert max(gaps) < PARITY[source], gaps
@@ -64,7 +65,7 @@ def test_trainer_weights_reach_vllm_and_change_its_output(source, generator_clas
 
             assert await generator.pull_weights.call_one() == 1
             assert await generator.pull_weights.call_one() == 1  # nothing newer: no reload
-            after = (await generator.generate.call_one([prompt], sampling=greedy))[0]
+            after = (await generate_whole(generator, [prompt], sampling=greedy))[0]
             assert after.policy_version == 1
             assert after.token_ids != before.token_ids
             # vLLM now serves exactly the trainer's new weights (tied embedding and head included)
@@ -79,30 +80,36 @@ def test_trainer_weights_reach_vllm_and_change_its_output(source, generator_clas
 
 
 def test_grader_scores_a_group_skips_malformed_completions_and_zeroes_truncated_ones_when_asked():
+    """The grader takes the group's completions from the generator holding them (a fake one holding given
+    Completions) by their keys, and answers a (reward, checks) for each, None where the reward raised."""
+    def c(text, finish_reason="stop"):
+        return Completion(0, [1], [2], [-0.1], text, 0, finish_reason)
+
+    held = [c("Answer: 7"), c(None), c("8"), c("Answer: 3"), c("Answer: 7 and so on", "length")]
+
     async def run():
         procs, grader = spawn("grader", Grader, "sum_digits", SumDigitsConfig(format_weight=0.1),
                               GraderConfig(zero_truncated=True))
+        holder_procs, holder = spawn("holder", FakeHolder, held)
         try:
-            def c(text, finish_reason="stop"):
-                return Completion(0, [1], [2], [-0.1], text, 0, finish_reason)
-
-            scored = await grader.score.call_one([c("Answer: 7"), c(None), c("8"), c("Answer: 3"),
-                                                  c("Answer: 7 and so on", "length")],
-                                                 Sample("What is 3 + 4?", "7"))
-            assert [s.completion.text for s in scored] == ["Answer: 7", "8", "Answer: 3", "Answer: 7 and so on"]
-            # the reply cut off at its token limit earns nothing (zero_truncated), though it is right
-            assert [s.reward for s in scored] == pytest.approx([1.1, 0.0, 0.1, 0.0])
-            # the task's checks that need the question ride along: "Answer: 3" copied a number of the question
-            # and the grader's own: `truncated`
-            assert scored[0].reward_components == {"correct": 1.0, "format": 1.0, "last_number": 1.0, "copied": 0.0,
-                                                   "truncated": 0.0}
-            assert scored[2].reward_components == {"correct": 0.0, "format": 1.0, "last_number": 0.0, "copied": 1.0,
-                                                   "truncated": 0.0}
-            assert scored[3].reward_components == scored[0].reward_components | {"truncated": 1.0}
+            scores = await grader.score.call_one(Sample("What is 3 + 4?", "7"), holder, [0, 1, 2, 3, 4])
+            return scores, await holder.keys.call_one()
         finally:
             await procs.stop()
+            await holder_procs.stop()
 
-    asyncio.run(run())
+    scores, still_held = asyncio.run(run())
+    assert still_held == [0, 1, 2, 3, 4]  # scoring takes nothing away: the replay buffer takes them later
+    assert [s is None for s in scores] == [False, True, False, False, False]  # no text: its reward raised
+    scored = [s for s in scores if s is not None]
+    # the reply cut off at its token limit earns nothing (zero_truncated), though it is right
+    assert [reward for reward, _ in scored] == pytest.approx([1.1, 0.0, 0.1, 0.0])
+    # the task's checks that need the question ride along: "Answer: 3" copied a number of the question
+    # and the grader's own: `truncated`
+    checks = [checks for _, checks in scored]
+    assert checks[0] == {"correct": 1.0, "format": 1.0, "last_number": 1.0, "copied": 0.0, "truncated": 0.0}
+    assert checks[2] == {"correct": 0.0, "format": 1.0, "last_number": 0.0, "copied": 1.0, "truncated": 0.0}
+    assert checks[3] == checks[0] | {"truncated": 1.0}
 
 
 def test_the_trainer_scores_sampled_tokens_as_vllm_sampled_them_at_any_temperature():
@@ -121,7 +128,7 @@ def test_the_trainer_scores_sampled_tokens_as_vllm_sampled_them_at_any_temperatu
             prompt = Prompt(0, ChatTokenizer(smollm2).encode_chat("Write one sentence about the sea."))
             gap = {}
             for temperature in (1.0, 0.7):
-                sampled = await generator.generate.call_one([prompt], sampling=Sampling(n=4, temperature=temperature,
+                sampled = await generate_whole(generator, [prompt], sampling=Sampling(n=4, temperature=temperature,
                                                                                          max_tokens=24))
                 gap[temperature] = [await mismatch(trainer, c, temperature) for c in sampled]
                 if temperature != 1.0:
