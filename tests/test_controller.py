@@ -235,7 +235,7 @@ def test_no_completion_is_left_held_by_a_generator_or_staged_in_the_buffer_at_th
     done = run(config, tmp_path, Script(equal={1, 4}, reject={2}))
     assert sum(r["groups_dropped"] for r in done.rows) >= 2 and sum(r["groups_failed"] for r in done.rows) == 1
     generators = [a for r in done.controller.generators.replicas for a in r.actor.actors]
-    assert [g.held for g in generators] == [{}] * len(generators)
+    assert [g.held.by_key for g in generators] == [{}] * len(generators)
     assert done.controller.buffer.actors[0].staged == {}
 
 

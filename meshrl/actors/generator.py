@@ -37,7 +37,6 @@ meanwhile.
 import asyncio
 import itertools
 import logging
-import random
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.actors.adapters import MergedAdapter, ServedAdapter, lora_options, serves_adapters
 from meshrl.actors.engine import start_vllm
+from meshrl.actors.held import HeldCompletions
 from meshrl.actors.roles import ReplicaBroken, TokensLost
 from meshrl.actors.weight_updates import WeightUpdates
 from meshrl.configs import GeneratorConfig, WeightSyncConfig
@@ -131,9 +131,7 @@ class VLLMGenerator(Actor):
         self.policy_version = 0
         self.engine = self.llm.llm_engine
         self.request_ids = itertools.count()
-        # the Completions made and not yet taken, by a key no other replica of the run uses
-        self.held: dict[int, Completion] = {}
-        self.keys = itertools.count(random.SystemRandom().getrandbits(40) << 23)
+        self.held = HeldCompletions()  # the Completions made and not yet taken
         self.running: dict[str, Request] = {}
         self.driver: asyncio.Task | None = None
         self.poller: asyncio.Task | None = None
@@ -184,20 +182,14 @@ class VLLMGenerator(Actor):
         if self.driver is None or self.driver.done():
             self.driver = asyncio.create_task(self._drive())
         await asyncio.gather(*(r.done for r in requests))
-        answers = []
-        for r in requests:
-            for sample in r.samples:
-                key = next(self.keys)
-                self.held[key] = completion = self._completion(r.prompt, sample)
-                answers.append(Generated.of(key, completion, text))
-        return answers
+        return [self.held.keep(self._completion(r.prompt, sample), text) for r in requests for sample in r.samples]
 
     async def _whole(self, prompt: Prompt) -> Prompt:
         """`prompt` with its prefix's tokens in front (the held turn it names, here or on its holder)."""
         if prompt.prefix is None:
             return prompt
         if prompt.prefix_holder is None:
-            before = self.held[prompt.prefix]
+            [before] = self.held.take([prompt.prefix])
         else:
             try:
                 [before] = await prompt.prefix_holder.completions.call_one([prompt.prefix])
@@ -208,17 +200,12 @@ class VLLMGenerator(Actor):
     @concurrent_endpoint
     async def completions(self, keys: list[int], forget: bool = False) -> list[Completion]:
         """The held Completions `keys` name, let go here with `forget` (the replay buffer took them)."""
-        taken = [self.held[k] for k in keys]
-        if forget:
-            for k in keys:
-                del self.held[k]
-        return taken
+        return self.held.take(keys, forget)
 
     @concurrent_endpoint
     async def forget(self, keys: list[int]) -> None:
         """Let the held Completions `keys` go (a group dropped, failed or evaluated)."""
-        for k in keys:
-            self.held.pop(k, None)
+        self.held.forget(keys)
 
     def _completion(self, prompt: Prompt, sample: Sample) -> Completion:
         first = sample.versions[0][1] if sample.versions else self.policy_version

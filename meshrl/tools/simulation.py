@@ -10,7 +10,6 @@ replica's process dying), or ask for a stop there, as a signal would. `Costs` gi
 training simulated durations (meshrl/tools/bench/controller.py); zero by default."""
 
 import asyncio
-import itertools
 import json
 import os
 import time
@@ -24,6 +23,7 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from meshrl import checkpoint
 from meshrl.actors import load_actor_class
 from meshrl.actors.distributed import from_buffer, to_buffer
+from meshrl.actors.held import HeldCompletions
 from meshrl.actors.replay_buffer import buffer_impl
 from meshrl.actors.replicas import Replica, ReplicaPool, sticky_slack
 from meshrl.actors.roles import ReplicaBroken, TokensLost
@@ -38,7 +38,7 @@ from meshrl.runtime.loggers import MetricLoggers
 from meshrl.runtime.metric_rows import MetricRows
 from meshrl.tasks import Sample
 from meshrl.tools.fake_monarch import FakeMesh, FakeProcs, concurrent
-from meshrl.types import Completion, Generated
+from meshrl.types import Completion
 
 PROMPT_ID = 100  # FakeTokenizer: a prompt's first token is PROMPT_ID + its index, so the trainer can tell
 
@@ -117,23 +117,18 @@ class FakeGenerator:
         self.loading, self.book = asyncio.Lock(), WeightUpdates()
         self.swaps: list[tuple[float, int]] = []  # (time, version) of every load
         self.poller: asyncio.Task | None = None
-        self.held: dict[int, Completion] = {}  # as the real generator's: until taken or forgotten
-        self.keys = itertools.count(id(self) << 20)
+        self.held = HeldCompletions()  # as the real generator's: until taken or forgotten
 
     @concurrent
     async def completions(self, keys: list[int], forget: bool = False) -> list[Completion]:
-        taken = [self.held[k] for k in keys]
-        for k in keys if forget else ():
-            del self.held[k]
-        return taken
+        return self.held.take(keys, forget)
 
     @concurrent
     async def forget(self, keys: list[int]) -> None:
-        for k in keys:
-            self.held.pop(k, None)
+        self.held.forget(keys)
 
     @concurrent
-    async def generate(self, prompts, *, sampling=None, min_version: int = 0, text: bool = False) -> list[Generated]:
+    async def generate(self, prompts, *, sampling=None, min_version: int = 0, text: bool = False) -> list:
         if self.version < min_version:
             await self._load()
         if self.version < min_version:  # as the real generator: it cannot serve what it was asked for
@@ -162,12 +157,10 @@ class FakeGenerator:
             self.script.late.pop(index, None)
             if index in self.script.reject:
                 raise ValueError(f"prompt {index} is longer than the model's context (fake)")
-            for j in range(sampling.n):
-                key = next(self.keys)
-                self.held[key] = c = Completion(p.index, p.token_ids, list(range(7, 7 + length)), [-0.5] * length,
-                                                "1" if index in self.script.equal else str(j % 2), first, "stop",
-                                                versions, -0.5 * length)
-                out.append(Generated.of(key, c, text))
+            out += [self.held.keep(Completion(p.index, p.token_ids, list(range(7, 7 + length)), [-0.5] * length,
+                                              "1" if index in self.script.equal else str(j % 2), first, "stop",
+                                              versions, -0.5 * length), text)
+                    for j in range(sampling.n)]
         return out
 
     def _versions(self, start: float, end: float, first: int, length: int) -> list[list[int]]:

@@ -1,0 +1,37 @@
+"""The completions a generator made and keeps (issue 54's data plane): each under a key unique to the run,
+answered to the controller as a `Generated`, until the replay buffer takes it or the controller lets it
+go. One owner of that bookkeeping for every generator: vLLM's, the simulation's and the benches'."""
+
+import itertools
+import random
+
+from meshrl.types import Completion, Generated
+
+
+class HeldCompletions:
+    def __init__(self):
+        self.by_key: dict[int, Completion] = {}
+        # keys no other replica of the run draws: a random 40-bit start, counted up
+        self.keys = itertools.count(random.SystemRandom().getrandbits(40) << 23)
+
+    def keep(self, completion: Completion, text: bool = False) -> Generated:
+        """Keep `completion`; what the controller is answered (with its text if `text`)."""
+        key = next(self.keys)
+        self.by_key[key] = completion
+        return Generated.of(key, completion, text)
+
+    def take(self, keys: list[int], forget: bool = False) -> list[Completion]:
+        """The completions `keys` name (KeyError for one not held), let go with `forget`."""
+        taken = [self.by_key[k] for k in keys]
+        if forget:
+            for k in keys:
+                del self.by_key[k]
+        return taken
+
+    def forget(self, keys: list[int]) -> None:
+        """Let `keys` go; those not held are ignored."""
+        for k in keys:
+            self.by_key.pop(k, None)
+
+    def __len__(self) -> int:
+        return len(self.by_key)
