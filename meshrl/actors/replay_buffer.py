@@ -133,6 +133,9 @@ class FifoBuffer(Actor):
     async def add(self, batch: int, groups: list[GroupEpisodes]) -> None:
         """Kept groups' episodes, generated for batch `batch`: flattened here from their staged sequences."""
         for group in groups:
+            if group.group_id not in self.staged:
+                raise RuntimeError(f"group {group.group_id} was added to batch {batch} but its completions were never "
+                                   "staged here")
             sequences = self.staged.pop(group.group_id)
             episodes = flatten(group, sequences)
             records = [{**r, "completion": sequences[i][-1].text} if "completion" not in r else r
