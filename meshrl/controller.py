@@ -175,7 +175,7 @@ class Controller:
         tokens), with the groups kept while the last add is on its way; a summary stays here."""
         episodes, kept = keep_group(group.scored, group.prompt_index, self.config.controller, self.task,
                                     self.config.generator.temperature)
-        last = self.outbox[-1] if self.outbox else None
+        last = self.outbox[-1] if self.outbox else None  # not yet on its way: the sender takes each out first
         if last and last[0] == "add" and last[1] == batch:
             last[2].append(episodes)
         else:
@@ -196,10 +196,11 @@ class Controller:
 
     async def _send_all(self) -> None:
         while self.outbox:
-            endpoint, key, groups = self.outbox[0]
+            # out of the outbox before it is sent: a group kept meanwhile goes in the next call, never into one
+            # already on its way (lost with it if the buffer died: its restart generates them again)
+            endpoint, key, groups = self.outbox.pop(0)
             async with deadline(self.timeouts.buffer, "replay_buffer", endpoint):
                 await getattr(self.buffer, endpoint).call_one(*([key, groups] if groups is not None else [key]))
-            self.outbox.pop(0)
 
     async def _added(self) -> None:
         """Wait until every kept group sent so far is in the replay buffer (raising its error)."""
