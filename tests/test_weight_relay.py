@@ -319,6 +319,10 @@ def test_three_hosts_send_each_version_once_per_generator_host(tmp_path):
     assert per_version == {str(v): 2 * model_bytes for v in (1, 2, 3)}
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["policy_version"] == 3
+    # the step rows' weight_bytes_egress: whole pulls by the relays (the replicas read none from the trainer), at
+    # most one a version and host; the last version's pulls may come after the last row (the final eval's)
+    egress = [r["weight_bytes_egress"] for r in rows]
+    assert all(e % model_bytes == 0 for e in egress) and 0 < sum(egress) <= 2 * 3 * model_bytes, egress
     # every pull loaded a whole version (checksums on: each verified before vLLM loaded it), every version was pulled
     pulls = [s for s in read_jsonl(run_dir / "trace.jsonl") if s["what"] == "pull"]
     assert {s["policy_version"] for s in pulls} == {1, 2, 3}
