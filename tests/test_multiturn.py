@@ -1,9 +1,11 @@
 """Multi-turn rollouts: the chat-template tokens between turns, episodes (one per trajectory, or one per
 turn with step-wise advantages, checked by hand on fake completions), the Zorplex environment's rules,
 a conversation of real SmolLM2 in vLLM with the environment in a real grader actor (its loss mask
-decoded), and smoke runs through `meshrl train`."""
+decoded), a later turn sent as its new tokens only to a replica that did not generate the turn before, and
+smoke runs through `meshrl train`."""
 
 import asyncio
+import dataclasses
 import json
 import subprocess
 import sys
@@ -20,7 +22,7 @@ from meshrl.models.model import ChatTokenizer, resolve_checkpoint
 from meshrl.rollout import converse
 from meshrl.runtime.launch import actor_classes
 from meshrl.tasks.zorplex import Zorplex, ZorplexConfig
-from meshrl.types import Completion, Sampling, ScoredCompletion, Trajectory
+from meshrl.types import Completion, Generated, Prompt, Sampling, ScoredCompletion, Trajectory
 
 
 @pytest.fixture(scope="module")
@@ -53,37 +55,51 @@ def test_episodes_of_trajectories_and_step_wise_advantages_by_hand():
     a1 = fake_turn([1, 2], [3], version=2)
     a2 = fake_turn([1, 2, 3, 4], [5, 6], version=3)
     b1 = fake_turn([1, 2], [7, 8], version=3)
-    group = [ScoredCompletion(Trajectory([a1, a2], ""), 1.0), ScoredCompletion(Trajectory([b1], ""), 0.0)]
+    held = [[a1, a2], [b1]]  # as the replay buffer takes them from the generators
+    # as the controller has them: each turn's Generated
+    group = [ScoredCompletion(Trajectory([Generated.of(0, a1), Generated.of(1, a2)], ""), 1.0),
+             ScoredCompletion(Trajectory([Generated.of(2, b1)], ""), 0.0)]
 
-    whole = build_episodes(group, group_id=9, advantage="rloo")  # rloo: 1 - 0 = 1 and 0 - 1 = -1
+    whole = build_episodes(group, group_id=9, advantage="rloo", sequences=held)  # rloo: 1 - 0 = 1 and 0 - 1 = -1
     assert [e.tokens for e in whole] == [[1, 2, 3, 4, 5, 6], [1, 2, 7, 8]]
     assert whole[0].loss_mask == [False, False, True, False, True, True]
     assert whole[0].behaviour_logprobs == [0.0, 0.0, -3.0, 0.0, -5.0, -6.0]
     assert [e.advantage for e in whole] == [1.0, -1.0]
     assert [e.policy_version for e in whole] == [2, 3]  # a trajectory is as old as its oldest turn
 
-    steps = build_episodes(group, group_id=9, advantage="step_wise_rloo")
+    steps = build_episodes(group, group_id=9, advantage="step_wise_rloo", sequences=held)
     assert [e.tokens for e in steps] == [[1, 2, 3], [1, 2, 3, 4, 5, 6], [1, 2, 7, 8]]
     assert [e.loss_mask for e in steps] == [[False, False, True], [False, False, False, False, True, True],
                                             [False, False, True, True]]
     assert [e.advantage for e in steps] == [1.0, 1.0, -1.0]  # the trajectory's advantage on each of its turns
     assert [e.policy_version for e in steps] == [2, 2, 3]
-    divided = build_episodes(group, group_id=9, advantage="step_wise_rloo", divide_by_turns=True)
+    divided = build_episodes(group, group_id=9, advantage="step_wise_rloo", divide_by_turns=True, sequences=held)
     assert [e.advantage for e in divided] == [0.5, 0.5, -1.0]
-    grpo = build_episodes(group, group_id=9, advantage="step_wise_grpo")  # mean 0.5, std 0.5: +-1
+    grpo = build_episodes(group, group_id=9, advantage="step_wise_grpo", sequences=held)  # mean 0.5, std 0.5: +-1
     assert [round(e.advantage, 4) for e in grpo] == [1.0, 1.0, -1.0]
 
 
 def test_conversations_end_at_max_turns_when_out_of_context_or_when_the_environment_fails(tiny_checkpoint):
-    """`converse` with a fake generator (each turn "hi" plus the end of turn) and a fake environment
-    that always answers unless told it is the last turn, and fails on conversation 2's second turn."""
+    """`converse` with a fake generator (each turn "hi" plus the end of turn, whose text is "hi", as vLLM
+    gives it without the special token) and a fake environment that always answers unless told it is the
+    last turn, and fails on conversation 2's second turn. Each later turn names the turn before it."""
     tokenizer = ChatTokenizer(tiny_checkpoint)
     hi = tokenizer.tokenizer.encode("hi", add_special_tokens=False).ids + [tokenizer.tokenizer.token_to_id("<|im_end|>")]
-    calls = []
+    calls, held = [], {}
+    opening = [{"role": "user", "content": "go"}]
 
     async def generate(prompts, sampling):
         calls.append((len(prompts), sampling.n))
-        return [fake_turn(p.token_ids, hi, version=len(calls)) for p in prompts for _ in range(sampling.n)]
+        out = []
+        for p in prompts:
+            # the opening is sent whole; a later turn's prompt is its new tokens only, after the turn it names
+            assert (p.prefix is None) == (p.token_ids == tokenizer.encode_messages(opening))
+            before = held[p.prefix].prompt_tokens + held[p.prefix].num_tokens if p.prefix is not None else 0
+            for _ in range(sampling.n):
+                held[len(held)] = turn = Generated(len(held), 0, before + len(p.token_ids), len(hi), len(calls), "stop",
+                                                   tail=hi, text="hi")
+                out.append(turn)
+        return out
 
     async def step(conversations, last):
         replies = []
@@ -93,13 +109,12 @@ def test_conversations_end_at_max_turns_when_out_of_context_or_when_the_environm
             replies.append(EnvReply(failed=fails) if fails or last else EnvReply([{"role": "tool", "content": "x"}]))
         return replies
 
-    opening = [{"role": "user", "content": "go"}]
     scored, failed = asyncio.run(converse(0, opening, Sampling(n=3, max_tokens=4), 3, 512, tokenizer, generate, step))
     assert failed == 1 and [len(s.completion.turns) for s in scored] == [3, 3]
     assert calls == [(1, 3), (3, 1), (2, 1)]  # the group's first turn, then one call per turn for those going on
     assert [s.completion.policy_version for s in scored] == [1, 1]  # as old as their first turn
-    assert scored[0].completion.text == "hi<|im_end|>\n<|im_start|>tool\nx<|im_end|>\n<|im_start|>assistant\n" * 2 + \
-        "hi<|im_end|>"
+    # each turn's text and the template's tokens between (the model's own end of turn not in its text)
+    assert scored[0].completion.text == "hi\n<|im_start|>tool\nx<|im_end|>\n<|im_start|>assistant\n" * 2 + "hi"
     between = tokenizer.continuation([*opening, {"role": "assistant", "content": ""}], hi,
                                      [{"role": "tool", "content": "x"}])
     second_prompt = len(tokenizer.encode_messages(opening)) + len(hi) + len(between)
@@ -152,13 +167,17 @@ def test_smollm2_looks_up_in_the_environment_and_only_its_own_tokens_are_trained
         grader_procs, grader = spawn("grader", Grader, "zorplex", ZorplexConfig())
         try:
             async def generate(prompts, sampling):
-                return await generator.generate.call_one(prompts, sampling=sampling)
+                return await generator.generate.call_one(prompts, sampling=sampling, text=True)
 
             results = []
             for i, sample in enumerate(samples):
                 step = (lambda s: lambda conversations, last: grader.step.call_one(s, conversations, last))(sample)
-                results.append(await converse(i, env.opening(sample), Sampling(n=1, temperature=0.0, max_tokens=24,
-                                              stop=env.stop), 3, 512, tokenizer, generate, step))
+                scored, failed = await converse(i, env.opening(sample), Sampling(n=1, temperature=0.0, max_tokens=24,
+                                                stop=env.stop), 3, 512, tokenizer, generate, step)
+                # each trajectory's turns, whole, as the replay buffer takes them from the generator
+                held = [await generator.completions.call_one([t.key for t in s.completion.turns], forget=True)
+                        for s in scored]
+                results.append((scored, failed, held))
             return results
         finally:
             await gen_procs.stop()
@@ -167,11 +186,10 @@ def test_smollm2_looks_up_in_the_environment_and_only_its_own_tokens_are_trained
     results = asyncio.run(run())
     decode = lambda ids: tokenizer.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     looked_up = 0
-    for sample, (scored, failed) in zip(samples, results):
+    for sample, (scored, failed, held) in zip(samples, results):
         assert failed == 0 and len(scored) == 1
         opening = tokenizer.encode_messages(env.opening(sample))
-        for s, whole in zip(scored, build_episodes(scored, 0)):
-            turns = s.completion.turns
+        for s, turns, whole in zip(scored, held, build_episodes(scored, 0, sequences=held)):
             assert whole.tokens[:len(opening)] == opening and not any(whole.loss_mask[:len(opening)])
             trained = [t for t, m in zip(whole.tokens, whole.loss_mask) if m]
             assert decode(trained) == "".join(decode(t.token_ids) for t in turns)  # the model's tokens, all of them
@@ -184,7 +202,7 @@ def test_smollm2_looks_up_in_the_environment_and_only_its_own_tokens_are_trained
                                                   "unknown word")
                 assert decode(between) == f"<|im_end|>\n<|im_start|>tool\n{value}<|im_end|>\n<|im_start|>assistant\n"
                 assert f"tool\n{value}" in s.completion.text
-            step_wise = build_episodes([s], 0, "step_wise_grpo")
+            step_wise = build_episodes([s], 0, "step_wise_grpo", sequences=[turns])
             assert [decode([t for t, m in zip(e.tokens, e.loss_mask) if m]) for e in step_wise] == [
                 decode(t.token_ids) for t in turns]
     assert looked_up >= 2  # greedy SmolLM2 looks up most words after the worked example
@@ -238,8 +256,9 @@ def test_sticky_routing_serves_later_turns_from_the_prefix_cache_and_least_loade
     two real vLLM replicas, once routed sticky and once least-loaded, the group preferring its previous
     turn's replica as rollout.run_group does; the tool's answers come from FakeTool in a real grader
     actor. Sticky keeps every turn on one replica, whose prefix cache serves the conversation so far;
-    least-loaded sends turn 2 to the idle replica, which never saw the conversation (nothing cached), and
-    turn 3 back to the first, which holds turn 1 only. Each arm has its own opening: the replicas are
+    least-loaded sends turn 2 to the idle replica, which never saw the conversation (nothing cached; it
+    takes turn 1 from the replica holding it, as rollout.Attempt has it do), and turn 3 back to the first,
+    which holds turn 1 only. Each arm has its own opening: the replicas are
     shared, their caches are not reset, and no block of one arm's conversation is in the other's."""
     from meshrl.actors.replicas import Replica, ReplicaPool, processes
     from user_task import FakeTool
@@ -261,7 +280,7 @@ def test_sticky_routing_serves_later_turns_from_the_prefix_cache_and_least_loade
 
                 pool = ReplicaPool("generator", start, count=2, max_restarts=0, sticky_slack=sticky_slack)
                 await pool.start()
-                turns, served_by = [], None
+                turns, served_by, holders = [], None, {}  # holders: each turn's key -> the replica holding it
 
                 async def generate(prompts, sampling):
                     nonlocal served_by
@@ -269,9 +288,12 @@ def test_sticky_routing_serves_later_turns_from_the_prefix_cache_and_least_loade
                     async def on(replica):
                         nonlocal served_by
                         served_by = replica
-                        return replica, await replica.actor.generate.call_one(prompts, sampling=sampling)
+                        sent = [p if p.prefix is None or holders[p.prefix] is replica
+                                else dataclasses.replace(p, prefix_holder=holders[p.prefix].actor) for p in prompts]
+                        return replica, await replica.actor.generate.call_one(sent, sampling=sampling, text=True)
 
                     replica, completions = await pool.call(on, prefer=served_by)
+                    holders.update((g.key, replica) for g in completions)
                     cache = await replica.actor.weight_updates.call_one()  # the requests finished since the last
                     turns.append((replica.index, cache["prompt_tokens"], cache["cached_prompt_tokens"]))
                     return completions
@@ -307,6 +329,49 @@ def test_sticky_routing_serves_later_turns_from_the_prefix_cache_and_least_loade
     # least-loaded: turns alternate over the idle replicas; turn 2 finds nothing, turn 3 turn 1's blocks only
     assert least[0][0] == least[2][0] != least[1][0] and plain == (0, 0)
     assert [t[2] for t in least] == [0, 0, blocks(prompts[0] + 120)] == [0, 0, 128]
+
+
+def test_a_later_turn_sends_only_its_new_tokens_and_a_replica_that_did_not_make_the_turn_before_takes_it(
+        tiny_checkpoint):
+    """Turn 2 of a conversation is sent as its new tokens only (the template's end of turn 1, the tool's
+    answer, the assistant's turn opened), naming turn 1 (`Prompt.prefix`), which replica A generated and
+    holds. Sent to A, A puts turn 1 in front itself; sent to B with `prefix_holder` A, B takes turn 1 from
+    A. Greedy, both generate the same tokens from the same whole prompt: turn 1's prompt and tokens, then
+    the new ones. The conversation stays under vLLM's 128-token blocks on the CPU: no replica's prefix
+    cache serves any of it, both compute the whole prompt."""
+    tokenizer = ChatTokenizer(tiny_checkpoint)
+    greedy = Sampling(n=1, temperature=0.0, max_tokens=16)
+    opening = [{"role": "user", "content": "What is 2 + 3?"}]
+
+    async def run():
+        spawned = [spawn(f"generator{i}", VLLMGenerator, GeneratorConfig(num_threads=1), WeightSyncConfig(),
+                         str(tiny_checkpoint)) for i in range(2)]
+        (_, a), (_, b) = spawned
+        try:
+            [first] = await a.generate.call_one([Prompt(0, tokenizer.encode_messages(opening))], sampling=greedy,
+                                                text=True)
+            new = tokenizer.continuation([*opening, {"role": "assistant", "content": first.text}], first.tail,
+                                         [{"role": "tool", "content": "5"}])
+            later = Prompt(0, new, prefix=first.key)
+            [on_a] = await a.generate.call_one([later], sampling=greedy)
+            [on_b] = await b.generate.call_one([dataclasses.replace(later, prefix_holder=a)], sampling=greedy)
+            [turn1] = await a.completions.call_one([first.key], forget=True)  # still held: B only read it
+            [whole_a] = await a.completions.call_one([on_a.key], forget=True)
+            [whole_b] = await b.completions.call_one([on_b.key], forget=True)
+            return first, turn1, new, on_a, on_b, whole_a, whole_b
+        finally:
+            for procs, _ in spawned:
+                await procs.stop()
+
+    first, turn1, new, on_a, on_b, whole_a, whole_b = asyncio.run(run())
+    conversation = turn1.prompt_token_ids + turn1.token_ids + new
+    assert first.prompt_tokens + first.num_tokens == len(turn1.prompt_token_ids + turn1.token_ids)
+    assert len(conversation) + greedy.max_tokens < 128 and 0 < len(new) < len(conversation)
+    # what each replica generated from: the whole conversation, though only `new` was sent
+    assert on_a.prompt_tokens == on_b.prompt_tokens == len(conversation)
+    assert whole_a.prompt_token_ids == whole_b.prompt_token_ids == conversation
+    assert len(whole_a.token_ids) > 0 and whole_b.token_ids == whole_a.token_ids
+    assert (on_b.num_tokens, on_b.policy_version) == (on_a.num_tokens, on_a.policy_version)
 
 
 def test_zorplex_smoke_run_on_two_replicas_serves_prompts_from_the_prefix_cache(tmp_path):
