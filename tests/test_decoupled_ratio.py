@@ -9,6 +9,8 @@ the behaviour weight and its KL instead. With two updates, the second one clips.
 import asyncio
 import dataclasses
 
+from actor_helpers import generate_whole
+
 from meshrl.actors import spawn
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.trainer import TitanTrainer
@@ -27,7 +29,7 @@ def test_one_update_clips_nothing_even_on_stale_episodes_and_a_second_update_cli
 
     async def episodes(generator):
         """A batch sampled by vLLM, with GRPO advantages of +-1 (alternate completions rewarded)."""
-        completions = await generator.generate.call_one(prompts, sampling=sampling)
+        completions = await generate_whole(generator, prompts, sampling=sampling)
         groups = [[ScoredCompletion(c, float(j % 2)) for j, c in enumerate(completions[i:i + 4])]
                   for i in range(0, len(completions), 4)]
         return [e for gid, group in enumerate(groups) for e in build_episodes(group, gid)]

@@ -87,11 +87,15 @@ async def _run(model: str, num_prompts: int, group_size: int, max_tokens: int, r
 
 async def _per_group(pool: ReplicaPool, prompts: list[Prompt], sampling: Sampling) -> float:
     """Tokens per second of every prompt's group sent as its own call, all at once, as the controller does."""
+    async def one(replica, prompt: Prompt):
+        return replica, await replica.actor.generate.call_one([prompt], sampling=sampling)
+
     start = time.perf_counter()
-    groups = await asyncio.gather(*(pool.call(lambda r, p=p: r.actor.generate.call_one([p], sampling=sampling))
-                                    for p in prompts))
+    groups = await asyncio.gather(*(pool.call(lambda r, p=p: one(r, p)) for p in prompts))
     seconds = time.perf_counter() - start
-    return sum(len(c.token_ids) for group in groups for c in group) / seconds
+    # the replicas keep what they generated until told (as the controller lets a group go): untimed
+    await asyncio.gather(*(replica.actor.forget.call_one([g.key for g in group]) for replica, group in groups))
+    return sum(g.num_tokens for _, group in groups for g in group) / seconds
 
 
 def _best(tokens_per_s: list[float]) -> dict:

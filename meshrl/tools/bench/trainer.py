@@ -7,8 +7,9 @@ of the same model on the same batch, in the same process placement, for each ran
 - trainer: the real trainer actor on the same ranks, driven through `train_step` (the batch collated
   by the caller and sent over Monarch, the decoupled loss, the metrics), timed by the caller;
 - from buffer: the same trainer taking its micro-batches from a replay buffer actor on a process of
-  its own, as the controller has it do (`sample` composes and collates the batch there, each rank
-  fetches its micro-batch by reference), timed by the caller from `sample` to the last update.
+  its own, as the controller has it do (the batch's completions staged there from a generator standing
+  in (`BatchHolder`) and added, untimed; `sample` composes the batch there, each rank fetches its
+  micro-batch by reference), timed by the caller from `sample` to the last update.
 
 Each figure is the best of `repeats` timed steps, after one warm-up step. With them, each trainer
 rank's resident memory added while loading the model as the trainer does (several ranks read only their
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from monarch.actor import Actor, endpoint
+from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.actors import in_rank_order, parse_cpus, spawn, spawn_ranks
 from meshrl.actors.distributed import join, load_on_ranks
@@ -42,6 +43,31 @@ def episodes(batch: int, prompt: int, response: int) -> list[Episode]:
                     loss_mask=[False] * prompt + [True] * response,
                     behaviour_logprobs=[0.0] * prompt + [-10.0] * response,
                     advantage=1.0 if i % 2 else -1.0, policy_version=0, group_id=i) for i in range(batch)]
+
+
+class BatchHolder(Actor):
+    """A generator's holding of Completions, without the generator: the replay buffer takes the bench's
+    batch from it by key (`completions`, as from a real generator) before each step from the buffer."""
+
+    def __init__(self):
+        self.held: dict[int, Completion] = {}
+        self.next_key = 0
+
+    @concurrent_endpoint
+    async def hold(self, completions: list[Completion]) -> list[int]:
+        """Hold `completions`; their keys."""
+        keys = list(range(self.next_key, self.next_key + len(completions)))
+        self.next_key += len(completions)
+        self.held.update(zip(keys, completions))
+        return keys
+
+    @concurrent_endpoint
+    async def completions(self, keys: list[int], forget: bool = False) -> list[Completion]:
+        taken = [self.held[k] for k in keys]
+        if forget:
+            for k in keys:
+                del self.held[k]
+        return taken
 
 
 class PlainLoop(Actor):
@@ -147,6 +173,7 @@ async def _run(model: str, rank_counts: list[int], batch: int, prompt: int, resp
             await procs.stop()
         procs, trainer = await spawn_ranks("trainer", MeasuredTrainer, ranks, config, WeightSyncConfig(), checkpoint)
         buffer_procs, buffer = spawn("replay_buffer", FifoBuffer, ReplayBufferConfig(), config, batch, 0, 0)
+        holder_procs, holder = spawn("holder", BatchHolder)
         try:
             await trainer.attach_buffer.call(buffer)
             times, from_buffer = [], []
@@ -154,11 +181,11 @@ async def _run(model: str, rank_counts: list[int], batch: int, prompt: int, resp
                 start = time.perf_counter()
                 await train_step(trainer, None, data, config, pad_id=0)
                 times.append(time.perf_counter() - start)
-                from_buffer.append(await _step_from_buffer(trainer, buffer, data, config, i))
+                from_buffer.append(await _step_from_buffer(trainer, buffer, holder, data, config, i))
             trainer_s, buffer_s = min(times[1:]), min(from_buffer[1:])
             peak = max(await in_rank_order(trainer.peak_rss_mb.call()))
         finally:
-            await asyncio.gather(procs.stop(), buffer_procs.stop())
+            await asyncio.gather(procs.stop(), buffer_procs.stop(), holder_procs.stop())
         if ranks == rank_counts[0] and lora_rank:
             lora = dataclasses.replace(config, lora=LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank), lr=1e-5)
             lora_s, lora_peak = await _trainer_step_s(checkpoint, lora, data, repeats)
@@ -189,19 +216,27 @@ async def _trainer_step_s(checkpoint: str, config: TrainerConfig, data: list[Epi
         await procs.stop()
 
 
-async def _step_from_buffer(trainer, buffer, data: list[Episode], config: TrainerConfig, index: int) -> float:
+async def _step_from_buffer(trainer, buffer, holder, data: list[Episode], config: TrainerConfig, index: int) -> float:
     """Seconds of one step whose micro-batches the trainer takes from the replay buffer (the batch put
-    there first, untimed, as the controller does while groups finish)."""
+    there first, untimed, as the controller has it done while groups finish: each group's completions
+    staged from the generator holding them, then its episodes added)."""
+    turns = []
     for e in data:
         prompt = e.loss_mask.index(True)
-        turn = Completion(e.group_id, e.tokens[:prompt], e.tokens[prompt:], e.behaviour_logprobs[prompt:], "", 0, "stop")
-        await buffer.add.call_one(index, GroupEpisodes(e.group_id, [[turn]], [e.advantage], [index], [0.0, 1.0]))
+        turns.append(Completion(e.group_id, e.tokens[:prompt], e.tokens[prompt:], e.behaviour_logprobs[prompt:], "", 0,
+                                "stop"))
+    keys = await holder.hold.call_one(turns)
+    for e, key in zip(data, keys):
+        if not await buffer.stage.call_one(e.group_id, [holder], [[(0, key)]]):
+            raise RuntimeError(f"the replay buffer could not take group {e.group_id}'s completion")
+    await buffer.add.call_one(index, [GroupEpisodes(e.group_id, [(0, 0, 1)], [e.advantage], [index], [0.0, 1.0])
+                                      for e in data])
     start = time.perf_counter()
     plan = await buffer.sample.call_one(index, [e.group_id for e in data])
     updates = [[BatchRef(index, u, m) for m in range(count)] for u, count in enumerate(plan["micro_batches"])]
     await train_updates(trainer, None, updates, config)
     seconds = time.perf_counter() - start
-    await buffer.trained.call_one(index)
+    await buffer.trained.call_one(index, index + 1)
     return seconds
 
 
