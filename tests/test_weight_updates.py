@@ -7,14 +7,14 @@ code for an adapter as for full weights, all but vLLM's reload, which this file 
 
 import asyncio
 
+from actor_helpers import episode, generate_whole
 from probe_actors import ScalingTrainer, SlowStepGenerator
 
 from meshrl.actors import spawn
 from meshrl.actors.reference import ReferenceModel
 from meshrl.configs import GeneratorConfig, ReferenceConfig, TrainerConfig, WeightSyncConfig
-from meshrl.episodes import build_episodes
 from meshrl.models.model import ChatTokenizer
-from meshrl.types import Completion, Prompt, Sampling, ScoredCompletion, TrainBatch
+from meshrl.types import Completion, Prompt, Sampling, TrainBatch
 
 FINAL_NORM = r"norm\.weight"  # changes the logits only: the KV cache of a prefix stays right
 VALUES = r"layers\.0\.attention\.qkv_linear\.wv\.weight"  # changes every later layer's keys and values
@@ -22,7 +22,7 @@ VALUES = r"layers\.0\.attention\.qkv_linear\.wv\.weight"  # changes every later 
 
 async def scored(actor, completion: Completion) -> list[float]:
     """`actor`'s logprob of each of the completion's tokens (a trainer's or the reference's policy)."""
-    [e] = build_episodes([ScoredCompletion(completion, 0.0)], group_id=0)
+    e = episode(completion, 0.0)
     batch = TrainBatch.collate([e], e.num_response_tokens, 1)
     return (await actor.logprobs.call_one(batch))[batch.loss_mask].tolist()
 
@@ -56,7 +56,7 @@ def test_weights_loaded_mid_request_in_flight_and_recomputed(tiny_checkpoint):
             async def mid_request(generators_, pattern, factor):
                 """Each generator's long request, with a new version published while they run."""
                 async def one(generator):
-                    return await generator.generate.call_one([prompt], sampling=long)
+                    return await generate_whole(generator, [prompt], sampling=long)
 
                 running = [asyncio.create_task(one(g)) for g in generators_]
                 await asyncio.sleep(3.0)  # 20 ms a step or more: some of the tokens are out, not all
