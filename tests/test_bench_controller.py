@@ -1,9 +1,12 @@
 """`meshrl bench controller` (fake actors, so seconds): it writes the controller's cost for each replica
-count, and its placement prediction follows the cost model it is given."""
+count, and its placement prediction follows the cost model it is given. With `--real` (stand-in actors in
+Monarch processes, a minute): what it reports adds up, and it leaves no process behind."""
 
 import json
 import subprocess
 import sys
+
+import psutil
 
 
 def test_controller_bench_writes_its_curve_and_a_prediction_that_follows_the_cost_model(tmp_path):
@@ -27,3 +30,30 @@ def test_controller_bench_writes_its_curve_and_a_prediction_that_follows_the_cos
     assert max(generate, train) <= p["async_step_s"] < p["sync_step_s"], p  # overlapped
     assert p["async_speedup"] == p["sync_step_s"] / p["async_step_s"]
     assert "groups/s" in result.stdout and "async speedup" in result.stdout
+
+
+def test_controller_bench_on_real_processes_counts_its_groups_carries_no_tokens_and_leaves_no_process(tmp_path):
+    out = tmp_path / "real.json"
+    result = subprocess.run([sys.executable, "-m", "meshrl", "bench", "controller", "--real", "--real-runs",
+                             "4x16,4x2048", "--groups", "8", "--processes", "2", "--json", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    short, long = figures["real"]
+    for run, tokens in ((short, 16), (long, 2048)):
+        # one group per actor each step, at least 3 steps, and the two evals' two prompts each
+        assert run["max_tokens"] == tokens and run["steps"] == 3 and run["rows"] == 3
+        assert run["groups"] == 3 * 4 + 4 and run["groups_per_s"] == run["groups"] / run["wall_s"]
+        assert run["groups_regenerated"] == 0
+        # the trainer stand-in took every trained token from the replay buffer, by BatchRef
+        assert run["trainer_fetched"]["tokens"] >= 3 * 4 * 8 * tokens
+        assert 0 < run["controller_cpu_ms_per_group"] and 0 < run["main_thread_cpu_ms_per_group"]
+        kill = run["supervision"]  # a generator process killed: its two replicas replaced on a fresh one
+        assert kill["replicas_on_process"] == 2 and kill["serving_again"] == 2 and kill["restarts"] == 2
+        assert kill["noticed_s"] <= kill["replaced_s"]
+    # what reached the controller per group stayed flat while each completion grew 128 times
+    assert abs(long["controller_bytes_in_per_group"] / short["controller_bytes_in_per_group"] - 1) < 0.1
+    assert long["controller_bytes_in_per_group"] < 8 * 2048  # less than the group's tokens, a byte each
+    assert [f["replicas"] for f in figures["in_process"]] == [4, 4]
+    assert figures["processes_left"] == []
+    assert figures["spawned_pids"] and not [p for p in figures["spawned_pids"] if psutil.pid_exists(p)]

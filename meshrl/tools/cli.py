@@ -134,6 +134,14 @@ def _parser() -> argparse.ArgumentParser:
     control.add_argument("--tail", type=float, default=0.0,
                          help="cost model: the slowest groups take 1 + TAIL times as long as the fastest")
     control.add_argument("--time-scale", type=float, default=20.0, help="simulate this many times faster than real")
+    control.add_argument("--real", action="store_true", help="instead: the real controller over stand-in actors in "
+                         "Monarch processes, beside the in-process figures (meshrl/tools/bench/controller_real.py)")
+    control.add_argument("--real-runs", default="", help="--real: ACTORSxTOKENS,... (default: every --replicas "
+                                                         "at every --max-tokens)")
+    control.add_argument("--processes", type=int, default=4, help="--real: generator processes (actors spread over them)")
+    control.add_argument("--workers", default="", help="--real: Monarch workers (tcp://HOST:PORT,...) for the "
+                                                       "generator processes (default: this machine's processes)")
+    control.add_argument("--bind", default="", help="--real with --workers: where they reach this process (tcp://IP:0)")
     sync_async = bench.add_parser("sync-vs-async", help="one workload trained sync, async draining, async in flight",
                                   epilog="Config overrides apply to every run: --generator.max_tokens 32")
     sync_async.add_argument("--config", required=True, help="e.g. bench_smoke or bench_smollm2")
@@ -316,6 +324,14 @@ def _bench_trainer(args) -> None:
 
 def _bench_controller(args) -> None:
     from meshrl.tools.bench import controller
+
+    if args.real:
+        from meshrl.tools.bench import controller_real as real
+
+        runs = real.parse_runs(args.real_runs, [int(r) for r in args.replicas.split(",")],
+                               [int(t) for t in args.max_tokens.split(",")])
+        return _write_bench(args.json, real, real.run(runs, args.group_size, args.groups, args.processes,
+                                                      args.workers, args.bind))
     from meshrl.tools.simulation import Costs
 
     placement = None

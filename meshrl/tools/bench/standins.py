@@ -1,0 +1,169 @@
+"""Light stand-ins for the generator, grader and trainer, as real Monarch actors, for `meshrl bench
+controller --real` (meshrl/tools/bench/controller_real.py): they follow their role contracts
+(meshrl/actors/roles.py) and do no model work, so what the bench measures is the controller, the
+replay buffer and Monarch's messages between processes, at hundreds of actors (many to a process).
+
+- StandInGenerator answers each prompt with `sampling.n` canned completions of `sampling.max_tokens`
+  tokens (rewards alternating 0 and 1 in their text, so every group has a learning signal), keeps
+  them under run-unique keys as the real generator does, and hands them to whoever asks by key. It
+  "loads" any version asked for at once (no weights move).
+- StandInGrader takes the completions it scores from their generator, as the real grader does.
+- StandInTrainer takes each micro-batch from the replay buffer by its BatchRef (as the real trainer,
+  meshrl/actors/distributed.py) and trains nothing.
+"""
+
+import itertools
+import time
+from pathlib import Path
+
+from monarch.actor import Actor, concurrent_endpoint, endpoint
+
+from meshrl.actors.distributed import from_buffer, to_buffer
+from meshrl.actors.roles import TokensLost
+from meshrl.actors.trace import ActorClock
+from meshrl.actors.weight_updates import WeightUpdates
+from meshrl.types import Completion, Generated
+
+
+class StandInGenerator(Actor):
+    """roles.Generator with canned completions; `index` makes its keys unique in the run."""
+
+    def __init__(self, index: int):
+        self.keys = itertools.count(index << 32)
+        self.held: dict[int, Completion] = {}
+        self.version, self.running, self.book = 0, 0, WeightUpdates()
+        self.canned: dict[int, tuple[list[int], list[float]]] = {}  # length -> (tokens, logprobs), made once
+
+    @concurrent_endpoint
+    async def generate(self, prompts, *, sampling=None, min_version: int = 0, text: bool = False) -> list[Generated]:
+        if self.version < min_version:  # as if the version had been read at once
+            start, self.version = time.time(), min_version
+            self.book.loaded(start, min_version, in_flight=self.running > 0)
+        self.running += 1
+        self.book.running()
+        try:
+            length = sampling.max_tokens
+            if length not in self.canned:
+                self.canned[length] = (list(range(7, 7 + length)), [-0.5] * length)
+            tokens, logprobs = self.canned[length]
+            out = []
+            for p in prompts:
+                for j in range(sampling.n):
+                    key = next(self.keys)
+                    self.held[key] = c = Completion(p.index, p.token_ids, tokens, logprobs, str(j % 2), self.version,
+                                                    "length", [], -0.5 * length)
+                    out.append(Generated.of(key, c, text))
+            return out
+        finally:
+            self.running -= 1
+            if not self.running:
+                self.book.done()
+
+    @concurrent_endpoint
+    async def completions(self, keys: list[int], forget: bool = False) -> list[Completion]:
+        taken = [self.held[k] for k in keys]
+        for k in keys if forget else ():
+            del self.held[k]
+        return taken
+
+    @concurrent_endpoint
+    async def forget(self, keys: list[int]) -> None:
+        for k in keys:
+            self.held.pop(k, None)
+
+    @endpoint
+    async def attach_weights(self, rings: list) -> str:
+        return "stand-in"
+
+    @endpoint
+    async def pull_weights(self) -> int:
+        return self.version
+
+    @endpoint
+    async def weight_updates(self) -> dict:
+        return self.book.report()
+
+    @endpoint
+    async def weight_sync_stats(self) -> dict:
+        return {"transport": "stand-in", "torn_reads": 0, "corrupt_reads": 0, "held": len(self.held)}
+
+
+class StandInGrader(Actor):
+    """roles.Grader: a completion's reward is the number its text is."""
+
+    @endpoint
+    async def score(self, sample, holder, keys: list[int]) -> list[tuple[float, dict[str, float]] | None]:
+        try:
+            completions = await holder.completions.call_one(keys)
+        except Exception as e:  # as the real grader: their generator died, the group is generated again
+            raise TokensLost(f"the generator holding them is gone: {e}") from None
+        return [(float(c.text), {"correct": float(c.text)}) for c in completions]
+
+
+class StandInTrainer(Actor):
+    """roles.Trainer that fetches every micro-batch from the replay buffer and trains nothing; `fetched`
+    counts the micro-batches and tokens it took (`spans` reports them)."""
+
+    def __init__(self):
+        self.version, self.updates, self.buffer = 0, 0, None
+        self.clock = ActorClock()
+        self.fetched = {"micro_batches": 0, "tokens": 0}
+
+    @endpoint
+    async def attach_buffer(self, buffer) -> None:
+        self.buffer = buffer
+
+    @endpoint
+    async def forward_backward(self, batch) -> dict:
+        batch = await from_buffer(self.buffer, batch, self.clock, self.version)
+        tokens = int(batch.loss_mask.sum())
+        self.fetched["micro_batches"] += 1
+        self.fetched["tokens"] += int(batch.input_ids.numel())
+        return {"loss": 0.0, "tokens": tokens, "logprob_mismatch": 0.0, "ratio": float(tokens), "ratio_max": 1.0,
+                "clip_low": 0, "clip_high": 0, "behaviour_weight": float(tokens), "tis_truncated": 0,
+                "behaviour_kl": 0.0, "entropy": 0.0}
+
+    @endpoint
+    async def logprobs(self, batch):
+        return await to_buffer(self.buffer, batch, (await from_buffer(self.buffer, batch)).behaviour_logprobs)
+
+    @endpoint
+    async def drop_gradients(self) -> None:
+        pass
+
+    @endpoint
+    async def optim_step(self, skip: bool = False) -> dict:
+        self.updates += 1
+        return {"updates": self.updates, "grad_norm": 1.0, "skipped": skip}
+
+    @endpoint
+    async def weight_ring(self):
+        return None
+
+    @concurrent_endpoint
+    async def publish_weights(self) -> int:
+        self.version += 1
+        return self.version
+
+    @endpoint
+    async def spans(self) -> list[dict]:
+        return self.clock.take()
+
+    @endpoint
+    async def stats(self) -> dict:
+        return dict(self.fetched)
+
+    @endpoint
+    async def save(self, path: str) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+    @endpoint
+    async def save_state(self, path: str) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "rank0.txt").write_text(f"{self.version} {self.updates}")
+
+    @endpoint
+    async def load_state(self, path: str) -> int:
+        self.version, self.updates = map(int, (Path(path) / "rank0.txt").read_text().split())
+        return self.version
+
