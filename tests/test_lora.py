@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from actor_helpers import episode, fixed_episodes, mismatch
+from actor_helpers import episode, fixed_episodes, generate_whole, mismatch
 from assertions import assert_staleness_bound, read_jsonl
 from safetensors.torch import load_file
 
@@ -120,8 +120,8 @@ def test_vllm_serves_the_base_at_step_0_then_the_trainers_adapter_as_an_adapter_
                 assert await g.pull_weights.call_one() == 0
             prompt = Prompt(5, ChatTokenizer(checkpoint).encode_chat("What is 1 + 2?"))
             greedy = Sampling(n=1, temperature=0.0, max_tokens=8)
-            base = (await generators["merged"].generate.call_one([prompt], sampling=greedy))[0]
-            before = (await generators["adapter"].generate.call_one([prompt], sampling=greedy))[0]
+            base = (await generate_whole(generators["merged"], [prompt], sampling=greedy))[0]
+            before = (await generate_whole(generators["adapter"], [prompt], sampling=greedy))[0]
             assert (before.token_ids, before.logprobs) == (base.token_ids, base.logprobs)  # the base, exactly
             gaps.append(await mismatch(trainer, base))
 
@@ -133,8 +133,8 @@ def test_vllm_serves_the_base_at_step_0_then_the_trainers_adapter_as_an_adapter_
             afters = []
             for g in served:
                 assert await g.pull_weights.call_one() == 1
-                afters.append((await g.generate.call_one([prompt], sampling=greedy))[0])
-                sampled = await g.generate.call_one([prompt], sampling=Sampling(n=4, temperature=0.8, max_tokens=16))
+                afters.append((await generate_whole(g, [prompt], sampling=greedy))[0])
+                sampled = await generate_whole(g, [prompt], sampling=Sampling(n=4, temperature=0.8, max_tokens=16))
                 gaps.extend([await mismatch(trainer, afters[-1])] + [await mismatch(trainer, c, 0.8) for c in sampled])
             assert afters[0].policy_version == afters[1].policy_version == 1
             assert afters[0].token_ids == afters[1].token_ids != base.token_ids
