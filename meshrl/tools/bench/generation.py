@@ -17,7 +17,7 @@ from monarch.actor import endpoint
 
 from meshrl.actors import parse_cpus
 from meshrl.actors.generator import VLLMGenerator
-from meshrl.actors.replicas import ReplicaPool
+from meshrl.actors.replicas import ReplicaPool, monarch_replicas
 from meshrl.configs import GeneratorConfig, WeightSyncConfig
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
 from meshrl.tasks.sum_digits import SumDigits, SumDigitsConfig
@@ -56,8 +56,8 @@ async def _run(model: str, num_prompts: int, group_size: int, max_tokens: int, r
     result = {"model": model, "prompts": num_prompts, "group_size": group_size, "max_tokens": max_tokens,
               "cores": len(cores), "repeats": repeats}
 
-    one = ReplicaPool("generator", TimedVLLMGenerator, lambda i: (
-        GeneratorConfig(num_threads=len(cores), cpus=",".join(map(str, cores))), WeightSyncConfig(), str(checkpoint)),
+    one = ReplicaPool("generator", monarch_replicas(lambda i: f"generator{i}", TimedVLLMGenerator, lambda i: (
+        GeneratorConfig(num_threads=len(cores), cpus=",".join(map(str, cores))), WeightSyncConfig(), str(checkpoint))),
         count=1, max_restarts=0)
     await one.start()
     try:
@@ -70,9 +70,9 @@ async def _run(model: str, num_prompts: int, group_size: int, max_tokens: int, r
         await one.stop()
 
     shares = [cores[i::replicas] for i in range(replicas)]  # cores dealt out in turn
-    many = ReplicaPool("generator", TimedVLLMGenerator, lambda i: (
+    many = ReplicaPool("generator", monarch_replicas(lambda i: f"generator{i}", TimedVLLMGenerator, lambda i: (
         GeneratorConfig(num_threads=len(shares[i]), cpus=",".join(map(str, shares[i])), seed=i), WeightSyncConfig(),
-        str(checkpoint)), count=replicas, max_restarts=0)
+        str(checkpoint))), count=replicas, max_restarts=0)
     await many.start()
     try:
         await _per_group(many, prompts[:4 * replicas], sampling)  # warm up
