@@ -46,7 +46,6 @@ from meshrl.runtime.metric_rows import MetricRows
 from meshrl.tools.bench.standins import StandInGenerator, StandInGrader, StandInTrainer
 from meshrl.tools.simulation import FakeTask, FakeTokenizer, fake_config
 
-logger = logging.getLogger(__name__)
 SUPERVISION_WAIT_S = 120.0  # a kill not noticed and replaced within this is reported as not
 
 
@@ -241,7 +240,6 @@ async def _real(runs: list[tuple[int, int]], group_size: int, groups: int, proce
             steps = max(3, math.ceil(groups / actors))  # as the in-process bench
             out.append(await real_cost(actors, tokens, group_size, steps, processes_, max(1, actors // 16), hosts,
                                        Path(run_dir)))
-        logger.warning("real: %s", {k: v for k, v in out[-1].items() if k != "trainer_fetched"})
     return out
 
 
@@ -260,7 +258,8 @@ def run(runs: list[tuple[int, int]], group_size: int, groups: int, processes_: i
     in_process = [controller.controller_cost(actors, group_size, tokens, groups) for actors, tokens in runs]
     for figure in in_process:
         figure.pop("actors_cpu_s")
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "group_size": group_size, "workers": workers,
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "load_average": os.getloadavg(),  # others' work too
+            "group_size": group_size, "workers": workers,
             "real": real, "in_process": in_process, "in_process_core": core, "processes_left": left,
             "spawned_pids": spawned}
 
