@@ -148,6 +148,10 @@ class FakeMesh:
     def __getattr__(self, name: str) -> FakeEndpoint:
         return FakeEndpoint(self, name)
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"procs": len(self.actors)}
+
     def slice(self, procs: int) -> "FakeMesh":
         return FakeMesh([self.actors[procs]], self.script)
 
