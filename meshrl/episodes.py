@@ -201,7 +201,9 @@ def batch_builder(cfg: ControllerConfig, now: Callable[[], float], accuracy: str
             "tokens_generated": sum(g.tokens for g in f.groups) + f.failed_tokens + f.stale_tokens,
             # generated for this batch and not trained (a part of tokens_generated): its groups dropped
             # (equal rewards with dynamic sampling), failed (a call raised, or no completion scored), or stale
-            "tokens_discarded_dropped": sum(g.tokens for g in f.groups if g.prompt_index not in f.kept),
+            "tokens_discarded_dropped": sum(g.tokens - g.lost_tokens for g in f.groups if g.prompt_index not in f.kept),
+            # generated again: their first attempt's generator died holding them
+            "tokens_discarded_lost": sum(g.lost_tokens for g in f.groups),
             "tokens_discarded_failed": f.failed_tokens,
             "tokens_discarded_stale": f.stale_tokens,
             "gen_time_s": max(g.gen_end for g in f.groups) - min(g.gen_start for g in f.groups),

@@ -64,7 +64,7 @@ class RolloutCollector:
         self.generators, self.graders, self.work, self.timeouts, self.tracer = generators, graders, work, timeouts, tracer
         self.buffer = buffer
         self.bytes_in = 0  # the pickled size of every answer a training group's calls received
-        self.regenerated = 0  # groups generated again: their tokens died with their generator
+        self.regenerated = 0  # training groups generated again: their tokens died with their generator
         self.sampling = Sampling(n=controller.group_size, temperature=generator.temperature, top_p=generator.top_p,
                                  max_tokens=generator.max_tokens)
         self.latest = 0  # the newest version the trainer published: a group's first tokens come from it or newer
@@ -154,15 +154,25 @@ class RolloutCollector:
         with their generator before the buffer took them is generated again (`regenerated`), up to
         MAX_REGENERATIONS times; CallFailed if a call raised an error of its own. The group's policy version
         is its oldest sequence's, each counted by `controller.staleness`."""
-        launched = self.tracer.now()
+        launched, lost = self.tracer.now(), 0  # the tokens of attempts lost
         for attempt in range(MAX_REGENERATIONS + 1):
+            this = Attempt(self, index, what, launched)
             try:
-                return await Attempt(self, index, what, launched).run(sample, sampling)
+                group = await this.run(sample, sampling)
+                group.tokens, group.lost_tokens = group.tokens + lost, lost
+                return group
             except TokensLost as e:
-                self.regenerated += 1
+                self.regenerated += what == "generate"  # the training groups' (the step's groups_regenerated)
+                lost += this.tokens
                 if attempt == MAX_REGENERATIONS:
-                    raise CallFailed(f"its tokens were lost {attempt + 1} times: {e}") from None
+                    failed = CallFailed(f"its tokens were lost {attempt + 1} times: {e}")
+                    failed.tokens = lost
+                    raise failed from None
                 logger.warning("the group of prompt %d is generated again: %s", index, e)
+            except CallFailed as e:
+                e.tokens += lost
+                raise
+
 
 class Attempt:
     """One try at a group: its calls, timed and counted, and the generators holding what it made until

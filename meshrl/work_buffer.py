@@ -34,11 +34,12 @@ class Group:
     prompt_index: int
     scored: list[ScoredCompletion]  # those whose reward function did not fail
     completions: int
-    tokens: int
+    tokens: int  # generated for it, those of attempts lost with their generator included
     policy_version: int  # its oldest sequence's version (a sequence's counted by controller.staleness)
     launched: float = 0.0  # tracer times (seconds since the run started)
     gen_start: float = 0.0
     gen_end: float = 0.0
+    lost_tokens: int = 0  # of `tokens`, those of attempts whose generator died holding them (generated again)
 
 
 @dataclass

@@ -240,9 +240,17 @@ def test_no_completion_is_left_held_by_a_generator_or_staged_in_the_buffer_at_th
 
 
 def test_a_generator_that_dies_holding_a_groups_tokens_costs_the_group_which_is_generated_again(tmp_path):
-    # a replica dies at the third time a grader or the buffer takes completions from it: what it held is lost
-    done = run(fake_config(steps=4, prompts=3, max_policy_age=1), tmp_path, Script(die_at={"completions": 3}))
-    assert sum(r["groups_regenerated"] for r in done.rows) >= 1
+    # a replica dies at the sixth time a grader or the buffer takes completions from it (the first eval's
+    # two prompts take two): what it held is lost
+    config = fake_config(steps=4, prompts=3, max_policy_age=1)
+    done = run(config, tmp_path, Script(die_at={"completions": 6}))
+    regenerated = sum(r["groups_regenerated"] for r in done.rows)
+    assert regenerated >= 1
+    # each lost attempt's tokens (a group of 2 completions of max_tokens) were generated for their batch and
+    # not trained: counted as such, and nothing else was discarded
+    lost = regenerated * config.controller.group_size * config.generator.max_tokens
+    assert sum(r["tokens_discarded_lost"] for r in done.rows) == lost
+    assert all(r["tokens_discarded"] == r["tokens_discarded_lost"] for r in done.rows)
     assert done.rows[-1]["generator_restarts"] == 1
     assert all(r["groups_failed"] == 0 for r in done.rows)
     assert_each_group_trained_once(done.trainer.trained, range(12), 2)  # none lost, none twice
