@@ -143,9 +143,9 @@ class Controller:
                 self.rollouts.cancel()
                 await asyncio.gather(self.rollouts, return_exceptions=True)
             await bounded(self.collector.stop(), self.timeouts.stop, "stopping the groups in flight")
-            if self.bookkeeping:
-                await asyncio.gather(self.bookkeeping, return_exceptions=True)
-            await bounded(self._bookkeeping(), self.timeouts.stop, "the last loads and spans (for the trace)")
+            waiting = [self.bookkeeping] if self.bookkeeping else []  # then the last reports, for the trace
+            await bounded(asyncio.gather(*waiting, self._bookkeeping(), return_exceptions=True), self.timeouts.stop,
+                          "the last loads and spans (for the trace)")
         if self.rows.done and not self.signals.held:
             stop = self.timeouts.stop if self.signals.stopped_by else None
             await bounded(self.checkpoint(), stop, "the stop's checkpoint")
