@@ -283,11 +283,14 @@ class Controller:
                 await self.checkpoint()
 
     async def _next_batch(self, index: int) -> Batch:
-        """Batch `index` once complete; re-raises if the rollout loop or the last publish (whose version
-        the batch may be waiting for) failed, instead of waiting forever."""
+        """Batch `index` once complete; re-raises if the rollout loop, the last publish (whose version
+        the batch may be waiting for) or the replay buffer (failing a group's stage) failed, instead of
+        waiting forever."""
         while (batch := self.work.batch(index)) is None:
             if self.publishing and self.publishing.done():
                 self.publishing.result()  # raises the publish's error (it may have failed before this wait)
+            if error := self.collector.failed_buffer():  # no group can finish into it: restarted by _train
+                raise error
             self.collector.batch_ready.clear()
             ready = asyncio.ensure_future(self.collector.batch_ready.wait())
             # a publish still running may fail: wake up for it too (not for one already done, which would spin)

@@ -25,6 +25,7 @@ behaviour logprobs; the finished conversations are scored Trajectories.
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -65,6 +66,9 @@ class RolloutCollector:
         self.buffer = buffer
         self.bytes_in = 0  # the pickled size of every answer a training group's calls received
         self.regenerated = 0  # training groups generated again: their tokens died with their generator
+        # the replay buffer failing a group's stage: (its error, that buffer), for the training loop to raise
+        # (it has the buffer restarted, meshrl/restarts.py)
+        self.buffer_error: tuple[BaseException, object] | None = None
         self.sampling = Sampling(n=controller.group_size, temperature=generator.temperature, top_p=generator.top_p,
                                  max_tokens=generator.max_tokens)
         self.latest = 0  # the newest version the trainer published: a group's first tokens come from it or newer
@@ -112,6 +116,17 @@ class RolloutCollector:
         self.cancel()
         await asyncio.gather(*self.groups.values(), return_exceptions=True)
         await asyncio.gather(*LETTING_GO, return_exceptions=True)
+
+    async def replaced(self, buffer) -> None:
+        """Until the replay buffer is another than `buffer` (restarted)."""
+        while self.buffer() is buffer:
+            await asyncio.sleep(0.1)
+
+    def failed_buffer(self) -> BaseException | None:
+        """The error with which the replay buffer in use failed a group's stage, if it did."""
+        if self.buffer_error is not None and self.buffer_error[1] is self.buffer():
+            return self.buffer_error[0]
+        return None
 
     def cancel(self) -> None:
         """Ask every group in flight to stop (each puts its prompt back, first, as it stops)."""
@@ -264,11 +279,19 @@ class Attempt:
         replicas = list(dict.fromkeys(self.holders[t.key] for s in scored for t in model_turns(s.completion)))
         at = {r: i for i, r in enumerate(replicas)}
         sequences = [[(at[self.holders[t.key]], t.key) for t in model_turns(s.completion)] for s in scored]
+        buffer = self.c.buffer()
         try:
             async with deadline(self.c.timeouts.buffer, "replay_buffer", "stage"):
-                taken = self.meter(await self.c.buffer().stage.call_one(self.index, [r.actor for r in replicas],
-                                                                        sequences))
+                taken = self.meter(await buffer.stage.call_one(self.index, [r.actor for r in replicas], sequences))
         except (ActorError, SupervisionError, CallTimeout) as e:
+            # the buffer failed, not the group: the training loop has it restarted (which stops this group, its
+            # prompt started again); past the buffer's timeout with no restart, the group is generated again
+            self.c.buffer_error = self.c.buffer_error or (e, buffer)
+            self.c.batch_ready.set()
+            timeout = self.c.timeouts.buffer
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.c.replaced(buffer), timeout.seconds if timeout and timeout.seconds > 0
+                                       else None)
             raise TokensLost(f"the replay buffer could not take them: {str(e).splitlines()[0]}") from None
         if not taken:
             raise TokensLost("a generator holding them died before the replay buffer took them")

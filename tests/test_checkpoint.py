@@ -249,7 +249,8 @@ def test_a_run_killed_after_a_checkpoint_resumes_where_it_stopped_and_samples_wh
 MEASURED = {"step_time_s", "gen_time_s", "rollout_time_s", "train_time_s", "weight_sync_s", "wait_time_s",
             "generator_busy", "generator_idle", "trainer_busy", "trainer_memory_gb",
             "trainer_restarts", "restart_seconds",  # the restart's own: checked above
-            "prompt_tokens_cached", "prompt_tokens_prefilled", "prefix_cache_hit_rate"}
+            "prompt_tokens_cached", "prompt_tokens_prefilled", "prefix_cache_hit_rate",
+            "weight_bytes_egress"}  # the generators' reports land in the row of the step they arrive in
 
 
 def test_a_trainer_killed_between_checkpoints_comes_back_and_the_run_ends_as_if_it_had_never_died(killed, whole):

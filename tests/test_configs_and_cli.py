@@ -102,11 +102,12 @@ def run_cli(*args):
     (["train", "--config", "smoke", "--task", "zorplex", "--zorplex.level", "5"], "zorplex level must be one of"),
     (["train", "--config", "smoke", "--generator.impl", "no_module:Gen"], "cannot load actor implementation"),
     (["train", "--config", "smoke", "--generator.impl", "meshrl.actors.grader:Grader"],
-     "meshrl.actors.grader:Grader cannot be the generator: it has no generate, attach_weights, pull_weights, "
-     "weight_updates, weight_sync_stats endpoint (the contract is meshrl.actors.roles.Generator)"),
+     "meshrl.actors.grader:Grader cannot be the generator: it has no generate, completions, forget, attach_weights, "
+     "pull_weights, weight_updates, weight_sync_stats endpoint (the contract is meshrl.actors.roles.Generator)"),
     (["train", "--config", "smoke", "--replay_buffer.impl", "meshrl.actors.grader:Grader"],
-     "meshrl.actors.grader:Grader cannot be the replay_buffer: it has no add, sample, micro_batch, attach, trained, "
-     "checkpointed, logged, save_state, load_state endpoint (the contract is meshrl.actors.roles.ReplayBuffer)"),
+     "meshrl.actors.grader:Grader cannot be the replay_buffer: it has no stage, discard, add, record_rollouts, sample, "
+     "micro_batch, attach, trained, checkpointed, logged, save_state, load_state endpoint (the contract is "
+     "meshrl.actors.roles.ReplayBuffer)"),
     (["train", "--config", "smoke", "--replay_buffer.impl", "replay"], "set controller.max_policy_age to 1 or more"),
     (["train", "--config", "smoke", "--controller.generate_ahead", "1"],
      "controller.generate_ahead (1) cannot be more than controller.max_policy_age (0)"),
@@ -128,8 +129,9 @@ def test_a_bad_command_line_is_one_line_from_the_real_process_too(tmp_path):
                      "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "meshrl: error: meshrl.actors.grader:Grader cannot be the generator: it has no generate, attach_weights, "
-        "pull_weights, weight_updates, weight_sync_stats endpoint (the contract is meshrl.actors.roles.Generator)"]
+        "meshrl: error: meshrl.actors.grader:Grader cannot be the generator: it has no generate, completions, forget, "
+        "attach_weights, pull_weights, weight_updates, weight_sync_stats endpoint (the contract is "
+        "meshrl.actors.roles.Generator)"]
     assert not (tmp_path / "run").exists()
 
 

@@ -366,7 +366,7 @@ def test_the_fake_trainer_answers_with_the_real_loss_metrics():
 
 
 @pytest.mark.parametrize("age", [0, 1])
-@pytest.mark.parametrize("call", ["add", "sample", "micro_batch", "trained"])
+@pytest.mark.parametrize("call", ["stage", "add", "sample", "micro_batch", "trained"])
 def test_a_replay_buffer_that_dies_is_restarted_empty_and_its_groups_are_generated_again(tmp_path, age, call):
     """The groups the dead buffer held for untrained batches start again and are trained in their batches:
     every prompt is trained exactly once, every step logged once, and a checkpoint is written at once (the

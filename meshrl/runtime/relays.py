@@ -67,7 +67,7 @@ class Relays:
         try:
             async with deadline(self.timeouts.pull, "relay", "attach"):
                 await self.handles[host].relay.attach.call_one(self.rings)
-        except Exception as e:
+        except Exception as e:  # the relay died or hung: another is started (logged there)
             await self._replace(host, e)
 
     async def attach_to(self, index: int) -> list:
@@ -80,7 +80,7 @@ class Relays:
             try:
                 async with deadline(self.timeouts.stop, "relay", "stats"):
                     await self.handles[host].relay.stats.call_one()
-            except Exception as e:
+            except Exception as e:  # the relay died or hung: another is started (logged there)
                 await self._replace(host, e)
         return [self.handles[host]]
 
@@ -104,7 +104,7 @@ class Relays:
         """A bounded call to a relay; None if it is gone or does not answer."""
         try:
             return await bounded(call, self.timeouts.stop, what)
-        except Exception:
+        except Exception:  # the relay is gone: nothing to ask (its bytes since the last egress are lost)
             return None
 
     async def egress(self) -> int:
