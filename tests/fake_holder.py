@@ -7,6 +7,7 @@ import os
 
 from monarch.actor import Actor, concurrent_endpoint
 
+from meshrl.actors.held import HeldCompletions
 from meshrl.types import Completion
 
 
@@ -14,25 +15,22 @@ class FakeHolder(Actor):
     """Holds `completions` under keys 0, 1, ... (their index), as a generator holds what it made."""
 
     def __init__(self, completions: list[Completion]):
-        self.held = dict(enumerate(completions))
+        self.held = HeldCompletions(0)
+        for c in completions:
+            self.held.keep(c)
 
     @concurrent_endpoint
     async def completions(self, keys: list[int], forget: bool = False) -> list[Completion]:
-        taken = [self.held[k] for k in keys]
-        if forget:
-            for k in keys:
-                del self.held[k]
-        return taken
+        return self.held.take(keys, forget)
 
     @concurrent_endpoint
     async def forget(self, keys: list[int]) -> None:
-        for k in keys:
-            self.held.pop(k, None)
+        self.held.forget(keys)
 
     @concurrent_endpoint
     async def keys(self) -> list[int]:
         """The keys it still holds (what a test checks was taken)."""
-        return sorted(self.held)
+        return sorted(self.held.by_key)
 
     @concurrent_endpoint
     async def pid(self) -> int:

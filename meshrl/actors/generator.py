@@ -46,8 +46,8 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.actors.adapters import MergedAdapter, ServedAdapter, lora_options, serves_adapters
 from meshrl.actors.engine import start_vllm
-from meshrl.actors.held import HeldCompletions
-from meshrl.actors.roles import ReplicaBroken, TokensLost
+from meshrl.actors.held import HeldCompletions, take_held
+from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.weight_updates import WeightUpdates
 from meshrl.configs import GeneratorConfig, WeightSyncConfig
 from meshrl.models.lora import LoraConfig
@@ -191,10 +191,7 @@ class VLLMGenerator(Actor):
         if prompt.prefix_holder is None:
             [before] = self.held.take([prompt.prefix])
         else:
-            try:
-                [before] = await prompt.prefix_holder.completions.call_one([prompt.prefix])
-            except Exception as e:  # its holder died: the group is generated again
-                raise TokensLost(f"the generator holding the previous turn is gone: {e}") from None
+            [before] = await take_held(prompt.prefix_holder, [prompt.prefix])
         return Prompt(prompt.index, before.prompt_token_ids + before.token_ids + prompt.token_ids)
 
     @concurrent_endpoint

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from monarch.actor import Actor, endpoint
 
-from meshrl.actors.roles import TokensLost
+from meshrl.actors.held import take_held
 from meshrl.configs import GraderConfig
 from meshrl.tasks import Sample, make_task
 from meshrl.types import Completion
@@ -80,11 +80,7 @@ class Grader(Actor):
         """The completions `keys` names, taken from the generator `holder`: (reward, checks) of each, None
         where its reward function raised (logged; the caller counts them). UserCodeFailed if it raised on
         most of them."""
-        try:
-            completions = await holder.completions.call_one(keys)
-        except Exception as e:  # their generator died: the group is generated again
-            raise TokensLost(f"the generator holding them is gone: {e}") from None
-        return self.scores(completions, sample)
+        return self.scores(await take_held(holder, keys), sample)
 
     def scores(self, completions: list[Completion], sample: Sample) -> list[tuple[float, dict[str, float]] | None]:
         """`score`'s answer for `completions`: here, the task's reward function's."""

@@ -5,14 +5,16 @@ go. One owner of that bookkeeping for every generator: vLLM's, the simulation's 
 import itertools
 import random
 
+from meshrl.actors.roles import TokensLost
 from meshrl.types import Completion, Generated
 
 
 class HeldCompletions:
-    def __init__(self):
+    def __init__(self, first_key: int | None = None):
+        """Keys count up from `first_key`; by default from a random 40-bit start, so that no other replica
+        of the run draws the same."""
         self.by_key: dict[int, Completion] = {}
-        # keys no other replica of the run draws: a random 40-bit start, counted up
-        self.keys = itertools.count(random.SystemRandom().getrandbits(40) << 23)
+        self.keys = itertools.count(random.SystemRandom().getrandbits(40) << 23 if first_key is None else first_key)
 
     def keep(self, completion: Completion, text: bool = False) -> Generated:
         """Keep `completion`; what the controller is answered (with its text if `text`)."""
@@ -35,3 +37,12 @@ class HeldCompletions:
 
     def __len__(self) -> int:
         return len(self.by_key)
+
+
+async def take_held(holder, keys: list[int], forget: bool = False) -> list[Completion]:
+    """The completions `keys` names from the generator `holder` (an actor mesh); TokensLost if it is gone
+    (its process died) or no longer holds them: the group is generated again."""
+    try:
+        return await holder.completions.call_one(keys, forget=forget)
+    except Exception as e:  # the holder died or lost them: the caller's group is generated again
+        raise TokensLost(f"the generator holding them is gone: {e}") from None

@@ -23,10 +23,10 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from meshrl import checkpoint
 from meshrl.actors import load_actor_class
 from meshrl.actors.distributed import from_buffer, to_buffer
-from meshrl.actors.held import HeldCompletions
+from meshrl.actors.held import HeldCompletions, take_held
 from meshrl.actors.replay_buffer import buffer_impl
 from meshrl.actors.replicas import Replica, ReplicaPool, sticky_slack
-from meshrl.actors.roles import ReplicaBroken, TokensLost
+from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.timeouts import StopSignals, Timeout, Timeouts
 from meshrl.actors.trace import ActorClock, Tracer
 from meshrl.actors.weight_updates import WeightUpdates
@@ -218,11 +218,12 @@ class FakeGrader:
     """roles.Grader: a completion's reward is the number its text is."""
 
     async def score(self, sample, holder, keys: list[int]) -> list[tuple[float, dict[str, float]] | None]:
-        try:
-            completions = await holder.completions.call_one(keys)
-        except Exception as e:  # as the real grader: their generator died, the group is generated again
-            raise TokensLost(f"the generator holding them is gone: {e}") from None
-        return [(float(c.text), {"correct": float(c.text)}) for c in completions]
+        return text_rewards(await take_held(holder, keys))
+
+
+def text_rewards(completions: list[Completion]) -> list[tuple[float, dict[str, float]]]:
+    """The fake and stand-in graders' scores: a completion's reward (and `correct`) is the number its text is."""
+    return [(float(c.text), {"correct": float(c.text)}) for c in completions]
 
 
 class FakeTrainer:

@@ -12,16 +12,16 @@ replay buffer and Monarch's messages between processes, at hundreds of actors (m
   meshrl/actors/distributed.py) and trains nothing.
 """
 
-import itertools
 import time
 from pathlib import Path
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.actors.distributed import from_buffer, to_buffer
-from meshrl.actors.roles import TokensLost
+from meshrl.actors.held import HeldCompletions, take_held
 from meshrl.actors.trace import ActorClock
 from meshrl.actors.weight_updates import WeightUpdates
+from meshrl.tools.simulation import text_rewards
 from meshrl.types import Completion, Generated
 
 
@@ -29,8 +29,7 @@ class StandInGenerator(Actor):
     """roles.Generator with canned completions; `index` makes its keys unique in the run."""
 
     def __init__(self, index: int):
-        self.keys = itertools.count(index << 32)
-        self.held: dict[int, Completion] = {}
+        self.held = HeldCompletions(index << 32)
         self.version, self.running, self.book = 0, 0, WeightUpdates()
         self.canned: dict[int, tuple[list[int], list[float]]] = {}  # length -> (tokens, logprobs), made once
 
@@ -46,14 +45,9 @@ class StandInGenerator(Actor):
             if length not in self.canned:
                 self.canned[length] = (list(range(7, 7 + length)), [-0.5] * length)
             tokens, logprobs = self.canned[length]
-            out = []
-            for p in prompts:
-                for j in range(sampling.n):
-                    key = next(self.keys)
-                    self.held[key] = c = Completion(p.index, p.token_ids, tokens, logprobs, str(j % 2), self.version,
-                                                    "length", [], -0.5 * length)
-                    out.append(Generated.of(key, c, text))
-            return out
+            return [self.held.keep(Completion(p.index, p.token_ids, tokens, logprobs, str(j % 2), self.version,
+                                              "length", [], -0.5 * length), text)
+                    for p in prompts for j in range(sampling.n)]
         finally:
             self.running -= 1
             if not self.running:
@@ -61,15 +55,11 @@ class StandInGenerator(Actor):
 
     @concurrent_endpoint
     async def completions(self, keys: list[int], forget: bool = False) -> list[Completion]:
-        taken = [self.held[k] for k in keys]
-        for k in keys if forget else ():
-            del self.held[k]
-        return taken
+        return self.held.take(keys, forget)
 
     @concurrent_endpoint
     async def forget(self, keys: list[int]) -> None:
-        for k in keys:
-            self.held.pop(k, None)
+        self.held.forget(keys)
 
     @endpoint
     async def attach_weights(self, rings: list) -> str:
@@ -93,11 +83,7 @@ class StandInGrader(Actor):
 
     @endpoint
     async def score(self, sample, holder, keys: list[int]) -> list[tuple[float, dict[str, float]] | None]:
-        try:
-            completions = await holder.completions.call_one(keys)
-        except Exception as e:  # as the real grader: their generator died, the group is generated again
-            raise TokensLost(f"the generator holding them is gone: {e}") from None
-        return [(float(c.text), {"correct": float(c.text)}) for c in completions]
+        return text_rewards(await take_held(holder, keys))
 
 
 class StandInTrainer(Actor):

@@ -27,6 +27,7 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.actors import in_rank_order, parse_cpus, spawn, spawn_ranks
 from meshrl.actors.distributed import join, load_on_ranks
+from meshrl.actors.held import HeldCompletions
 from meshrl.actors.replay_buffer import FifoBuffer
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import ReplayBufferConfig, TrainerConfig, WeightSyncConfig
@@ -50,24 +51,16 @@ class BatchHolder(Actor):
     batch from it by key (`completions`, as from a real generator) before each step from the buffer."""
 
     def __init__(self):
-        self.held: dict[int, Completion] = {}
-        self.next_key = 0
+        self.held = HeldCompletions(0)
 
     @concurrent_endpoint
     async def hold(self, completions: list[Completion]) -> list[int]:
         """Hold `completions`; their keys."""
-        keys = list(range(self.next_key, self.next_key + len(completions)))
-        self.next_key += len(completions)
-        self.held.update(zip(keys, completions))
-        return keys
+        return [self.held.keep(c).key for c in completions]
 
     @concurrent_endpoint
     async def completions(self, keys: list[int], forget: bool = False) -> list[Completion]:
-        taken = [self.held[k] for k in keys]
-        if forget:
-            for k in keys:
-                del self.held[k]
-        return taken
+        return self.held.take(keys, forget)
 
 
 class PlainLoop(Actor):
