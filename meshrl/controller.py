@@ -33,16 +33,16 @@ from monarch.actor import ActorError
 
 from meshrl.actors import first, in_rank_order
 from meshrl.actors.replay_buffer import fresh_groups, generation_ahead
-from meshrl.actors.weight_updates import cache_figures, gather_reports, no_figures
 from meshrl.actors.replicas import ReplicaPool, RoleFailed
 from meshrl.actors.timeouts import Stopped, StopSignals, Timeouts, bounded, deadline
+from meshrl.actors.weight_updates import cache_figures, gather_reports, no_figures
 from meshrl.checkpoint import Checkpointer, RunState, latest
 from meshrl.configs import Config
 from meshrl.episodes import batch_builder, keep_group
 from meshrl.restarts import FAULTS, Respawner, Restarts
 from meshrl.rollout import RolloutCollector
 from meshrl.train_step import train_updates
-from meshrl.types import BatchRef, GroupEpisodes
+from meshrl.types import BatchRef
 from meshrl.work_buffer import Batch, Group, WorkBuffer
 
 logger = logging.getLogger(__name__)
@@ -81,13 +81,12 @@ class Controller:
                                fresh * (cfg.max_sample_rounds if cfg.drop_equal_reward_groups else 1),
                                cfg.drop_equal_reward_groups, cfg.max_failed_fraction, self._keep,
                                generation_ahead(config), self._discard)
-        # what the replay buffer is still to be told, in order: ("add", batch, kept groups) or ("discard", group, None)
-        self.outbox: list[tuple[str, int, list[GroupEpisodes] | None]] = []
+        # the replay buffer's calls still to make, in order: ("add", (batch, kept groups)) or ("discard", (group,))
+        self.outbox: list[tuple[str, tuple]] = []
         self.adding: asyncio.Future | None = None  # tells it, while there is anything
         self.rollouts: asyncio.Task | None = None  # the rollout loop, while it runs
         self.collector = RolloutCollector(config.controller, config.generator, task, tokenizer, generators, graders,
                                           tracer, self.work, lambda: self.buffer, timeouts)
-        self.counted = {"bytes_in": 0, "regenerated": 0}  # the collector's counts at the last step's row
         self.bookkeeping: asyncio.Future | None = None  # the replicas', trainer's and buffer's reports, arriving
         self.figures = no_figures()  # what they reported since the last row
         self.trainer_version = 0  # the newest version the trainer published
@@ -176,8 +175,8 @@ class Controller:
         episodes, kept = keep_group(group.scored, group.prompt_index, self.config.controller, self.task,
                                     self.config.generator.temperature)
         last = self.outbox[-1] if self.outbox else None  # not yet on its way: the sender takes each out first
-        if last and last[0] == "add" and last[1] == batch:
-            last[2].append(episodes)
+        if last and last[0] == "add" and last[1][0] == batch:
+            last[1][1].append(episodes)
         else:
             self._send("add", batch, [episodes])
         return kept
@@ -185,12 +184,12 @@ class Controller:
     def _discard(self, group: Group) -> None:
         """A finished group not trained (dropped, stale): the replay buffer lets its staged tokens go."""
         if group.scored:
-            self._send("discard", group.prompt_index, None)
+            self._send("discard", group.prompt_index)
 
-    def _send(self, endpoint: str, key: int, groups: list[GroupEpisodes] | None) -> None:
-        """To the replay buffer, in order, one call at a time (a call that failed stops them: `_added` raises
-        its error until a restarted buffer replaces the dead one, `lose_adds`)."""
-        self.outbox.append((endpoint, key, groups))
+    def _send(self, endpoint: str, *args) -> None:
+        """`endpoint(*args)` of the replay buffer, after those before it, one call at a time (a call that
+        failed stops them: `_added` raises its error until a restarted buffer replaces the dead one, `lose_adds`)."""
+        self.outbox.append((endpoint, args))
         if self.adding is None or (self.adding.done() and (self.adding.cancelled() or not self.adding.exception())):
             self.adding = asyncio.ensure_future(self._send_all())
 
@@ -198,9 +197,9 @@ class Controller:
         while self.outbox:
             # out of the outbox before it is sent: a group kept meanwhile goes in the next call, never into one
             # already on its way (lost with it if the buffer died: its restart generates them again)
-            endpoint, key, groups = self.outbox.pop(0)
+            endpoint, args = self.outbox.pop(0)
             async with deadline(self.timeouts.buffer, "replay_buffer", endpoint):
-                await getattr(self.buffer, endpoint).call_one(*([key, groups] if groups is not None else [key]))
+                await getattr(self.buffer, endpoint).call_one(*args)
 
     async def _added(self) -> None:
         """Wait until every kept group sent so far is in the replay buffer (raising its error)."""
@@ -348,11 +347,7 @@ class Controller:
                     "replay_buffer_restarts": self.restarts.count["replay_buffer"],
                     "restart_seconds": self.restarts.seconds_lost,
                     **self.updates, "batches_ready": len(self.work.ready) - 1}
-        c = self.collector
-        counters |= {"controller_bytes_in": c.bytes_in - self.counted["bytes_in"],
-                     "groups_regenerated": c.regenerated - self.counted["regenerated"],
-                     "weight_bytes_egress": figures["egress"]}
-        self.counted = {"bytes_in": c.bytes_in, "regenerated": c.regenerated}
+        counters |= {**self.collector.take_counts(), "weight_bytes_egress": figures["egress"]}
         # what the batch held, the replicas' counters, what training did (the plan's staleness among it)
         row = {"step": step, "policy_version": version, **batch.stats, **counters, **cache_figures(figures), **train,
                "train_time_s": t2 - t1, "weight_sync_s": t3 - t2 + figures["pull"], "wait_time_s": t1 - start}
@@ -398,16 +393,14 @@ class Controller:
         """What the generators did (their loads, into the trace and `figures`), the trainer's and the replay
         buffer's spans (into the trace) and the weights' egress, since the last time; a role failing now is
         for the loops to find."""
-        await asyncio.gather(self._weight_updates(), self._spans(self.trainer, "trainer", self.timeouts.trainer),
-                             self._spans(self.buffer, "replay_buffer", self.timeouts.buffer), self._egress(),
-                             return_exceptions=True)
+        await asyncio.gather(
+            gather_reports(self.generators.replicas, self.timeouts.generate, self.tracer, self.figures, self.updates),
+            self._spans(self.trainer, "trainer", self.timeouts.trainer),
+            self._spans(self.buffer, "replay_buffer", self.timeouts.buffer), self._egress(), return_exceptions=True)
 
     async def _egress(self) -> None:
         if self.egress is not None:
             self.figures["egress"] += await self.egress()
-
-    async def _weight_updates(self) -> None:
-        await gather_reports(self.generators.replicas, self.timeouts.generate, self.tracer, self.figures, self.updates)
 
     async def _spans(self, mesh, role: str, timeout) -> None:
         """The spans `role`'s actors timed since the last call (each rank's), into the trace."""

@@ -12,9 +12,9 @@ hung is replaced by its pool and the call redone elsewhere (meshrl/actors/replic
 No token passes through here: a generator answers each completion's key and what the rules need
 (`Generated`); the grader takes the completions from that generator, and a training group's are
 staged in the replay buffer (`stage`), which takes them from the generators itself. Every answer
-the controller receives is counted (`bytes_in`, the step's `controller_bytes_in`). A generator that
+the controller receives is counted (the step's `controller_bytes_in`). A generator that
 dies holding a group's completions before the buffer took them costs the group: it is generated
-again (`regenerated`, the step's `groups_regenerated`). What the buffer does not take is let go.
+again (the step's `groups_regenerated`). What the buffer does not take is let go.
 
 Multi-turn rollouts (`converse`, below): the controller's side of a group's conversations with an environment.
 
@@ -64,8 +64,9 @@ class RolloutCollector:
         self.controller, self.generator, self.task, self.tokenizer = controller, generator, task, tokenizer
         self.generators, self.graders, self.work, self.timeouts, self.tracer = generators, graders, work, timeouts, tracer
         self.buffer = buffer
-        self.bytes_in = 0  # the pickled size of every answer a training group's calls received
-        self.regenerated = 0  # training groups generated again: their tokens died with their generator
+        # since the last `take_counts`: the pickled size of every answer a training group's calls received, and
+        # the training groups generated again (their tokens died with their generator)
+        self.counts = {"controller_bytes_in": 0, "groups_regenerated": 0}
         # the replay buffer failing a group's stage: (its error, that buffer), for the training loop to raise
         # (it has the buffer restarted, meshrl/restarts.py)
         self.buffer_error: tuple[BaseException, object] | None = None
@@ -128,6 +129,11 @@ class RolloutCollector:
             return self.buffer_error[0]
         return None
 
+    def take_counts(self) -> dict[str, int]:
+        """`controller_bytes_in` and `groups_regenerated` since the last call (a step's row)."""
+        counts, self.counts = self.counts, dict.fromkeys(self.counts, 0)
+        return counts
+
     def cancel(self) -> None:
         """Ask every group in flight to stop (each puts its prompt back, first, as it stops)."""
         for task in list(self.groups.values()):
@@ -166,7 +172,7 @@ class RolloutCollector:
         """One prompt's completions (or, for an environment, conversations) from generator replicas (from the
         newest published version on), graded by grader replicas, and (training groups) staged in the replay
         buffer. A replica that fails is replaced and its call redone elsewhere; a group whose tokens died
-        with their generator before the buffer took them is generated again (`regenerated`), up to
+        with their generator before the buffer took them is generated again (`groups_regenerated`), up to
         MAX_REGENERATIONS times; CallFailed if a call raised an error of its own. The group's policy version
         is its oldest sequence's, each counted by `controller.staleness`."""
         launched, lost = self.tracer.now(), 0  # the tokens of attempts lost
@@ -177,7 +183,7 @@ class RolloutCollector:
                 group.tokens, group.lost_tokens = group.tokens + lost, lost
                 return group
             except TokensLost as e:
-                self.regenerated += what == "generate"  # the training groups' (the step's groups_regenerated)
+                self.counts["groups_regenerated"] += what == "generate"  # the training groups' only
                 lost += this.tokens
                 if attempt == MAX_REGENERATIONS:
                     failed = CallFailed(f"its tokens were lost {attempt + 1} times: {e}")
@@ -231,7 +237,7 @@ class Attempt:
     def meter(self, answer):
         """An answer a training group received, counted in the controller's bytes in."""
         if self.what == "generate":
-            self.c.bytes_in += len(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
+            self.c.counts["controller_bytes_in"] += len(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
         return answer
 
     async def generate(self, prompts: list[Prompt], sampling: Sampling, text: bool = False) -> list[Generated]:
