@@ -37,6 +37,7 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import ActorError
 from tqdm import tqdm
 
+from meshrl.actors.held import take_held
 from meshrl.actors.replicas import CallFailed, Replica, ReplicaPool
 from meshrl.actors.roles import TokensLost
 from meshrl.actors.timeouts import CallTimeout, Timeouts, deadline
@@ -304,9 +305,10 @@ class Attempt:
         self.staged = {key for turns in sequences for _, key in turns}
 
     async def example(self, completion: Generated | Trajectory) -> None:
-        """An eval example's text, taken from its generator (the controller prints it)."""
+        """An eval example's text, taken from its generator (the controller prints it); TokensLost if that
+        generator died meanwhile (the eval group is generated again)."""
         if completion.text is None:
-            [whole] = await self.holders[completion.key].actor.completions.call_one([completion.key])
+            [whole] = await take_held(self.holders[completion.key].actor, [completion.key])
             completion.text = whole.text
 
     def let_go(self) -> None:
