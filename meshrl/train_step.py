@@ -70,9 +70,10 @@ def by_tokens(episodes: list[Episode], max_tokens: int) -> list[list[Episode]]:
     return groups
 
 
-def padding_fraction(episodes: list[Episode], batches: list[TrainBatch]) -> float:
-    """The share of the positions the micro-batches compute that are padding."""
-    positions = sum(b.input_ids.numel() for b in batches)
+def padding_fraction(episodes: list[Episode], micro: list[list[Episode]]) -> float:
+    """The share of the positions that `episodes`' micro-batches (`micro`, as `micro_groups` makes them)
+    compute that are padding: each collates to its sequences x its longest less one."""
+    positions = sum(len(group) * (max(len(e.tokens) for e in group) - 1) for group in micro)
     return 1 - sum(len(e.tokens) - 1 for e in episodes) / max(positions, 1)
 
 
@@ -113,8 +114,10 @@ async def train_step(trainer, reference, episodes: list[Episode], config: Traine
     updates = [micro_batches(chunk, config.micro_batch_size, pad_id, config.micro_batch_tokens)
                for chunk in split(episodes, config.mini_batches)]
     metrics = await train_updates(trainer, reference, updates, config, span, version, reference_ranks, timeouts)
+    micro = [g for chunk in split(episodes, config.mini_batches)
+             for g in micro_groups(chunk, config.micro_batch_size, config.micro_batch_tokens)]
     return {**metrics, "tokens_trained": int(sum(len(e.tokens) for e in episodes)),
-            "padding_fraction": padding_fraction(episodes, [b for batches in updates for b in batches])}
+            "padding_fraction": padding_fraction(episodes, micro)}
 
 
 def with_into(batch: TrainBatch | BatchRef, into: str) -> TrainBatch | BatchRef:

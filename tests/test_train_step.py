@@ -5,7 +5,7 @@ model and loss, in process."""
 import pytest
 import torch
 
-from meshrl.train_step import micro_batches, padding_fraction, split
+from meshrl.train_step import micro_batches, micro_groups, padding_fraction, split
 from meshrl.types import Episode
 
 
@@ -38,12 +38,12 @@ def episodes_of_lengths(lengths: list[int]) -> list[Episode]:
 
 def test_token_budget_micro_batches_group_neighbours_in_length_and_pad_less():
     episodes = episodes_of_lengths([40, 6, 38, 7, 5, 39, 8, 41])
-    fixed = micro_batches(episodes, size=2, pad_id=0)
     budget = micro_batches(episodes, size=2, pad_id=0, max_tokens=80)
     # longest first; a micro-batch takes sequences while count x its longest (positions) fits in 80
     assert [tuple(b.input_ids.shape) for b in budget] == [(2, 40), (2, 38), (4, 7)]
     assert all(b.input_ids.numel() <= 80 for b in budget)
-    assert padding_fraction(episodes, budget) < 0.1 < padding_fraction(episodes, fixed)
+    assert padding_fraction(episodes, micro_groups(episodes, 2, 80)) < 0.1 < padding_fraction(episodes,
+                                                                                   micro_groups(episodes, 2))
     # every sequence and loss token once, with the whole mini-batch's normalisers
     assert sum(b.input_ids.shape[0] for b in budget) == 8
     assert sum(int(b.loss_mask.sum()) for b in budget) == sum(e.num_response_tokens for e in episodes)

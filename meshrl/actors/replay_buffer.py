@@ -45,11 +45,13 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.actors import pin_cpus
+from meshrl.actors.held import take_held
+from meshrl.actors.roles import TokensLost
 from meshrl.actors.trace import ActorClock
 from meshrl.advantages import population_std
 from meshrl.configs import ReplayBufferConfig, TrainerConfig
 from meshrl.episodes import RolloutRecorder, flatten
-from meshrl.train_step import micro_groups, split
+from meshrl.train_step import micro_groups, padding_fraction, split
 from meshrl.types import BatchRef, Completion, Episode, GroupEpisodes, TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -114,9 +116,8 @@ class FifoBuffer(Actor):
             for holder, key in turns:
                 wanted.setdefault(holder, []).append(key)
         try:
-            taken = await asyncio.gather(*(holders[h].completions.call_one(keys, forget=True)
-                                           for h, keys in wanted.items()))
-        except Exception as e:  # a holder that died, or no longer holds them: the group is lost, not the buffer
+            taken = await asyncio.gather(*(take_held(holders[h], keys, forget=True) for h, keys in wanted.items()))
+        except TokensLost as e:  # a holder that died, or no longer holds them: the group is lost, not the buffer
             logger.warning("group %d's completions could not be taken from their generator: %s", group_id,
                            str(e).splitlines()[0] if str(e) else type(e).__name__)
             return False
@@ -168,11 +169,10 @@ class FifoBuffer(Actor):
             updates.append([MicroBatch(group, loss_tokens, len(chunk))
                             for group in micro_groups(chunk, t.micro_batch_size, t.micro_batch_tokens)])
         self.micro[batch] = updates
-        positions = sum(len(m.episodes) * (max(len(e.tokens) for e in m.episodes) - 1) for u in updates for m in u)
         return {"micro_batches": [len(u) for u in updates], "episodes_trained": len(handed.episodes),
                 "episodes_reused": handed.reused, "groups_reused": handed.groups_reused,
                 "tokens_trained": sum(len(e.tokens) for e in handed.episodes),
-                "padding_fraction": 1 - sum(len(e.tokens) - 1 for e in handed.episodes) / max(positions, 1),
+                "padding_fraction": padding_fraction(handed.episodes, [m.episodes for u in updates for m in u]),
                 "staleness_mean": sum(ages) / len(ages) if ages else 0.0, "staleness_max": max(ages, default=0),
                 "episodes_by_age": [ages.count(a) for a in range(max(ages, default=0) + 1)]}
 
