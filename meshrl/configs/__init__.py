@@ -17,6 +17,7 @@ from meshrl.configs.engine import EngineConfig
 from meshrl.configs.job import JobConfig
 from meshrl.configs.lr_schedule import LrScheduleConfig
 from meshrl.configs.overrides import ConfigError, apply_overrides
+from meshrl.configs.serve import ServeConfig
 from meshrl.models.lora import LoraConfig
 from meshrl.models.memory import CHECKPOINTING, ON_OFF, REFERENCE_DTYPES
 from meshrl.tasks.dataset import DatasetConfig
@@ -363,12 +364,13 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     job: JobConfig = field(default_factory=JobConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)  # the generate endpoint for harnesses that drive their own loop (off)
 
     def check(self) -> None:
         """ValueError (one line, naming the field) for values that cannot work, before anything starts: each
         section checks its own fields, then what spans sections."""
         for section in (self.generator, self.grader, self.trainer, self.reference, self.replay_buffer,
-                        self.weight_sync, self.controller, self.logging, self.checkpoint):
+                        self.weight_sync, self.controller, self.logging, self.checkpoint, self.serve):
             section.check()
         if self.replay_buffer.impl == "replay" and self.controller.max_policy_age < 1:
             raise ValueError("replay_buffer.impl replay trains groups again in later steps, which the staleness bound "
@@ -405,7 +407,7 @@ def to_dict(config: Config) -> dict:
 RESUMABLE = ("controller.steps", "controller.eval_every", "checkpoint.", "logging.", "job.", "weight_sync.transport",
              "weight_sync.checksums", "weight_sync.chunk_mb", "weight_sync.poll_s", "weight_sync.verify", ".hosts", ".cpus", ".num_threads", ".timeout_s",
              ".max_restarts", "trainer.max_bad_steps", "trainer.activation_checkpointing", "trainer.logprob_chunk_tokens", "generator.replicas", "grader.replicas", "controller.stop_timeout_s", "controller.restart_window_s",
-             "controller.max_failed_fraction", "trainer.ranks", "reference.ranks")
+             "controller.max_failed_fraction", "trainer.ranks", "reference.ranks", "serve.")
 
 
 def resumable_overrides(saved: Config, config: Config) -> None:

@@ -46,6 +46,7 @@ from meshrl.runtime.loggers import MetricLoggers
 from meshrl.runtime.metric_rows import MetricRows
 from meshrl.runtime.plot import plot_curves
 from meshrl.runtime.relays import Relays
+from meshrl.runtime.serve import GenerateServer, serve_run
 from meshrl.tasks import make_task, task_config
 from meshrl.weight_sync import published_weights
 from meshrl.work_buffer import TooManyFailures
@@ -83,6 +84,7 @@ class Run:
         self.rings: list = []  # the trainer ranks' weight rings, which generators (or their hosts' relays) attach to
         self.relays: Relays | None = None  # a weight relay per generator host, if weight_sync.relay says so
         self.dtypes: Dtypes | None = None  # what each role computes in, and why (decided at the start)
+        self.server: GenerateServer | None = None  # the generate endpoint, with serve.enabled
 
     def fit_prompts(self) -> None:
         """Tasks that can (the dataset's) drop samples whose prompts could not be generated from: more
@@ -119,6 +121,9 @@ class Run:
                                             self.timeouts, self.actors.buffer), rows, self.timeouts,
                     Respawner(self._respawn, self._attach_generators),
                     self.relays.egress if self.relays and self.relays.on else None)
+                if self.config.serve.enabled:  # harnesses that drive their own loop (meshrl/runtime/serve.py)
+                    self.server = await serve_run(self.config, self.pools[0], self.timeouts, lambda: c.trainer_version,
+                                                  self.run_dir)
                 if resumed:
                     await c.restore(resumed, self.resume_from)
                     tqdm.write(f"resumed from {self.resume_from} (step {resumed.step}, "
@@ -131,6 +136,8 @@ class Run:
                 saved = bool(await bounded(self._save(), stop, "saving the policy"))
         finally:
             rows.close()
+            if self.server:
+                await self.server.stop()
             await self._stop_actors()
             self.signals.release()
             self.tracer.close()

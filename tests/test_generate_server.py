@@ -1,0 +1,116 @@
+"""The token-in/token-out generate endpoint (meshrl/runtime/serve.py) driven by a scripted client over plain
+HTTP, as an external harness drives it: real generator actors (vLLM, tiny model) and a real trainer whose
+published version the second turn is sampled from."""
+
+import asyncio
+
+import httpx
+
+from meshrl.actors import spawn
+from meshrl.actors.generator import VLLMGenerator
+from meshrl.actors.replicas import ReplicaPool, monarch_replicas
+from meshrl.actors.trainer import TitanTrainer
+from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
+from meshrl.models.model import ChatTokenizer
+from meshrl.runtime.serve import GENERATE, MODELS, SESSIONS, GenerateServer, token_versions
+from meshrl.types import Sampling, TrainBatch
+
+
+def per_token(spans: list[dict]) -> list[int]:
+    """vLLM's weight_versions spans as the version of each output token."""
+    return [int(s["version"]) for s in spans for _ in range(s["start"], s["end"])]
+
+
+def test_a_scripted_client_runs_a_two_turn_session_recorded_with_its_exact_tokens_logprobs_and_versions(
+        tiny_checkpoint):
+    """Turn 1 from version 0; the trainer trains on the session's record and publishes version 1; turn 2,
+    whose prompt is turn 1's prompt and reply and the harness's next tokens, comes from version 1. What the
+    client was answered (token ids, logprobs, per-token versions) is what the session records, and the
+    ended session is one Episode trained on both replies."""
+    tokenizer = ChatTokenizer(tiny_checkpoint)
+    answers, refusals = [], {}
+
+    async def run():
+        sync = WeightSyncConfig()
+        pool = ReplicaPool("generator", monarch_replicas(
+            lambda i: "generator", VLLMGenerator,
+            lambda i: (GeneratorConfig(num_threads=1), sync, str(tiny_checkpoint))), 1, 0)
+        trn_procs, trainer = spawn("trainer", TitanTrainer, TrainerConfig(lr=1e-2, num_threads=1), sync,
+                                   str(tiny_checkpoint))
+        await pool.start()
+        server = None
+        try:
+            await pool.replicas[0].actor.attach_weights.call_one([await trainer.weight_ring.call_one()])
+            published = [0]
+            server = GenerateServer(pool, "tiny", Sampling(temperature=1.0, max_tokens=8),
+                                    min_version=lambda: published[0], max_model_len=512)
+            port = await server.start("127.0.0.1", 0)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
+                models = (await client.get(MODELS)).json()
+                assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [("tiny", 512)]
+
+                async def turn(token_ids, **sampling):
+                    r = await client.post(GENERATE, headers={"X-Session-Id": "s1"},
+                                          json={"token_ids": token_ids, "sampling_params": sampling})
+                    assert r.status_code == 200, r.text
+                    answers.append(r.json())
+                    return r.json()["choices"][0]["token_ids"]
+
+                first = tokenizer.encode_chat("What is 1 + 2?")
+                reply = await turn(first, temperature=1.0, max_tokens=6)
+                # the trainer takes the session's record so far and publishes version 1
+                e = server.store.sessions["s1"].episode(advantage=-1.0, group_id=0)
+                await trainer.forward_backward.call_one(TrainBatch.collate([e], e.num_response_tokens, 1))
+                await trainer.optim_step.call_one()
+                published[0] = await trainer.publish_weights.call_one()
+                # the harness's next turn: the conversation so far, then its own tokens
+                harness = tokenizer.continuation([{"role": "user", "content": "What is 1 + 2?"},
+                                                  {"role": "assistant", "content": ""}], reply,
+                                                 [{"role": "user", "content": "Now add 4."}])
+                await turn(first + reply + harness, max_tokens=5)
+                # what a harness gets wrong is refused with one line, and nothing is recorded
+                for name, body, headers in [
+                        ("no_session", {"token_ids": first, "sampling_params": {}}, {}),
+                        ("unserved", {"token_ids": first, "sampling_params": {"top_k": 5}}, {"X-Session-Id": "s2"}),
+                        ("n", {"token_ids": first, "sampling_params": {"n": 2}}, {"X-Session-Id": "s2"})]:
+                    r = await client.post(GENERATE, json=body, headers=headers)
+                    refusals[name] = (r.status_code, r.json()["error"]["message"])
+                ended = await client.post(f"{SESSIONS}/s1/end")
+                assert ended.json() == {"session_id": "s1", "turns": 2}
+                again = await client.post(GENERATE, headers={"X-Session-Id": "s1"},
+                                          json={"token_ids": first, "sampling_params": {}})
+                refusals["ended"] = (again.status_code, again.json()["error"]["message"])
+            assert list(server.store.sessions) == ["s1"]  # refused requests opened no session
+            return first, harness, server.store.take_ended()
+        finally:
+            if server:
+                await server.stop()
+            await pool.stop()
+            await trn_procs.stop()
+
+    first, harness, ended = asyncio.run(run())
+    assert list(ended) == ["s1"]
+    session = ended["s1"]
+    assert len(session.turns) == 2 and len(answers) == 2
+    for answer, turn in zip(answers, session.turns):
+        [choice] = answer["choices"]
+        c = turn.completion
+        assert choice["token_ids"] == c.token_ids and len(c.token_ids) > 0
+        assert [x["token_id"] for x in choice["logprobs"]["content"]] == c.token_ids
+        assert [x["logprob"] for x in choice["logprobs"]["content"]] == c.logprobs
+        assert per_token(choice["weight_versions"]) == turn.token_versions() == token_versions(c)
+        assert answer["usage"]["prompt_tokens"] == len(c.prompt_token_ids)
+    one, two = (t.completion for t in session.turns)
+    assert one.prompt_token_ids == first
+    assert two.prompt_token_ids == one.prompt_token_ids + one.token_ids + harness  # token ids exactly
+    assert set(session.turns[0].token_versions()) == {0} and set(session.turns[1].token_versions()) == {1}
+    assert len(one.token_ids) <= 6 and len(two.token_ids) <= 5  # each turn's own max_tokens
+    # one Episode: the second turn's sequence, trained on both replies and not on the harness's tokens
+    e = session.episode(advantage=1.0, group_id=3)
+    assert e.tokens == two.prompt_token_ids + two.token_ids
+    trained = [t for t, m in zip(e.tokens, e.loss_mask) if m]
+    assert trained == one.token_ids + two.token_ids and e.policy_version == 0
+    assert refusals["no_session"][0] == 400 and "X-Session-Id" in refusals["no_session"][1]
+    assert refusals["unserved"][0] == 400 and "top_k" in refusals["unserved"][1]
+    assert refusals["n"][0] == 400 and "n must be 1" in refusals["n"][1]
+    assert refusals["ended"][0] == 409
