@@ -12,7 +12,7 @@ from meshrl.actors.replicas import ReplicaPool, monarch_replicas
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
 from meshrl.models.model import ChatTokenizer
-from meshrl.runtime.serve import GENERATE, MODELS, SESSIONS, GenerateServer, token_versions
+from meshrl.runtime.serve import GENERATE, MODELS, SESSIONS, GenerateServer, end_token_ids, token_versions
 from meshrl.types import Sampling, TrainBatch
 
 
@@ -43,7 +43,8 @@ def test_a_scripted_client_runs_a_two_turn_session_recorded_with_its_exact_token
             await pool.replicas[0].actor.attach_weights.call_one([await trainer.weight_ring.call_one()])
             published = [0]
             server = GenerateServer(pool, "tiny", Sampling(temperature=1.0, max_tokens=8),
-                                    min_version=lambda: published[0], max_model_len=512)
+                                    min_version=lambda: published[0], max_model_len=512,
+                                    end_ids=end_token_ids(tiny_checkpoint))
             port = await server.start("127.0.0.1", 0)
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
                 models = (await client.get(MODELS)).json()
@@ -57,7 +58,9 @@ def test_a_scripted_client_runs_a_two_turn_session_recorded_with_its_exact_token
                     return r.json()["choices"][0]["token_ids"]
 
                 first = tokenizer.encode_chat("What is 1 + 2?")
-                reply = await turn(first, temperature=1.0, max_tokens=6)
+                # as verifiers' renderers ask: the template's end of turn as stop_token_ids, logprobs 1
+                reply = await turn(first, temperature=1.0, max_tokens=6, logprobs=1,
+                                   stop_token_ids=sorted(end_token_ids(tiny_checkpoint)))
                 # the trainer takes the session's record so far and publishes version 1
                 e = server.store.sessions["s1"].episode(advantage=-1.0, group_id=0)
                 await trainer.forward_backward.call_one(TrainBatch.collate([e], e.num_response_tokens, 1))
@@ -72,7 +75,9 @@ def test_a_scripted_client_runs_a_two_turn_session_recorded_with_its_exact_token
                 for name, body, headers in [
                         ("no_session", {"token_ids": first, "sampling_params": {}}, {}),
                         ("unserved", {"token_ids": first, "sampling_params": {"top_k": 5}}, {"X-Session-Id": "s2"}),
-                        ("n", {"token_ids": first, "sampling_params": {"n": 2}}, {"X-Session-Id": "s2"})]:
+                        ("n", {"token_ids": first, "sampling_params": {"n": 2}}, {"X-Session-Id": "s2"}),
+                        ("stop_ids", {"token_ids": first, "sampling_params": {"stop_token_ids": [5]}},
+                         {"X-Session-Id": "s2"})]:
                     r = await client.post(GENERATE, json=body, headers=headers)
                     refusals[name] = (r.status_code, r.json()["error"]["message"])
                 ended = await client.post(f"{SESSIONS}/s1/end")
@@ -113,4 +118,5 @@ def test_a_scripted_client_runs_a_two_turn_session_recorded_with_its_exact_token
     assert refusals["no_session"][0] == 400 and "X-Session-Id" in refusals["no_session"][1]
     assert refusals["unserved"][0] == 400 and "top_k" in refusals["unserved"][1]
     assert refusals["n"][0] == 400 and "n must be 1" in refusals["n"][1]
+    assert refusals["stop_ids"][0] == 400 and "[5]" in refusals["stop_ids"][1]
     assert refusals["ended"][0] == 409

@@ -72,7 +72,7 @@ class Run:
         self.model_path = resolve_checkpoint(config.model.source)
         if config.trainer.lora.rank:  # its targets and rank checked against the model, on the meta device
             published_weights(self.model_path, "float32", config.trainer.lora)
-        self.tokenizer = ChatTokenizer(self.model_path)
+        self.tokenizer = ChatTokenizer(self.model_path, config.model.chat_template)
         self.fit_prompts()
         self.signals = StopSignals()
         self.hosts: Hosts | None = None
@@ -123,7 +123,7 @@ class Run:
                     self.relays.egress if self.relays and self.relays.on else None)
                 if self.config.serve.enabled:  # harnesses that drive their own loop (meshrl/runtime/serve.py)
                     self.server = await serve_run(self.config, self.pools[0], self.timeouts, lambda: c.trainer_version,
-                                                  self.run_dir)
+                                                  self.run_dir, self.model_path)
                 if resumed:
                     await c.restore(resumed, self.resume_from)
                     tqdm.write(f"resumed from {self.resume_from} (step {resumed.step}, "

@@ -39,8 +39,8 @@ from meshrl.types import Completion, Episode, Prompt, Sampling
 logger = logging.getLogger(__name__)
 GENERATE, MODELS, SESSIONS = "/inference/v1/generate", "/v1/models", "/meshrl/v1/sessions"
 # vLLM sampling parameters the generator serves; any other, set to other than its default, is refused
-SERVED = {"n", "temperature", "top_p", "max_tokens", "stop", "logprobs", "detokenize", "skip_special_tokens",
-          "spaces_between_special_tokens", "include_stop_str_in_output"}
+SERVED = {"n", "temperature", "top_p", "max_tokens", "stop", "stop_token_ids", "logprobs", "detokenize",
+          "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"}
 
 
 class Refused(ValueError):
@@ -137,9 +137,11 @@ def version_spans(c: Completion) -> list:
     return [WeightVersionSpan(str(version), start, end) for (start, version), end in zip(changes, ends) if end > start]
 
 
-def served_sampling(request, default: Sampling) -> Sampling:
+def served_sampling(request, default: Sampling, end_ids: frozenset[int] = frozenset()) -> Sampling:
     """The request's sampling parameters as the generator serves them; those left out take the run's
-    generator settings (`default`). Refused for any it cannot serve."""
+    generator settings (`default`). Refused for any it cannot serve. `stop_token_ids` are served when they are
+    among `end_ids`, which vLLM ends a turn at by itself (a renderer names its template's end of turn); any
+    `logprobs` is served as the sampled token's own logprob (no top candidates)."""
     from vllm import SamplingParams
 
     params, defaults = request.sampling_params, SamplingParams()
@@ -150,14 +152,24 @@ def served_sampling(request, default: Sampling) -> Sampling:
     if params.n != 1:
         raise Refused("sampling_params.n must be 1: a session is one conversation (send a request per "
                       "conversation, each with its own session id)")
-    if params.logprobs:
-        raise Refused("sampling_params.logprobs above 0 (top candidates) is not served: each sampled token's "
-                      "logprob always comes back")
+    if other := sorted(set(params.stop_token_ids or ()) - end_ids):
+        raise Refused(f"sampling_params.stop_token_ids {other} are not served: the generator stops only at the "
+                      f"model's end tokens {sorted(end_ids)}")
     given = request.is_sampling_param_provided
     return Sampling(n=1, temperature=params.temperature if given("temperature") else default.temperature,
                     top_p=params.top_p if given("top_p") else default.top_p,
                     max_tokens=params.max_tokens if given("max_tokens") and params.max_tokens else default.max_tokens,
                     stop=list(params.stop or []))
+
+
+def end_token_ids(checkpoint: Path) -> frozenset[int]:
+    """The token ids vLLM ends a turn at by itself: the model's eos ids (config.json, generation_config.json)."""
+    ids = set()
+    for name in ("config.json", "generation_config.json"):
+        path = Path(checkpoint) / name
+        eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
 
 
 def request_model():
@@ -173,13 +185,14 @@ def request_model():
 class GenerateServer:
     def __init__(self, pool: ReplicaPool, model_name: str, default: Sampling, store: SessionStore | None = None,
                  min_version: Callable[[], int] = lambda: 0, timeout: Timeout | None = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, end_ids: frozenset[int] = frozenset()):
         """Serves `pool`'s generators as `model_name`; sampling left out of a request is `default`'s; a turn's
         first token comes from version `min_version()` or newer (a run: its staleness bound); each call is
-        bounded by `timeout` (the generator's, past which the replica is replaced)."""
+        bounded by `timeout` (the generator's, past which the replica is replaced); `end_ids`: the tokens vLLM
+        ends a turn at by itself (`end_token_ids`), which a request may name as its stop_token_ids."""
         self.pool, self.model_name, self.default = pool, model_name, default
         self.store = store or SessionStore()
-        self.min_version, self.timeout, self.max_model_len = min_version, timeout, max_model_len
+        self.min_version, self.timeout, self.max_model_len, self.end_ids = min_version, timeout, max_model_len, end_ids
         self.prompt_index = itertools.count()
         self.server = None
         self.task: asyncio.Task | None = None
@@ -229,7 +242,7 @@ class GenerateServer:
             raise Refused("no session id: send the X-Session-Id header (or a session_id field)")
         if request.stream or request.output_mode != "tokens" or request.features or request.content_parts:
             raise Refused("only token-in/token-out is served: no stream, output_mode tokens, no multimodal input")
-        sampling = served_sampling(request, self.default)
+        sampling = served_sampling(request, self.default, self.end_ids)
         session = self.store.open(session_id)
         prompt = Prompt(next(self.prompt_index), list(request.token_ids))
 
@@ -287,8 +300,8 @@ class GenerateServer:
             await asyncio.wait_for(self.task, 10)
 
 
-async def serve_run(config, pool: ReplicaPool, timeouts, trainer_version: Callable[[], int],
-                    run_dir: Path) -> GenerateServer:
+async def serve_run(config, pool: ReplicaPool, timeouts, trainer_version: Callable[[], int], run_dir: Path,
+                    checkpoint: Path) -> GenerateServer:
     """A run's endpoint (`serve` section) over its generator pool, turns served from within its staleness
     bound (`controller.max_policy_age` versions behind the trainer's newest at most); its address is
     written to serve.json in the run directory."""
@@ -297,7 +310,7 @@ async def serve_run(config, pool: ReplicaPool, timeouts, trainer_version: Callab
                             Sampling(temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_tokens),
                             SessionStore(s.max_sessions),
                             lambda: max(0, trainer_version() - config.controller.max_policy_age),
-                            timeouts.generate, g.max_model_len)
+                            timeouts.generate, g.max_model_len, end_token_ids(checkpoint))
     port = await server.start(s.host, s.port)
     url = f"http://{s.host}:{port}"
     (run_dir / "serve.json").write_text(json.dumps({"url": url, "generate": url + GENERATE, "models": url + MODELS,
