@@ -105,7 +105,8 @@ def rollout_record(scored: ScoredCompletion, group_id: int, prompt: str, stalene
             "policy_version": c.policy_version, "counted_version": c.sampled_version(staleness),
             "finish_reason": c.finish_reason,
             **({"versions": [t.versions for t in model_turns(c)]} if changed else {}),
-            **({"turns": len(c.turns)} if isinstance(c, Trajectory) else {})}
+            **({"turns": len(c.turns)} if isinstance(c, Trajectory) else {}),
+            **({"metadata": scored.metadata} if scored.metadata else {})}
 
 
 class RolloutRecorder:

@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import math
 import pickle
+import uuid
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -44,7 +45,7 @@ from meshrl.actors.timeouts import CallTimeout, Timeouts, deadline
 from meshrl.configs import ControllerConfig, GeneratorConfig
 from meshrl.episodes import check_rates
 from meshrl.models.model import ChatTokenizer
-from meshrl.tasks import Sample, is_environment
+from meshrl.tasks import Sample, is_environment, is_session
 from meshrl.types import Generated, Prompt, Sampling, ScoredCompletion, Trajectory, model_turns
 from meshrl.work_buffer import Group, WorkBuffer
 
@@ -211,7 +212,10 @@ class Attempt:
     async def run(self, sample: Sample, sampling: Sampling) -> Group:
         c = self.c
         try:
-            if is_environment(c.task):
+            if is_session(c.task):
+                scored, failed = await self.sessions(sample, sampling)
+                completions = len(scored) + failed
+            elif is_environment(c.task):
                 scored, failed = await converse(
                     self.index, c.task.opening(sample), dataclasses.replace(sampling, stop=list(c.task.stop)),
                     c.controller.max_turns, c.generator.max_model_len, c.tokenizer,
@@ -270,15 +274,40 @@ class Attempt:
         self.oldest = min(self.oldest, *(g.sampled_version(c.staleness) for g in out))
         return out
 
-    def grade(self, endpoint: str, *args):
-        """A reward (score) or an environment's answer (step) from a grader replica: a "grade" span."""
+    async def sessions(self, sample: Sample, sampling: Sampling) -> tuple[list[ScoredCompletion], int]:
+        """A session environment's group: a session per conversation, all on one grader replica (they live
+        there: its death costs the group, TokensLost, which is generated again), stepped with each model turn
+        and closed there on every path (ended, truncated, stopped, failed)."""
+        c = self.c
+        replica = await c.graders.pick()
+        sessions = [f"{self.index}-{uuid.uuid4().hex}" for _ in range(sampling.n)]
+
+        def step(conversations: list[list[dict]], last: bool, ids: list[str]):
+            # a conversation whose last message is the environment's (out of context) ends with no new turn
+            replies = [m[-1]["content"] if m[-1]["role"] == "assistant" else None for m in conversations]
+            return self.grade("step_sessions", ids, replies, last, on=replica)
+
+        try:
+            opening = await self.grade("open_sessions", sample, sessions, on=replica)
+            return await converse(self.index, opening, dataclasses.replace(sampling, stop=list(c.task.stop)),
+                                  c.controller.max_turns, c.generator.max_model_len, c.tokenizer,
+                                  lambda prompts, s: self.generate(prompts, s, text=True), step, sessions=sessions)
+        finally:  # those ended are closed already: closing again is a no-op
+            if replica.healthy:
+                task = asyncio.ensure_future(close_on(replica, sessions, c.timeouts))
+                LETTING_GO.add(task)
+                task.add_done_callback(LETTING_GO.discard)
+
+    def grade(self, endpoint: str, *args, on: Replica | None = None):
+        """A reward (score) or an environment's answer (step) from a grader replica (`on`: that one alone, which
+        holds the group's sessions): a "grade" span."""
         c = self.c
 
-        async def on(replica: Replica):
+        async def call(replica: Replica):
             async with c.tracer.span("grader", "grade", replica=replica.index, timeout=c.timeouts.grade,
                                      lock=replica.calls):
                 return self.meter(await getattr(replica.actor, endpoint).call_one(*args))
-        return c.graders.call(on)
+        return c.graders.call(call) if on is None else c.graders.call_on(on, call)
 
     async def stage(self, scored: list[ScoredCompletion]) -> None:
         """The scored sequences' completions into the replay buffer, which takes them from their generators;
@@ -323,6 +352,14 @@ class Attempt:
             task.add_done_callback(LETTING_GO.discard)
 
 
+async def close_on(replica: Replica, sessions: list[str], timeouts: Timeouts) -> None:
+    try:
+        async with deadline(timeouts.grade, "grader", "close_sessions"):
+            await replica.actor.close_sessions.call_one(sessions)
+    except Exception:  # a replica failing now is the pool's to find
+        pass
+
+
 async def forget_on(replica: Replica, keys: list[int], timeouts: Timeouts) -> None:
     try:
         async with deadline(timeouts.generate, "generator", "forget"):
@@ -334,7 +371,7 @@ async def forget_on(replica: Replica, keys: list[int], timeouts: Timeouts) -> No
 # Multi-turn: one group's conversations with an environment, turn by turn.
 
 Generate = Callable[[list[Prompt], Sampling], Awaitable[list[Generated]]]
-Step = Callable[[list[list[dict]], bool], Awaitable[list]]  # -> one grader.EnvReply per conversation
+Step = Callable[..., Awaitable[list]]  # (conversations, last[, their sessions]) -> one grader.EnvReply per conversation
 
 
 @dataclass
@@ -342,6 +379,7 @@ class Conversation:
     messages: list[dict]  # as the environment sees it: the opening, then each turn and answer
     turns: list[Generated]
     between: list[list[int]]  # the template's tokens after each turn (its end, the answer, the next turn opened)
+    session: str | None = None  # its session, in a session environment
 
     def take(self, turn: Generated) -> None:
         self.turns.append(turn)
@@ -358,13 +396,16 @@ class Conversation:
 
 
 async def converse(index: int, opening: list[dict], sampling: Sampling, max_turns: int, max_model_len: int,
-                   tokenizer: ChatTokenizer, generate: Generate, step: Step) -> tuple[list[ScoredCompletion], int]:
+                   tokenizer: ChatTokenizer, generate: Generate, step: Step,
+                   sessions: list[str] | None = None) -> tuple[list[ScoredCompletion], int]:
     """`sampling.n` conversations from the `opening` messages: returns the scored trajectories and the
-    number of conversations the environment failed on (left out). Each later turn's prompt is its new
+    number of conversations the environment failed on (left out). `step(conversations, last)` answers the
+    live conversations' latest turns; with `sessions` (a session environment, one per conversation) it is
+    `step(conversations, last, their sessions)`. Each later turn's prompt is its new
     tokens after the previous turn (`Prompt.prefix`), which the generators hold. A conversation whose
     next prompt would leave no room for `sampling.max_tokens` within `max_model_len` ends where it is."""
     first = await generate([Prompt(index, tokenizer.encode_messages(opening))], sampling)
-    live = [Conversation(list(opening), [], []) for _ in first]
+    live = [Conversation(list(opening), [], [], sessions[k] if sessions else None) for k in range(len(first))]
     for conversation, turn in zip(live, first):
         conversation.take(turn)
     scored, failed = [], 0
@@ -374,11 +415,16 @@ async def converse(index: int, opening: list[dict], sampling: Sampling, max_turn
         if reply.failed:
             failed += 1
         else:
-            scored.append(ScoredCompletion(conversation.trajectory(tokenizer), reply.reward, reply.checks))
+            scored.append(ScoredCompletion(conversation.trajectory(tokenizer), reply.reward, reply.checks,
+                                           getattr(reply, "metadata", {})))
+
+    def ask(conversations: list[Conversation], last: bool):
+        messages = [c.messages for c in conversations]
+        return step(messages, last) if sessions is None else step(messages, last, [c.session for c in conversations])
 
     for turn in range(1, max_turns + 1):
         going, prompts, full = [], [], []
-        for conversation, reply in zip(live, await step([c.messages for c in live], turn == max_turns)):
+        for conversation, reply in zip(live, await ask(live, turn == max_turns)):
             if reply.failed or reply.messages is None:
                 finish(conversation, reply)
                 continue
@@ -394,7 +440,7 @@ async def converse(index: int, opening: list[dict], sampling: Sampling, max_turn
                 going.append(conversation)
                 prompts.append(Prompt(index, new, prefix=last.key))
         if full:  # out of context: scored as they stand
-            for conversation, reply in zip(full, await step([c.messages for c in full], True)):
+            for conversation, reply in zip(full, await ask(full, True)):
                 finish(conversation, reply)
         if not going:
             break

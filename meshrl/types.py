@@ -131,6 +131,7 @@ class ScoredCompletion:
     completion: Generated | Trajectory
     reward: float
     reward_components: dict[str, float] = field(default_factory=dict)
+    metadata: dict = field(default_factory=dict)  # a session environment's episode metadata (JSON): rollouts.jsonl keeps it
 
 
 @dataclass

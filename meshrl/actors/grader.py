@@ -3,6 +3,11 @@
 replaced if it dies, not in the controller. It takes the completions it scores from the generator
 holding them and answers only their rewards and checks: no token or text goes back to the controller.
 
+A session environment (meshrl/tasks/__init__.py's SessionEnvironment, e.g. OpenEnv's) keeps its conversations'
+state here: `open_sessions`, `step_sessions` and `close_sessions` are called on the one replica that holds a
+group's sessions; a session that ends (done, the last turn, a failure) is closed here, the rest by the
+controller's `close_sessions` on whatever path the group ends.
+
 User code that raises is never silent. A completion (or conversation) whose reward function or
 environment raised is left out and counted (`reward_errors`); the first traceback of each kind of
 error is logged, later ones of that kind are not. A call on which it raised for more than half of the
@@ -11,6 +16,7 @@ counts toward `controller.max_failed_fraction`, so code that raises on most repl
 its first batch, with that one line, instead of training on nothing.
 """
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 
@@ -32,6 +38,7 @@ class EnvReply:
     reward: float = 0.0  # else it is over, with this reward
     checks: dict[str, float] = field(default_factory=dict)
     failed: bool = False  # the environment raised (logged): the conversation is left out and counted
+    metadata: dict = field(default_factory=dict)  # a session's episode metadata (JSON), kept in rollouts.jsonl
 
 
 class UserCodeFailed(RuntimeError):
@@ -130,3 +137,61 @@ class Grader(Actor):
         if message := failure(self.env_name, errors, len(conversations), "conversations"):
             raise UserCodeFailed(message)
         return replies
+
+    # The session form: a group's conversations as sessions held by this replica.
+
+    @endpoint
+    async def open_sessions(self, sample: Sample, sessions: list[str]) -> list[dict]:
+        """Open a session per conversation of `sample`'s group: the messages that open them (alike: the same
+        sample). Raises (the group fails) if the environment raised, or opened them differently."""
+        openings = []
+        try:
+            for session in sessions:
+                openings.append(await self.task.open(session, sample))
+        except Exception as e:
+            self._log(self.env_name, e, f"opening {sample.prompt}")
+            await self._close(sessions)
+            raise
+        if any(opening != openings[0] for opening in openings):
+            await self._close(sessions)
+            raise ValueError(f"{self.env_name} opened the conversations of one sample ({sample.prompt}) differently: "
+                             f"its reset must follow the seed alone")
+        return openings[0]
+
+    @endpoint
+    async def step_sessions(self, sessions: list[str], replies: list[str | None], last: bool) -> list[EnvReply]:
+        """Each session's answer to its model turn `replies[i]` (None: no new turn, the conversation ends where
+        it is); with `last` (the model has no turn left) every one ends. An ended session is scored and closed;
+        one whose environment raised is failed (closed, left out, counted); UserCodeFailed if it raised on more
+        than half of them."""
+        async def one(session: str, reply: str | None) -> EnvReply:
+            try:
+                if reply is not None:
+                    messages, _ = await self.task.step(session, reply)
+                    if messages is not None and not last:
+                        return EnvReply(messages=messages)
+                reward, checks, metadata = await self.task.finish(session)
+                return EnvReply(reward=float(reward), checks=checks, metadata=metadata)
+            except Exception as e:  # the user's code: counted, and named if it fails most conversations
+                self._log(self.env_name, e, reply or "")
+                errors.append(e)
+                return EnvReply(failed=True)
+
+        errors: list[BaseException] = []
+        answers = await asyncio.gather(*(one(s, r) for s, r in zip(sessions, replies)))
+        await self._close([s for s, a in zip(sessions, answers) if a.messages is None])
+        if message := failure(self.env_name, errors, len(sessions), "conversations"):
+            raise UserCodeFailed(message)
+        return answers
+
+    @endpoint
+    async def close_sessions(self, sessions: list[str]) -> None:
+        """Close these sessions (those not open are ignored); an environment that raises on close is logged."""
+        await self._close(sessions)
+
+    async def _close(self, sessions: list[str]) -> None:
+        for session in sessions:
+            try:
+                await self.task.close(session)
+            except Exception as e:
+                self._log(f"{self.env_name} (closing a session)", e, session)

@@ -206,6 +206,34 @@ class ReplicaPool:
             self.retried += 1
             await self._replace(replica, reason)
 
+    async def pick(self) -> Replica:
+        """The least-loaded healthy replica, for work pinned to one replica (`call_on`)."""
+        return await self._least_loaded()
+
+    async def call_on(self, replica: Replica, fn: Callable[[Replica], Awaitable[T]]) -> T:
+        """`fn` on `replica` alone: work whose state lives there (a group's environment sessions). A replica that
+        fails is replaced as in `call`, but the call is not redone elsewhere: TokensLost, for the caller to redo
+        the work whole. CallFailed if `fn`'s call raised an error of its own."""
+        if not replica.healthy:
+            raise TokensLost(f"{self.role} {replica.index}, holding its state, was replaced")
+        self._track(replica, +1)
+        try:
+            answer = await fn(replica)
+            replica.served += 1
+            return answer
+        except ActorError as e:
+            if isinstance(e.exception, TokensLost):
+                raise TokensLost(str(e.exception)) from None
+            if not isinstance(e.exception, ReplicaBroken):
+                raise CallFailed(error_line(e)) from None
+            reason = e
+        except (SupervisionError, CallTimeout) as e:
+            reason = e
+        finally:
+            self._track(replica, -1)
+        await self._replace(replica, reason)
+        raise TokensLost(f"{self.role} {replica.index}, holding its state, failed: {error_line(reason)}")
+
     def busy_seconds(self) -> float:
         """Seconds the replicas, all together, had at least one call in flight."""
         now = time.perf_counter()

@@ -21,6 +21,7 @@ from meshrl.configs.serve import ServeConfig
 from meshrl.models.lora import LoraConfig
 from meshrl.models.memory import CHECKPOINTING, ON_OFF, REFERENCE_DTYPES
 from meshrl.tasks.dataset import DatasetConfig
+from meshrl.tasks.openenv import OpenEnvConfig
 from meshrl.tasks.reasoning_gym import ReasoningGymConfig
 from meshrl.tasks.sum_digits import SumDigitsConfig
 from meshrl.tasks.zorplex import ZorplexConfig
@@ -348,12 +349,13 @@ class Config:
     """A whole run: one section per role, the task and its own section, logging, and where the roles run."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    task: str = "sum_digits"  # sum_digits | dataset | zorplex | reasoning_gym (settings: the section of the same name) | module:Class
+    task: str = "sum_digits"  # sum_digits | dataset | zorplex | reasoning_gym | openenv (settings: the section of the same name) | module:Class
     task_args: str = ""  # a module:Class task's settings, as JSON for its Config dataclass ('{"size": 100}')
     sum_digits: SumDigitsConfig = field(default_factory=SumDigitsConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     zorplex: ZorplexConfig = field(default_factory=ZorplexConfig)
     reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    openenv: OpenEnvConfig = field(default_factory=OpenEnvConfig)  # an OpenEnv environment, as sessions (--task openenv)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     grader: GraderConfig = field(default_factory=GraderConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -372,6 +374,8 @@ class Config:
         for section in (self.generator, self.grader, self.trainer, self.reference, self.replay_buffer,
                         self.weight_sync, self.controller, self.logging, self.checkpoint, self.serve):
             section.check()
+        if self.task == "openenv":
+            self.openenv.check()
         if self.replay_buffer.impl == "replay" and self.controller.max_policy_age < 1:
             raise ValueError("replay_buffer.impl replay trains groups again in later steps, which the staleness bound "
                              "must allow: set controller.max_policy_age to 1 or more")

