@@ -132,3 +132,35 @@ def test_with_monarch_installed_the_endpoints_run_on_its_real_actor_class(tmp_pa
     result = json.loads(out.read_text())
     assert result["installed"]["monarch"] and not any(p.startswith("monarch") for p in result["stood_in"])
     assert result["sections"]["endpoints"]["status"] == "pass"
+
+
+def test_a_chunked_head_stays_gathered_through_the_backward_then_is_resharded():
+    """Found by the check on an H200: FSDP2 reshards the LM head's unit after the first chunk's backward,
+    and the next chunk's recompute met sharded weights. `head_kept_gathered` keeps the unit gathered until
+    the backward ends, then reshards it; without it the unit is resharded by the backward."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from meshrl.actors.distributed import Rank, head_kept_gathered, load_on_ranks
+    from meshrl.losses import policy_terms
+    from meshrl.models.model import resolve_checkpoint
+    from meshrl.tools.checks import gpu
+
+    gpu.init_group(torch.device("cpu"))
+    try:
+        model, _ = load_on_ranks(resolve_checkpoint("tiny"), Rank(0, 1, torch.device("cpu")))
+        batch = workloads.batch(256, 49152, sequence=64)
+        assert int(batch.loss_mask.sum()) > 32  # several chunks of 32 positions
+
+        def step():
+            logprobs, _ = policy_terms(model, batch, False, 32)
+            logprobs.sum().backward()
+
+        step()
+        assert isinstance(model.lm_head.weight, DTensor)  # what the backward does alone
+        with head_kept_gathered(model, True):
+            step()
+            assert not isinstance(model.lm_head.weight, DTensor)
+        assert isinstance(model.lm_head.weight, DTensor)
+    finally:
+        gpu.end_group()

@@ -8,6 +8,7 @@ FSDP2 plan. Both take their micro-batches from the replay buffer when given a Ba
 and put back what they compute for it (`to_buffer`).
 """
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -164,6 +165,28 @@ def shard(model: torch.nn.Module, rank: Rank, plan: Callable, param_dtype: torch
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+
+
+@contextlib.contextmanager
+def head_kept_gathered(model: torch.nn.Module, chunked: bool):
+    """Around a forward and its backward whose LM head runs once per chunk of positions, each chunk
+    recomputed in the backward (meshrl/losses.py `head_terms`): FSDP2 would reshard the head's unit after
+    the first chunk's backward, and the next chunk's recompute would meet sharded weights (on CUDA:
+    "aten.mm.default got mixed torch.Tensor and DTensor", found by `meshrl check gpu` on an H200). The
+    unit stays gathered until the backward ends, as torchtitan's ChunkedLossWrapper keeps it; FSDP2
+    reduce-scatters each chunk's gradient and sums the shards. Nothing to do unsharded or unchunked."""
+    from torch.distributed.fsdp import FSDPModule
+
+    head = getattr(model, "lm_head", None)
+    if not chunked or not isinstance(head, FSDPModule):
+        yield
+        return
+    head.set_reshard_after_backward(False)
+    try:
+        yield
+    finally:
+        head.set_reshard_after_backward(True)
+        head.reshard()
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,8 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint
 from torch.distributed.tensor import DTensor
 
 from meshrl.actors import resident_gb, return_free_memory
-from meshrl.actors.distributed import all_gather, from_buffer, join, load_on_ranks, local, memory_of, to_buffer
+from meshrl.actors.distributed import (all_gather, from_buffer, head_kept_gathered, join, load_on_ranks, local, memory_of,
+                                      to_buffer)
 from meshrl.actors.trace import ActorClock
 from meshrl.checkpoint import SafeReader, load_safely
 from meshrl.configs import TrainerConfig, WeightSyncConfig
@@ -106,10 +107,12 @@ class TitanTrainer(Actor):
         with self.clock.span("train", self.policy_version):
             batch = batch.to(self.device)
             bonus = self.config.loss.entropy_coef > 0  # else the entropy is a metric only
-            logprobs, entropy = policy_terms(self.model, batch, self.config.bf16_autocast,
-                                             self.config.logprob_chunk_tokens, "bonus" if bonus else "metric")
-            loss, metrics = policy_loss(logprobs, batch, self.config.loss, entropy)
-            loss.backward()
+            chunk = self.config.logprob_chunk_tokens
+            with head_kept_gathered(self.model, 0 < chunk < int(batch.loss_mask.sum())):
+                logprobs, entropy = policy_terms(self.model, batch, self.config.bf16_autocast, chunk,
+                                                 "bonus" if bonus else "metric")
+                loss, metrics = policy_loss(logprobs, batch, self.config.loss, entropy)
+                loss.backward()
         return metrics
 
     @endpoint

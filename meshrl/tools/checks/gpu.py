@@ -116,7 +116,7 @@ def run(chosen: list[str], dry: bool, tmp: Path, stood_in: list[str], smoke_time
                 section = module.run(check)
             except Exception as e:  # noqa: BLE001 - recorded as the section's error; the next section runs
                 section = {"status": "error", "error": f"{type(e).__name__}: {e}",
-                           "traceback": traceback.format_exc().splitlines()[-12:]}
+                           "traceback": traceback.format_exc().splitlines()}
             section["seconds"] = round(time.perf_counter() - began, 2)
             out["sections"][name] = section
             print(f"check gpu: {name}: {section['status']} ({section['seconds']} s)", flush=True)

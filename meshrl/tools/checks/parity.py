@@ -56,13 +56,17 @@ def one_pass(check, trainer, bf16: bool, batch) -> dict:
 
     import torch
 
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX as CHECKPOINT_PREFIX
+
     from meshrl.losses import autocast
 
     trainer.config = dataclasses.replace(trainer.config, bf16_autocast=bf16)
     metrics = check.run(standins.call(trainer, "forward_backward", batch))
     with autocast(trainer.device, bf16):
         in_autocast = torch.is_autocast_enabled(trainer.device.type)
-    grads = {name: p.grad.detach().float().cpu() for name, p in trainer.model.named_parameters() if p.grad is not None}
+    # under names without activation checkpointing's wrapper (on by default on CUDA, off on the CPU reference)
+    grads = {name.replace(CHECKPOINT_PREFIX, ""): p.grad.detach().float().cpu()
+             for name, p in trainer.model.named_parameters() if p.grad is not None}
     check.run(standins.call(trainer, "drop_gradients"))
     return {"loss": metrics["loss"], "grads": grads, "autocast": in_autocast}
 
