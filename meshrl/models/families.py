@@ -59,6 +59,7 @@ class Family:
     build: Callable[[object], nn.Module] = lambda config: config.build()  # the model of a torchtitan config
     init_buffers: Callable[[nn.Module, object], None] = _init_buffers  # after `to_empty` on a device
     lora_modules: dict[str, str] | None = None  # LoRA targets: HF's module name -> torchtitan's (None: no LoRA)
+    tool_parser: str = "hermes"  # vLLM's tool-call parser for the family's chat format (`model.tool_parser` auto): Hermes-style <tool_call> JSON, as Qwen3's template writes it and meshrl's hermes template gives SmolLM2
 
 
 def family_of(hf_config: dict) -> Family:

@@ -7,6 +7,7 @@ local HF checkpoint of a family meshrl trains (meshrl/models/families.py picks t
 """
 
 import importlib.util
+import copy
 import json
 import os
 import shutil
@@ -155,9 +156,20 @@ def save_checkpoint(hf_weights: dict[str, torch.Tensor], template: Path, out: Pa
         (out / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}, indent=2))
 
 
-def chat_template(checkpoint: Path) -> str:
-    """The checkpoint's chat template: chat_template.jinja (as transformers 5 saves it), else the one in
-    tokenizer_config.json (as most published checkpoints ship it; the default of several)."""
+# Chat templates meshrl ships (meshrl/models/templates/), chosen by `model.chat_template`.
+TEMPLATES = {"hermes": "hermes.jinja", "qwen3_training": "qwen3_training.jinja"}
+
+
+def chat_template(checkpoint: Path, choice: str = "auto") -> str:
+    """The chat template: with `choice` auto, the checkpoint's own (chat_template.jinja, as transformers 5 saves it,
+    else the one in tokenizer_config.json, as most published checkpoints ship it: the default of several); else one
+    meshrl ships, by name (TEMPLATES), or a .jinja file by its path."""
+    if choice in TEMPLATES:
+        return (Path(__file__).parent / "templates" / TEMPLATES[choice]).read_text()
+    if choice != "auto":
+        if not Path(choice).is_file():
+            raise ModelError(f"chat template {choice!r} not found: auto, {', '.join(TEMPLATES)} or a .jinja file")
+        return Path(choice).read_text()
     if (checkpoint / "chat_template.jinja").is_file():
         return (checkpoint / "chat_template.jinja").read_text()
     config = checkpoint / "tokenizer_config.json"
@@ -170,43 +182,82 @@ def chat_template(checkpoint: Path) -> str:
     return template
 
 
-def _template_error(message: str):
-    raise ModelError(f"the chat template refused the conversation: {message}")
+_template_text = chat_template  # for ChatTokenizer, whose argument of that name is the choice
 
 
 class ChatTokenizer:
-    """The checkpoint's `tokenizers` tokenizer plus its chat template, rendered with jinja2."""
+    """The checkpoint's `tokenizers` tokenizer plus a chat template (`chat_template`: see `chat_template()`), rendered
+    as transformers' `apply_chat_template` renders it (its sandboxed jinja environment and filters), `tools` (OpenAI-style
+    JSON schemas) included."""
 
-    def __init__(self, checkpoint: Path):
-        import jinja2
+    def __init__(self, checkpoint: Path, chat_template: str = "auto"):
         from tokenizers import Tokenizer
 
         checkpoint = Path(checkpoint)
         self.tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
-        # as transformers renders chat templates: loop controls, and raise_exception for a template's own checks
-        environment = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
-        environment.globals["raise_exception"] = _template_error
-        self.template = environment.from_string(chat_template(checkpoint))
+        self.template = _template_text(checkpoint, chat_template)
+        self.name = chat_template if chat_template != "auto" else f"{checkpoint}'s own"
+        self.takes_tools = _takes_tools(self.template)
+        self.tools: list[dict] | None = None  # offered in every render unless a call names its own (see `offering`)
         self.pad_id = read_hf_config(checkpoint).get("pad_token_id") or 0
+
+    def offering(self, tools: list[dict] | None) -> "ChatTokenizer":
+        """This tokenizer with `tools` (OpenAI-style schemas) offered in every conversation it renders: what a task with
+        tools hands to `converse`, whose openings and continuations then carry them."""
+        self._check(tools)
+        bound = copy.copy(self)
+        bound.tools = tools
+        return bound
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
+        """The conversation's text in the template; `tools`: None for those this tokenizer offers."""
+        from jinja2 import TemplateError
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        tools = self.tools if tools is None else tools
+        self._check(tools)
+        try:
+            rendered, _ = render_jinja_template([messages], tools=tools or None, chat_template=self.template,
+                                                add_generation_prompt=add_generation_prompt)
+        except TemplateError as e:
+            raise ModelError(f"the chat template refused the conversation: {e}") from None
+        return rendered[0]
+
+    def _check(self, tools: list[dict] | None) -> None:
+        if tools and not self.takes_tools:
+            raise ModelError(f"the chat template ({self.name}) ignores tools: set model.chat_template to one that "
+                             f"renders them ({', '.join(TEMPLATES)} or a .jinja file)")
 
     def encode_chat(self, user_message: str) -> list[int]:
         return self.encode_messages([{"role": "user", "content": user_message}])
 
-    def encode_messages(self, messages: list[dict]) -> list[int]:
-        """The conversation in the chat template, ending with the assistant's turn opened."""
-        text = self.template.render(messages=messages, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode_messages(self, messages: list[dict], tools: list[dict] | None = None,
+                        add_generation_prompt: bool = True) -> list[int]:
+        """The conversation in the chat template (with `tools` offered), ending with the assistant's turn opened
+        (unless `add_generation_prompt` is false: then as the template closes it)."""
+        return self.tokenizer.encode(self.render(messages, tools, add_generation_prompt), add_special_tokens=False).ids
 
-    def continuation(self, messages: list[dict], reply_ids: list[int], new: list[dict]) -> list[int]:
+    def continuation(self, messages: list[dict], reply_ids: list[int], new: list[dict],
+                     tools: list[dict] | None = None) -> list[int]:
         """The tokens that follow a model turn's `reply_ids` (the last message of `messages`) when the
         conversation goes on with the `new` messages: the template's end of the turn (less what the model
         already generated of it), the new messages, and the next assistant turn opened. Only these are
-        tokenized, so the model's own tokens stay exactly as it sampled them."""
+        tokenized, so the model's own tokens stay exactly as it sampled them: the turn's text, tool calls
+        included, stands in the marker's place, so its `tool_calls` are not rendered again. `tools`: as
+        offered when the conversation was opened."""
         marker = "\x00reply\x00"
-        text = self.template.render(messages=[*messages[:-1], {"role": "assistant", "content": marker}, *new],
-                                    add_generation_prompt=True)
+        text = self.render([*messages[:-1], {"role": "assistant", "content": marker}, *new], tools)
         after = text[text.index(marker) + len(marker):]
         ids = self.tokenizer.encode(after, add_special_tokens=False).ids
         # the template's end-of-turn tokens that the reply already ends with (its EOS, when it stopped there)
         ended = max(k for k in range(min(len(ids), len(reply_ids)) + 1) if reply_ids[len(reply_ids) - k:] == ids[:k])
         return ids[ended:]
+
+
+def _takes_tools(template: str) -> bool:
+    """Whether a chat template reads `tools` at all (SmolLM2's does not: offered tools would vanish silently)."""
+    import jinja2
+    from jinja2 import meta
+
+    parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    return "tools" in meta.find_undeclared_variables(parsed)
