@@ -45,7 +45,8 @@ class ToolCallParser:
         try:
             cls = ToolParserManager.get_tool_parser(name)
         except KeyError:
-            raise ValueError(f"tool parser {name!r} unknown: vLLM has {', '.join(sorted(ToolParserManager.list_registered()))}") from None
+            known = ", ".join(sorted(ToolParserManager.list_registered()))
+            raise ValueError(f"tool parser {name!r} unknown: vLLM has {known}") from None
         self.name = name
         self.request = ChatCompletionRequest(messages=[], model=str(checkpoint), tools=tools or None)
         self.parser = cls(get_tokenizer(str(checkpoint)), self.request.tools)
