@@ -1,7 +1,7 @@
 """Test environments written against openenv's Environment (openenv 0.10.0), for tests/test_openenv.py: Zorplex's
 lookup game as an OpenEnv environment, built from meshrl.tasks.zorplex's own samples, tool answers and reward, so
 scripted replies can be checked against native Zorplex. Run as a script it serves the environment on
-127.0.0.1 (`python openenv_envs.py PORT`), with concurrent sessions.
+127.0.0.1 (`python openenv_envs.py PORT [CLASS]`), with concurrent sessions.
 
 Each observation's metadata carries the environment's checks and `open_sessions`: the instances alive in its
 process when it was made (a served environment's sessions, or one grader's), to show sessions overlapping.
@@ -79,6 +79,20 @@ class ZorplexLookupEnv(Environment[ZorplexAction, ZorplexObservation, State]):
             ZorplexLookupEnv.alive -= 1
 
 
+class ZorplexPatientEnv(ZorplexLookupEnv):
+    """A reply with neither a lookup nor an answer gets a hint instead of ending the episode: with a random model,
+    conversations run to controller.max_turns (truncated)."""
+
+    def step(self, action: ZorplexAction, timeout_s=None, **kwargs) -> ZorplexObservation:
+        if "LOOKUP[" in action.message or "Answer:" in action.message:
+            return super().step(action, timeout_s, **kwargs)
+        self.messages += [{"role": "assistant", "content": action.message}, {"role": "tool", "content": HINT}]
+        return ZorplexObservation(text=HINT, reward=0.0, metadata={"open_sessions": ZorplexLookupEnv.alive})
+
+
+HINT = "Write LOOKUP[word], or Answer: N."
+
+
 class ZorplexKillerEnv(ZorplexLookupEnv):
     def step(self, action: ZorplexAction, timeout_s=None, **kwargs) -> ZorplexObservation:
         mark = Path(os.environ["MESHRL_TEST_KILL_MARK"])
@@ -88,11 +102,12 @@ class ZorplexKillerEnv(ZorplexLookupEnv):
         return super().step(action, timeout_s, **kwargs)
 
 
-def app():
-    return create_app(ZorplexLookupEnv, ZorplexAction, ZorplexObservation, env_name="zorplex", max_concurrent_envs=64)
+def app(env: type = ZorplexLookupEnv):
+    return create_app(env, ZorplexAction, ZorplexObservation, env_name="zorplex", max_concurrent_envs=64)
 
 
 if __name__ == "__main__":
     import uvicorn
 
-    uvicorn.run(app(), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+    uvicorn.run(app(globals()[sys.argv[2]] if len(sys.argv) > 2 else ZorplexLookupEnv), host="127.0.0.1",
+                port=int(sys.argv[1]), log_level="warning")

@@ -93,3 +93,70 @@ def test_replies_parse_into_text_json_and_tool_call_actions():
         OpenEnvConfig().check()
     with pytest.raises(ValueError, match="openenv.stop"):
         OpenEnvConfig(env="a:B", stop="]").check()
+
+
+def train(tmp_path: Path, *args, env: dict | None = None) -> tuple[list[dict], list[dict]]:
+    """`meshrl train --config smoke` on an OpenEnv environment, 3 steps: its metrics and rollouts."""
+    run = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path / "run"),
+                          "--checkpoint.every", "0", "--task", "openenv", *ZORPLEX, "--openenv.eval_size", "2",
+                          "--controller.steps", "3", "--controller.max_turns", "3", *args],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    assert run.returncode == 0, run.stderr[-3000:]
+    read = lambda name: [json.loads(line) for line in (tmp_path / "run" / name).read_text().splitlines()]  # noqa: E731
+    return read("metrics.jsonl"), read("rollouts.jsonl")
+
+
+def test_an_openenv_environment_trains_in_the_graders_process_through_a_grader_killed_mid_group(tmp_path):
+    """Two grader replicas; the environment kills its grader's process at the first step of train seed 1 (prompt
+    1), once: that group is generated again on the other replica (counted), no group fails, every prompt trains."""
+    mark = tmp_path / "killed"
+    metrics, rollouts = train(tmp_path, "--openenv.env", "openenv_envs:ZorplexKillerEnv", "--grader.replicas", "2",
+                              env={"MESHRL_TEST_KILL_MARK": str(mark)})
+    assert mark.exists() and [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["groups_regenerated"] for m in metrics] == [1, 0, 0] and metrics[-1]["grader_restarts"] == 1
+    assert sum(m["groups_failed"] for m in metrics) == 0
+    assert sorted({r["group"] for r in rollouts}) == list(range(6)) and len(rollouts) == 6 * 4
+    # each episode's metadata is kept; a group's 4 sessions were open in its grader at once
+    assert all(r["metadata"]["metadata"]["open_sessions"] >= 4 and r["reward_components"]["done"] == 1.0
+               for r in rollouts)
+    assert all(r["metadata"]["rewards"] == [r["reward"]] for r in rollouts)  # done at its first step: one reward
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_served_openenv_environment_trains_with_concurrent_sessions_each_closed(tmp_path):
+    """The environment served by openenv's create_app on 127.0.0.1, one WebSocket session per conversation; it
+    never ends an episode on a random model's replies, so every conversation is truncated at max_turns. A
+    session opened afterwards is the server's only one: every session of the run was closed."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(HERE / "openenv_envs.py"), str(port), "ZorplexPatientEnv"])
+    try:
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        metrics, rollouts = train(tmp_path, "--openenv.url", f"ws://127.0.0.1:{port}")
+        assert [m["step"] for m in metrics] == [1, 2, 3] and sum(m["groups_failed"] for m in metrics) == 0
+        assert len(rollouts) == 3 * 2 * 4 and all(r["turns"] == 3 for r in rollouts)
+        assert all("<|im_start|>tool\nWrite LOOKUP[word], or Answer: N.<|im_end|>" in r["completion"] for r in rollouts)
+        assert max(r["metadata"]["metadata"]["open_sessions"] for r in rollouts) >= 4  # sessions side by side
+        assert all(r["reward_components"]["done"] == 0.0 and len(r["metadata"]["rewards"]) == 3 for r in rollouts)
+
+        from openenv.core.generic_client import GenericEnvClient
+
+        async def alone() -> int:
+            client = GenericEnvClient(base_url=f"ws://127.0.0.1:{port}")
+            try:
+                return (await client.reset(seed=0)).metadata["open_sessions"]
+            finally:
+                await client.close()
+        assert asyncio.run(alone()) == 1
+    finally:
+        server.kill()
+        server.wait()

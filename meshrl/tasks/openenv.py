@@ -243,6 +243,8 @@ class OpenEnvTask:
         checks = {k: float(v) for k, v in episode.metadata.items() if isinstance(v, (int, float))}  # bools too
         checks = {"success": float(reward >= self.config.success_at), **checks, "done": float(episode.done),
                   "invalid_action": float(episode.invalid)}
+        if self.accuracy not in checks and not episode.done:  # truncated, or no action: not right
+            checks[self.accuracy] = 0.0
         if self.accuracy not in checks:
             raise KeyError(f"openenv.accuracy {self.accuracy!r} is neither success nor a number in the last "
                            f"observation's metadata (it has: {', '.join(episode.metadata) or 'nothing'})")
