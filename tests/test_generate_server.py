@@ -102,6 +102,8 @@ def test_a_scripted_client_runs_a_two_turn_session_recorded_with_its_exact_token
         c = turn.completion
         assert choice["token_ids"] == c.token_ids and len(c.token_ids) > 0
         assert [x["token_id"] for x in choice["logprobs"]["content"]] == c.token_ids
+        # and in the form older token-in/token-out clients read (verifiers 0.4.0's renderers)
+        assert [x["token"] for x in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in c.token_ids]
         assert [x["logprob"] for x in choice["logprobs"]["content"]] == c.logprobs
         assert per_token(choice["weight_versions"]) == turn.token_versions() == token_versions(c)
         assert answer["usage"]["prompt_tokens"] == len(c.prompt_token_ids)

@@ -172,6 +172,16 @@ def end_token_ids(checkpoint: Path) -> frozenset[int]:
     return frozenset(ids)
 
 
+def with_token_strings(answer: dict) -> dict:
+    """vLLM's answer with each logprob entry also naming its token as `"token_id:N"`, the form of vLLM's
+    `return_tokens_as_token_ids`, which older token-in/token-out clients read (verifiers 0.4.0's renderers
+    0.1.12) where vLLM 0.32's `token_id` is not known."""
+    for choice in answer["choices"]:
+        for entry in (choice.get("logprobs") or {}).get("content") or []:
+            entry["token"] = f"token_id:{entry['token_id']}"
+    return answer
+
+
 def request_model():
     """vLLM's GenerateRequest with the session id beside its fields (its other name: the X-Session-Id header)."""
     from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
@@ -214,7 +224,7 @@ class GenerateServer:
         async def generate(request: generate_request, raw: Request):
             try:
                 session_id = raw.headers.get("x-session-id") or request.session_id
-                return JSONResponse((await self.generate(request, session_id)).model_dump())
+                return JSONResponse(with_token_strings((await self.generate(request, session_id)).model_dump()))
             except Refused as e:
                 return refused(e)
 
