@@ -160,3 +160,15 @@ def test_a_served_openenv_environment_trains_with_concurrent_sessions_each_close
     finally:
         server.kill()
         server.wait()
+
+
+def test_a_grader_without_session_endpoints_cannot_serve_openenv():
+    from meshrl.configs import load_config
+    from meshrl.runtime.launch import actor_classes
+
+    config = load_config("smoke", ["--task", "openenv", "--openenv.env", "openenv_envs:ZorplexLookupEnv",
+                                   "--grader.impl", "user_task:ScoreOnlyGrader"])
+    with pytest.raises(ValueError, match="user_task:ScoreOnlyGrader cannot be the grader: it has no step, "
+                                         "open_sessions, step_sessions, close_sessions endpoint"):
+        actor_classes(config)
+    assert actor_classes(load_config("smoke", ["--task", "openenv", "--openenv.env", "openenv_envs:ZorplexLookupEnv"]))

@@ -88,6 +88,17 @@ class Grader(Protocol):
         """Needed only for a multi-turn task (an `Environment`): one `EnvReply` per conversation, the environment's
         next messages or, once it ends the conversation or `last`, its reward and checks."""
 
+    async def open_sessions(self, sample, sessions: list[str]) -> list[dict]:
+        """Needed only for a session environment (`SessionEnvironment`): opens a session per conversation of
+        `sample`'s group, held by this replica until closed; the messages that open them."""
+
+    async def step_sessions(self, sessions: list[str], replies: list[str | None], last: bool) -> list:
+        """Session environments: one `EnvReply` per session for its model turn (None: it ends where it is); an
+        ended session is scored and closed."""
+
+    async def close_sessions(self, sessions: list[str]) -> None:
+        """Session environments: closes these sessions (any not open is ignored)."""
+
 
 class Trainer(Protocol):
     """Trains on TrainBatches and publishes weights; computes no advantages.
@@ -212,12 +223,16 @@ ROLES: dict[str, type] = {"generator": Generator, "grader": Grader, "trainer": T
 
 
 MULTI_TURN_ONLY = {"step"}  # a grader for single-turn tasks need not answer conversations
+SESSION_ONLY = {"open_sessions", "step_sessions", "close_sessions"}  # nor hold sessions, for other tasks
 BASE_REFERENCE_ONLY = {"base_logprobs"}  # a trainer that is not its own reference (no LoRA, no KL) need not
 
 
-def missing_endpoints(role: str, cls: type, multi_turn: bool = True, base_reference: bool = False) -> list[str]:
+def missing_endpoints(role: str, cls: type, multi_turn: bool = True, base_reference: bool = False,
+                      sessions: bool = False) -> list[str]:
     """The endpoints of `role`'s contract that `cls` does not define (those only multi-turn tasks
-    call, only when `multi_turn`; the trainer's base as the reference, only when `base_reference`)."""
+    call, only when `multi_turn`; those only session environments call, only when `sessions`; the trainer's base
+    as the reference, only when `base_reference`)."""
     wanted = [name for name in vars(ROLES[role]) if not name.startswith("_")
-              and (multi_turn or name not in MULTI_TURN_ONLY) and (base_reference or name not in BASE_REFERENCE_ONLY)]
+              and (multi_turn or name not in MULTI_TURN_ONLY) and (sessions or name not in SESSION_ONLY)
+              and (base_reference or name not in BASE_REFERENCE_ONLY)]
     return [name for name in wanted if not hasattr(cls, name)]

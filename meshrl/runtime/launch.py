@@ -13,7 +13,7 @@ from meshrl.actors.replay_buffer import buffer_impl
 from meshrl.actors.roles import ROLES, missing_endpoints
 from meshrl.configs import Config
 from meshrl.runtime.jobs import Hosts
-from meshrl.tasks import is_environment, task_class
+from meshrl.tasks import is_environment, is_session, task_class
 
 if TYPE_CHECKING:
     from monarch._src.actor.actor_mesh import ActorMesh
@@ -49,7 +49,7 @@ def actor_classes(config: Config) -> dict[str, type]:
                          "requests of one sample each with the same opening, and seeded alike they would all "
                          "sample the same turns")
     for role, cls in classes.items():
-        if missing := missing_endpoints(role, cls, multi_turn, base_reference):
+        if missing := missing_endpoints(role, cls, multi_turn, base_reference, is_session(task_class(config.task))):
             raise ValueError(f"{roles[role].impl} cannot be the {role}: it has no {', '.join(missing)} endpoint "
                              f"(the contract is meshrl.actors.roles.{ROLES[role].__name__})")
     return classes
