@@ -5,7 +5,7 @@ scripted replies can be checked against native Zorplex. Run as a script it serve
 
 Each observation's metadata carries the environment's checks and `open_sessions`: the instances alive in its
 process when it was made (a served environment's sessions, or one grader's), to show sessions overlapping.
-`ZorplexKillerEnv` kills its own process at the first step of train seed 1, once (a marker file, named by
+`ZorplexToolEnv` is the same game with MCP tools (an openenv MCPEnvironment). `ZorplexKillerEnv` kills its own process at the first step of train seed 1, once (a marker file, named by
 MESHRL_TEST_KILL_MARK, remembers it): a grader dying mid-group.
 """
 
@@ -14,7 +14,9 @@ import signal
 import sys
 from pathlib import Path
 
+from fastmcp import FastMCP
 from openenv.core.env_server import Action, Environment, Observation, State, create_app
+from openenv.core.env_server.mcp_environment import MCPEnvironment
 
 from meshrl.tasks.openenv import SEEDS
 from meshrl.tasks.zorplex import Zorplex, ZorplexConfig
@@ -100,6 +102,46 @@ class ZorplexKillerEnv(ZorplexLookupEnv):
             mark.write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGKILL)
         return super().step(action, timeout_s, **kwargs)
+
+
+class QuestionObservation(Observation):
+    text: str = ""
+
+
+class ZorplexToolEnv(MCPEnvironment):
+    """Zorplex with MCP tools: `lookup(word)` answers a word's value, `answer(value)` ends the episode, rewarded 1
+    if right."""
+
+    def __init__(self):
+        tools = FastMCP("zorplex")
+
+        @tools.tool
+        def lookup(word: str) -> str:
+            return str(self.sample.info["values"].get(word, "unknown word"))
+
+        @tools.tool
+        def answer(value: int) -> str:
+            self.answered = str(value)
+            return "answered"
+
+        super().__init__(tools)
+
+    def reset(self, seed=None, episode_id=None, **kwargs) -> QuestionObservation:
+        self.sample, self.answered = zorplex_sample(seed or 0), None
+        return QuestionObservation(text=self.sample.prompt)
+
+    async def step_async(self, action, timeout_s=None, **kwargs) -> Observation:
+        observation = await super().step_async(action, timeout_s, **kwargs)
+        if self.answered is not None:
+            observation.done, observation.reward = True, float(self.answered == self.sample.answer)
+        return observation
+
+    def _step_impl(self, action, timeout_s=None, **kwargs) -> Observation:
+        return Observation(done=True, reward=0.0)
+
+    @property
+    def state(self) -> State:
+        return State()
 
 
 def app(env: type = ZorplexLookupEnv):

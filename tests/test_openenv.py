@@ -172,3 +172,32 @@ def test_a_grader_without_session_endpoints_cannot_serve_openenv():
                                          "open_sessions, step_sessions, close_sessions endpoint"):
         actor_classes(config)
     assert actor_classes(load_config("smoke", ["--task", "openenv", "--openenv.env", "openenv_envs:ZorplexLookupEnv"]))
+
+
+def test_tool_calls_step_an_mcp_environment_and_its_results_are_the_tool_turns():
+    task = OpenEnvTask(OpenEnvConfig(env="openenv_envs:ZorplexToolEnv", action="tool_call", role="tool"))
+    sample = task.train_sample(2)
+    values = Zorplex(NATIVE).train_sample(2).info["values"]
+    [(word, value)] = values.items()
+    call = '<tool_call>{{"name": "{}", "arguments": {}}}</tool_call>'.format  # noqa: E731
+
+    async def episode(replies):
+        turns = [await task.open("m", sample)]
+        for reply in replies:
+            answer, _ = await task.step("m", reply)
+            turns.append(answer)
+            if answer is None:
+                break
+        result = await task.finish("m")
+        await task.close("m")
+        return turns, result
+
+    turns, (reward, checks, _) = asyncio.run(episode([
+        "I look it up. " + call("lookup", json.dumps({"word": word})), call("lookup", '{"word": "nosuch"}'),
+        call("nosuch", "{}"), call("answer", json.dumps({"value": value}))]))
+    assert turns[0] == [{"role": "user", "content": Zorplex(NATIVE).train_sample(2).prompt}]
+    assert turns[1:4] == [[{"role": "tool", "content": str(value)}], [{"role": "tool", "content": "unknown word"}],
+                          [{"role": "tool", "content": "error: Unknown tool: 'nosuch'"}]]
+    assert turns[4] is None and reward == 1.0 and checks["success"] == checks["done"] == 1.0
+    turns, (reward, checks, _) = asyncio.run(episode(["The answer is 12.", call("answer", '{"value": 0}')]))
+    assert turns[1:] == [None] and reward == 0.0 and checks["invalid_action"] == 1.0 and checks["done"] == 0.0

@@ -108,8 +108,16 @@ def last_json_object(text: str) -> dict | None:
 
 
 def render(observation: dict, field_name: str = "") -> str:
-    """An observation's fields (openenv's wire format: no done, no reward) as the text of the next turn."""
+    """An observation's fields (openenv's wire format: no done, no reward) as the text of the next turn; an MCP
+    tool call's observation as its result's text (or its error)."""
     fields = {k: v for k, v in observation.items() if k != "metadata"}
+    if not field_name and set(fields) == {"tool_name", "result", "error"}:  # CallToolObservation
+        if fields["error"]:
+            return f"error: {fields['error'].get('message', fields['error'])}"
+        result = fields["result"]
+        if isinstance(result, dict) and isinstance(result.get("content"), list):
+            return "".join(part.get("text", "") for part in result["content"] if isinstance(part, dict))
+        return result if isinstance(result, str) else json.dumps(result, sort_keys=True, default=str)
     if field_name:
         if field_name not in fields:
             raise KeyError(f"the observation has no field {field_name!r} (openenv.observation_field); "
@@ -120,13 +128,18 @@ def render(observation: dict, field_name: str = "") -> str:
     return value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
 
 
-def action_class(env_class: type) -> type:
-    """The Action class an openenv Environment subclass is parameterised with (Environment[Action, ...])."""
+def action_class(env_class: type, how: str) -> type:
+    """The Action class an openenv Environment subclass is parameterised with (Environment[Action, ...]); for
+    MCP tool calls, which openenv recognises whatever the class, openenv's Action if it names none."""
     for cls in env_class.__mro__:
         for base in getattr(cls, "__orig_bases__", ()):
             args = typing.get_args(base)
             if args and isinstance(args[0], type):
                 return args[0]
+    if how == "tool_call":
+        from openenv.core.env_server.types import Action
+
+        return Action
     raise ValueError(f"{env_class.__name__} names no Action class: subclass openenv's Environment[MyAction, ...]")
 
 
@@ -210,7 +223,7 @@ class OpenEnvTask:
             from meshrl.configs.plugins import load_object  # here: meshrl.configs imports this module's config
 
             self._env_class = load_object(self.config.env, "openenv.env")
-            self._actions = action_class(self._env_class)
+            self._actions = action_class(self._env_class, self.config.action)
         return LocalSession(self._env_class, self._actions)
 
     async def open(self, session: str, sample: Sample) -> list[dict]:
