@@ -3,8 +3,13 @@ HTTP, as an external harness drives it: real generator actors (vLLM, tiny model)
 published version the second turn is sampled from."""
 
 import asyncio
+import json
+import subprocess
+import sys
+import time
 
 import httpx
+import pytest
 
 from meshrl.actors import spawn
 from meshrl.actors.generator import VLLMGenerator
@@ -122,3 +127,32 @@ def test_a_scripted_client_runs_a_two_turn_session_recorded_with_its_exact_token
     assert refusals["n"][0] == 400 and "n must be 1" in refusals["n"][1]
     assert refusals["stop_ids"][0] == 400 and "[5]" in refusals["stop_ids"][1]
     assert refusals["ended"][0] == 409
+
+
+def test_a_training_run_with_serve_enabled_serves_while_it_trains_and_stops_serving_with_it(tmp_path):
+    """`meshrl train --serve.enabled true --serve.port 0`: serve.json names the address, a harness's turn is
+    answered while the run trains, the run ends as usual, and nothing listens there afterwards."""
+    run = subprocess.Popen([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path),
+                            "--controller.steps", "4", "--serve.enabled", "true", "--serve.port", "0"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "serve.json").is_file():
+            assert run.poll() is None, run.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "serve.json never appeared"
+            time.sleep(0.1)
+        served = json.loads((tmp_path / "serve.json").read_text())
+        assert served["model"] == "tiny" and served["generate"] == served["url"] + GENERATE
+        answer = httpx.post(served["generate"], headers={"X-Session-Id": "h1"}, timeout=120,
+                            json={"token_ids": [1, 9690, 198, 2683], "sampling_params": {"max_tokens": 4}})
+        assert answer.status_code == 200, answer.text
+        [choice] = answer.json()["choices"]
+        assert len(choice["token_ids"]) == 4 and len(per_token(choice["weight_versions"])) == 4
+        _, stderr = run.communicate(timeout=600)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, stderr[-3000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(served["url"] + MODELS, timeout=5)
