@@ -291,9 +291,9 @@ class GenerateServer:
 
         try:  # bound here, not by uvicorn (which exits the process when it cannot)
             sock = socket.create_server((host, port))
-        except OSError as e:
-            raise RuntimeError(f"the generate endpoint cannot listen on {host}:{port} (serve.host, serve.port): "
-                               f"{e.strerror}") from None
+        except OSError as e:  # the run stops with this one line, as when a role cannot work
+            raise RoleFailed(f"the generate endpoint cannot listen on {host}:{port} (serve.host, serve.port): "
+                             f"{e.strerror}") from None
         self.server = Server(uvicorn.Config(self.app(), log_level="warning", lifespan="off"))
         self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
         while not self.server.started and not self.task.done():
