@@ -21,7 +21,7 @@ from meshrl.episodes import build_episodes
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
 from meshrl.rollout import converse
 from meshrl.runtime.launch import actor_classes
-from meshrl.tasks.zorplex import Zorplex, ZorplexConfig
+from meshrl.tasks.zorplex import Zorplex, ZorplexConfig, calculate
 from meshrl.types import Completion, Generated, Prompt, Sampling, ScoredCompletion, Trajectory
 
 
@@ -152,6 +152,31 @@ def test_zorplex_answers_tool_calls_and_scores_the_conversation():
     assert env.reward(sample, untagged) == (pytest.approx(0.1), {"correct": 0.0, "tagged": 0.0, "tool_call": 1.0})
     with pytest.raises(ValueError, match="zorplex level"):
         Zorplex(ZorplexConfig(level=3))
+
+
+def test_the_calculator_answers_arithmetic_only_and_its_use_is_reported():
+    assert [calculate(e) for e in ("42+17", " 3*4-2 ", "-(5-9)*2", "7")] == [59, 10, 8, 7]
+    assert [calculate(e) for e in ("__import__('os')", "2**10", "1/2", "3.5+1", "x+1", "", "9" * 7 + "*" + "9" * 7)] \
+        == [None] * 7
+    env = Zorplex(ZorplexConfig(level=2, calculator=True))
+    sample = env.eval_samples("test")[0]
+    (w1, v1), (w2, v2) = sample.info["values"].items()
+    opening = env.opening(sample)
+    assert "CALC[expression]" in opening[0]["content"]
+    assert {"role": "assistant", "content": "CALC[42+17]"} in opening and {"role": "tool", "content": "59"} in opening
+    messages = list(opening)
+    for text in (f"LOOKUP[{w1}]", f"LOOKUP[{w2}]", f"CALC[{v1}+{v2}]", "CALC[2**3]"):
+        messages.append({"role": "assistant", "content": text})
+        messages += env.step(sample, messages)
+    assert [m["content"] for m in messages[-8:] if m["role"] == "tool"] == [str(v1), str(v2), str(v1 + v2),
+                                                                            "bad expression"]
+    messages.append({"role": "assistant", "content": f"Answer: {v1 + v2}"})
+    assert env.step(sample, messages) is None
+    assert env.reward(sample, messages) == (1.1, {"correct": 1.0, "tagged": 1.0, "tool_call": 1.0, "calculated": 1.0})
+    # without the calculator a CALC call is no tool call: the turn ends the conversation
+    plain = Zorplex(ZorplexConfig(level=2))
+    assert plain.step(sample, plain.opening(sample) + [{"role": "assistant", "content": "CALC[1+2]"}]) is None
+    assert "CALC" not in str(plain.opening(sample))
 
 
 def test_smollm2_looks_up_in_the_environment_and_only_its_own_tokens_are_trained(smollm2):
