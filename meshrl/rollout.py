@@ -42,7 +42,7 @@ from meshrl.actors.timeouts import CallTimeout, Timeouts, deadline
 from meshrl.configs import ControllerConfig, GeneratorConfig
 from meshrl.episodes import check_rates
 from meshrl.tasks import Sample, is_environment, is_session
-from meshrl.tasks.conversation import converse
+from meshrl.tasks.conversation import SessionRoom, converse
 from meshrl.types import Generated, Prompt, Sampling, ScoredCompletion, Trajectory, model_turns
 from meshrl.work_buffer import Group, WorkBuffer
 
@@ -77,6 +77,7 @@ class RolloutCollector:
         self.changed = asyncio.Event()  # a group ended or a version was published: the gate may open
         self.batch_ready = asyncio.Event()  # a group completed a batch
         self.error: BaseException | None = None  # what ends the run (a role out of replicas, too many failures)
+        self.session_room = SessionRoom(getattr(task, "max_sessions", 0))  # a session environment's bound
 
     def start_groups(self, trainer_version: int) -> None:
         """Start a group for every prompt the work buffer lets start now."""
@@ -276,7 +277,12 @@ class Attempt:
         there: its death costs the group, TokensLost, which is generated again), stepped with each model turn
         and closed there on every path (ended, truncated, stopped, failed)."""
         c = self.c
-        replica = await c.graders.pick()
+        await c.session_room.take(sampling.n)  # the task's max_sessions, if it has one
+        try:
+            replica = await c.graders.pick()
+        except BaseException:
+            await c.session_room.give(sampling.n)
+            raise
         sessions = [f"{self.index}-{uuid.uuid4().hex}" for _ in range(sampling.n)]
 
         def step(conversations: list[list[dict]], last: bool, ids: list[str]):
@@ -290,10 +296,9 @@ class Attempt:
                                   c.controller.max_turns, c.generator.max_model_len, c.tokenizer,
                                   lambda prompts, s: self.generate(prompts, s, text=True), step, sessions=sessions)
         finally:  # those ended are closed already: closing again is a no-op
-            if replica.healthy:
-                task = asyncio.ensure_future(close_on(replica, sessions, c.timeouts))
-                LETTING_GO.add(task)
-                task.add_done_callback(LETTING_GO.discard)
+            task = asyncio.ensure_future(close_on(replica, sessions, c.timeouts, c.session_room))
+            LETTING_GO.add(task)
+            task.add_done_callback(LETTING_GO.discard)
 
     def grade(self, endpoint: str, *args, on: Replica | None = None):
         """A reward (score) or an environment's answer (step) from a grader replica (`on`: that one alone, which
@@ -349,12 +354,16 @@ class Attempt:
             task.add_done_callback(LETTING_GO.discard)
 
 
-async def close_on(replica: Replica, sessions: list[str], timeouts: Timeouts) -> None:
+async def close_on(replica: Replica, sessions: list[str], timeouts: Timeouts, room: SessionRoom) -> None:
+    """A group's sessions closed on their replica (if it still serves), then their room given back."""
     try:
-        async with deadline(timeouts.grade, "grader", "close_sessions"):
-            await replica.actor.close_sessions.call_one(sessions)
+        if replica.healthy:
+            async with deadline(timeouts.grade, "grader", "close_sessions"):
+                await replica.actor.close_sessions.call_one(sessions)
     except Exception:  # a replica failing now is the pool's to find
         pass
+    finally:
+        await room.give(len(sessions))
 
 
 async def forget_on(replica: Replica, keys: list[int], timeouts: Timeouts) -> None:

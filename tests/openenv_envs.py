@@ -1,7 +1,7 @@
 """Test environments written against openenv's Environment (openenv 0.10.0), for tests/test_openenv.py: Zorplex's
 lookup game as an OpenEnv environment, built from meshrl.tasks.zorplex's own samples, tool answers and reward, so
 scripted replies can be checked against native Zorplex. Run as a script it serves the environment on
-127.0.0.1 (`python openenv_envs.py PORT [CLASS]`), with concurrent sessions.
+127.0.0.1 (`python openenv_envs.py PORT [CLASS [CAPACITY]]`), with concurrent sessions (64 at most by default).
 
 Each observation's metadata carries the environment's checks and `open_sessions`: the instances alive in its
 process when it was made (a served environment's sessions, or one grader's), to show sessions overlapping.
@@ -144,12 +144,12 @@ class ZorplexToolEnv(MCPEnvironment):
         return State()
 
 
-def app(env: type = ZorplexLookupEnv):
-    return create_app(env, ZorplexAction, ZorplexObservation, env_name="zorplex", max_concurrent_envs=64)
+def app(env: type = ZorplexLookupEnv, capacity: int = 64):
+    return create_app(env, ZorplexAction, ZorplexObservation, env_name="zorplex", max_concurrent_envs=capacity)
 
 
 if __name__ == "__main__":
     import uvicorn
 
-    uvicorn.run(app(globals()[sys.argv[2]] if len(sys.argv) > 2 else ZorplexLookupEnv), host="127.0.0.1",
-                port=int(sys.argv[1]), log_level="warning")
+    port, env, capacity = (sys.argv[1:] + ["ZorplexLookupEnv", "64"][len(sys.argv) - 2:])[:3]
+    uvicorn.run(app(globals()[env], int(capacity)), host="127.0.0.1", port=int(port), log_level="warning")

@@ -93,6 +93,10 @@ def test_replies_parse_into_text_json_and_tool_call_actions():
         OpenEnvConfig().check()
     with pytest.raises(ValueError, match="openenv.stop"):
         OpenEnvConfig(env="a:B", stop="]").check()
+    from meshrl.configs import load_config
+
+    with pytest.raises(ValueError, match="openenv.max_sessions 3 leaves no room for a group's sessions"):
+        load_config("smoke", ["--task", "openenv", "--openenv.env", "a:B", "--openenv.max_sessions", "3"]).check()
 
 
 def train(tmp_path: Path, *args, env: dict | None = None) -> tuple[list[dict], list[dict]]:
@@ -131,9 +135,10 @@ def free_port() -> int:
 def test_a_served_openenv_environment_trains_with_concurrent_sessions_each_closed(tmp_path):
     """The environment served by openenv's create_app on 127.0.0.1, one WebSocket session per conversation; it
     never ends an episode on a random model's replies, so every conversation is truncated at max_turns. A
-    session opened afterwards is the server's only one: every session of the run was closed."""
+    session opened afterwards is the server's only one: every session of the run was closed. The server takes 4
+    sessions at most, one group's: `openenv.max_sessions 4` has groups wait for room, and none fails."""
     port = free_port()
-    server = subprocess.Popen([sys.executable, str(HERE / "openenv_envs.py"), str(port), "ZorplexPatientEnv"])
+    server = subprocess.Popen([sys.executable, str(HERE / "openenv_envs.py"), str(port), "ZorplexPatientEnv", "4"])
     try:
         for _ in range(100):
             try:
@@ -141,11 +146,11 @@ def test_a_served_openenv_environment_trains_with_concurrent_sessions_each_close
                 break
             except OSError:
                 time.sleep(0.2)
-        metrics, rollouts = train(tmp_path, "--openenv.url", f"ws://127.0.0.1:{port}")
+        metrics, rollouts = train(tmp_path, "--openenv.url", f"ws://127.0.0.1:{port}", "--openenv.max_sessions", "4")
         assert [m["step"] for m in metrics] == [1, 2, 3] and sum(m["groups_failed"] for m in metrics) == 0
         assert len(rollouts) == 3 * 2 * 4 and all(r["turns"] == 3 for r in rollouts)
         assert all("<|im_start|>tool\nWrite LOOKUP[word], or Answer: N.<|im_end|>" in r["completion"] for r in rollouts)
-        assert max(r["metadata"]["metadata"]["open_sessions"] for r in rollouts) >= 4  # sessions side by side
+        assert max(r["metadata"]["metadata"]["open_sessions"] for r in rollouts) == 4  # a group's, side by side
         assert all(r["reward_components"]["done"] == 0.0 and len(r["metadata"]["rewards"]) == 3 for r in rollouts)
 
         from openenv.core.generic_client import GenericEnvClient

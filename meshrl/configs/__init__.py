@@ -378,6 +378,10 @@ class Config:
             section.check()
         if self.task == "openenv":
             self.openenv.check()
+            if 0 < self.openenv.max_sessions < max(self.controller.group_size, self.controller.eval_samples):
+                raise ValueError(f"openenv.max_sessions {self.openenv.max_sessions} leaves no room for a group's "
+                                 f"sessions (controller.group_size {self.controller.group_size}, eval_samples "
+                                 f"{self.controller.eval_samples}): 0 or at least both")
         if self.replay_buffer.impl == "replay" and self.controller.max_policy_age < 1:
             raise ValueError("replay_buffer.impl replay trains groups again in later steps, which the staleness bound "
                              "must allow: set controller.max_policy_age to 1 or more")

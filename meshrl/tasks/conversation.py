@@ -8,6 +8,7 @@ form); `converse` appends its messages in the chat template's tokens and asks fo
 scored Trajectories.
 """
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass
 from typing import Awaitable, Callable
@@ -93,3 +94,25 @@ async def converse(index: int, opening: list[dict], sampling: Sampling, max_turn
             conversation.take(completion)
         live = going
     return scored, failed
+
+
+class SessionRoom:
+    """Room for a session environment's sessions open at once across the run (`max_sessions` of the task, e.g. a
+    served environment's capacity): a group takes room for all its sessions at once, or waits, so groups never
+    hold part of what each needs; 0: no bound."""
+
+    def __init__(self, size: int = 0):
+        self.size, self.free = size, size
+        self.changed = asyncio.Condition()
+
+    async def take(self, n: int) -> None:
+        if self.size:
+            async with self.changed:
+                await self.changed.wait_for(lambda: self.free >= n)
+                self.free -= n
+
+    async def give(self, n: int) -> None:
+        if self.size:
+            async with self.changed:
+                self.free += n
+                self.changed.notify_all()

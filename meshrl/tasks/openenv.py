@@ -45,6 +45,7 @@ class OpenEnvConfig:
     accuracy: str = "success"  # the check reported as accuracy: success (reward >= success_at) or a number in the last observation's metadata
     success_at: float = 1.0  # the episode reward from which `success` is 1
     eval_size: int = 64  # episodes (seeds) in each held-out split
+    max_sessions: int = 0  # sessions open at once across the run (a served environment's max_concurrent_envs); a group waits for room for all of its own; 0: no bound
 
     def check(self) -> None:
         if bool(self.env) == bool(self.url):
@@ -58,6 +59,8 @@ class OpenEnvConfig:
         if self.reward not in ("sum", "last"):
             raise ValueError(f"openenv.reward must be sum or last, not {self.reward!r}")
         stop_strings(self.stop)
+        if self.max_sessions < 0:
+            raise ValueError(f"openenv.max_sessions must be 0 (no bound) or more, not {self.max_sessions}")
 
 
 def stop_strings(text: str) -> list[str]:
@@ -206,6 +209,7 @@ class OpenEnvTask:
         self.config = config
         self.accuracy = config.accuracy
         self.stop = stop_strings(config.stop)
+        self.max_sessions = config.max_sessions  # the controller's bound on sessions open at once (0: none)
         self.episodes: dict[str, Episode] = {}
         self._env_class = self._actions = None
 
@@ -229,7 +233,13 @@ class OpenEnvTask:
     async def open(self, session: str, sample: Sample) -> list[dict]:
         episode = Episode(self._session())
         self.episodes[session] = episode
-        first = await episode.session.reset(sample.info["seed"])
+        try:
+            first = await episode.session.reset(sample.info["seed"])
+        except RuntimeError as e:
+            if "CAPACITY_REACHED" in str(e):  # openenv's server refusing a session
+                raise RuntimeError(f"{e}; set openenv.max_sessions to the server's capacity (max_concurrent_envs)") \
+                    from None
+            raise
         episode.metadata = first.get("metadata") or {}
         opening = [{"role": "system", "content": self.config.system}] if self.config.system else []
         return opening + [{"role": "user", "content": render(first["observation"], self.config.observation_field)}]
