@@ -109,8 +109,8 @@ class QuestionObservation(Observation):
 
 
 class ZorplexToolEnv(MCPEnvironment):
-    """Zorplex with MCP tools: `lookup(word)` answers a word's value, `answer(value)` ends the episode, rewarded 1
-    if right."""
+    """Zorplex with MCP tools: `lookup(word)` answers a word's value (a step reward of 0.1 for a word of the
+    question, as Zorplex's tool_weight), `answer(value)` ends the episode, rewarded 1 if right."""
 
     def __init__(self):
         tools = FastMCP("zorplex")
@@ -132,6 +132,9 @@ class ZorplexToolEnv(MCPEnvironment):
 
     async def step_async(self, action, timeout_s=None, **kwargs) -> Observation:
         observation = await super().step_async(action, timeout_s, **kwargs)
+        arguments = getattr(action, "arguments", {})
+        if getattr(action, "tool_name", "") == "lookup" and arguments.get("word") in self.sample.info["values"]:
+            observation.reward = 0.1
         if self.answered is not None:
             observation.done, observation.reward = True, float(self.answered == self.sample.answer)
         return observation

@@ -181,12 +181,13 @@ def test_a_grader_without_session_endpoints_cannot_serve_openenv():
 
 def test_tool_calls_step_an_mcp_environment_and_its_results_are_the_tool_turns():
     task = OpenEnvTask(OpenEnvConfig(env="openenv_envs:ZorplexToolEnv", action="tool_call", role="tool"))
+    last = OpenEnvTask(OpenEnvConfig(env="openenv_envs:ZorplexToolEnv", action="tool_call", role="tool", reward="last"))
     sample = task.train_sample(2)
     values = Zorplex(NATIVE).train_sample(2).info["values"]
     [(word, value)] = values.items()
     call = '<tool_call>{{"name": "{}", "arguments": {}}}</tool_call>'.format  # noqa: E731
 
-    async def episode(replies):
+    async def episode(replies, task=task):
         turns = [await task.open("m", sample)]
         for reply in replies:
             answer, _ = await task.step("m", reply)
@@ -197,12 +198,14 @@ def test_tool_calls_step_an_mcp_environment_and_its_results_are_the_tool_turns()
         await task.close("m")
         return turns, result
 
-    turns, (reward, checks, _) = asyncio.run(episode([
-        "I look it up. " + call("lookup", json.dumps({"word": word})), call("lookup", '{"word": "nosuch"}'),
-        call("nosuch", "{}"), call("answer", json.dumps({"value": value}))]))
+    replies = ["I look it up. " + call("lookup", json.dumps({"word": word})), call("lookup", '{"word": "nosuch"}'),
+               call("nosuch", "{}"), call("answer", json.dumps({"value": value}))]
+    turns, (reward, checks, metadata) = asyncio.run(episode(replies))
     assert turns[0] == [{"role": "user", "content": Zorplex(NATIVE).train_sample(2).prompt}]
     assert turns[1:4] == [[{"role": "tool", "content": str(value)}], [{"role": "tool", "content": "unknown word"}],
                           [{"role": "tool", "content": "error: Unknown tool: 'nosuch'"}]]
-    assert turns[4] is None and reward == 1.0 and checks["success"] == checks["done"] == 1.0
+    assert turns[4] is None and checks["success"] == checks["done"] == 1.0
+    assert metadata["rewards"] == [0.1, 0.0, 0.0, 1.0] and reward == pytest.approx(1.1)  # the steps' sum
+    assert asyncio.run(episode(replies, last))[1][0] == 1.0  # openenv.reward last
     turns, (reward, checks, _) = asyncio.run(episode(["The answer is 12.", call("answer", '{"value": 0}')]))
     assert turns[1:] == [None] and reward == 0.0 and checks["invalid_action"] == 1.0 and checks["done"] == 0.0
