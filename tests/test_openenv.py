@@ -209,3 +209,13 @@ def test_tool_calls_step_an_mcp_environment_and_its_results_are_the_tool_turns()
     assert asyncio.run(episode(replies, last))[1][0] == 1.0  # openenv.reward last
     turns, (reward, checks, _) = asyncio.run(episode(["The answer is 12.", call("answer", '{"value": 0}')]))
     assert turns[1:] == [None] and reward == 0.0 and checks["invalid_action"] == 1.0 and checks["done"] == 0.0
+
+
+def test_a_resume_may_move_the_served_environment_but_not_change_the_environment():
+    from meshrl.configs import ConfigError, load_config, resumable_overrides
+
+    served = ["--task", "openenv", "--openenv.url", "ws://127.0.0.1:8000"]
+    saved = load_config("smoke", served)
+    resumable_overrides(saved, load_config("smoke", [*served[:3], "ws://10.0.0.2:9000", "--openenv.max_sessions", "8"]))
+    with pytest.raises(ConfigError, match=r"--openenv\.action cannot change on resume"):
+        resumable_overrides(saved, load_config("smoke", [*served, "--openenv.action", "json"]))

@@ -417,7 +417,8 @@ def to_dict(config: Config) -> dict:
 RESUMABLE = ("controller.steps", "controller.eval_every", "checkpoint.", "logging.", "job.", "weight_sync.transport",
              "weight_sync.checksums", "weight_sync.chunk_mb", "weight_sync.poll_s", "weight_sync.verify", ".hosts", ".cpus", ".num_threads", ".timeout_s",
              ".max_restarts", "trainer.max_bad_steps", "trainer.activation_checkpointing", "trainer.logprob_chunk_tokens", "generator.replicas", "grader.replicas", "controller.stop_timeout_s", "controller.restart_window_s",
-             "controller.max_failed_fraction", "trainer.ranks", "reference.ranks", "serve.")
+             "controller.max_failed_fraction", "trainer.ranks", "reference.ranks", "serve.", "openenv.url",
+             "openenv.max_sessions")
 
 
 def resumable_overrides(saved: Config, config: Config) -> None:
