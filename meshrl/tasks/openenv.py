@@ -83,7 +83,8 @@ def parse_action(reply: str, how: str, text_field: str = "message") -> dict | No
         return {text_field: reply}
     if how == "json":
         return last_json_object(reply)
-    # TODO(issue 55 item 2): the tool-call parser of the model's own format, once it lands (meshrl/tasks/tool_calls.py)
+    # TODO(issue 55 item 2): read calls with vLLM's parser of the model's format (meshrl/tasks/tool_calls.py's
+    # ToolCallParser, model.tool_parser); it needs the checkpoint's tokenizer, which the grader is not given yet
     calls = [c for c in (_json_object(m) for m in _TOOL_CALL.findall(reply)) if c is not None]
     if not calls or not isinstance(calls[-1].get("name"), str) or not isinstance(calls[-1].get("arguments", {}), dict):
         return None
