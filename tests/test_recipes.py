@@ -26,10 +26,10 @@ RECIPES = {
     "sum_digits_smollm2_v2": "ef8037d74c951531",
     "sum_digits_smollm2_v3": "86b8197195424374",
     "sum_digits_smollm2_v4": "454e8ad2cabc287e",
-    "zorplex_calc_smollm2": "1e64bdcb9689e539",
+    "zorplex_calc_smollm2": "345213b9a89bd678",
     "zorplex_smollm2": "850b76abfdee5dfa",
 }
-DEFAULTS = "3231e04655094e8b"
+DEFAULTS = "07b7138ae340baeb"
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

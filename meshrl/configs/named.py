@@ -97,18 +97,19 @@ def zorplex_smollm2() -> Config:
 @register
 def zorplex_calc_smollm2() -> Config:
     """Zorplex level 2 with the calculator (issue 55): SmolLM2-135M looks up both words, adds their values
-    with CALC[...] and answers, in at most five turns (four and one to spare). Untrained, at level 2 it
-    never does (0 of 64 sampled conversations of a first step looked up both words, none right), so a
-    curriculum starts at level 1 (train prompts 0-15, steps 1-2), level 2's share rising over prompts 16-63
-    (steps 3-8), level 2 only from step 9; a step trains only groups with a learning signal (DAPO's dynamic
-    sampling, as the demo). 30 steps, evaluated at level 2 on 32 validation prompts (mean@4 at temperature
-    1) every 10; `meshrl study calculator` runs it on three seeds and scores the test split. A micro-batch
-    of 8 conversations (16 four-turn ones took 7.8 GB of the trainer's memory)."""
+    with CALC[...] and answers, in at most five turns (four and one to spare). Untrained, it never looks
+    both words up at level 2 (validation: 0 of 32 greedy conversations, 0 of 128 at temperature 0.7;
+    greedy, it copies the example's last call, CALC, and loops on it), so a curriculum starts at level 1
+    (train prompts 0-15, steps 1-2), level 2's share rising over prompts 16-63 (steps 3-8), level 2 only
+    from step 9. No dynamic sampling: it draws more prompts a step, which would run the curriculum's
+    prompt indices ahead of the steps (tried: level 2 took over by step 4, and no group had a signal).
+    30 steps, evaluated at level 2 on 32 validation prompts (mean@4 at temperature 1) every 10; `meshrl
+    study calculator` runs it on three seeds and scores the test split. A micro-batch of 8 conversations
+    (16 four-turn ones took 7.8 GB of the trainer's memory)."""
     config = zorplex_smollm2()
     config.zorplex.level, config.zorplex.calculator, config.zorplex.eval_size = 2, True, 32
     config.zorplex.curriculum = "16-63"
     config.controller.max_turns, config.controller.steps, config.controller.eval_every = 5, 30, 10
-    config.controller.drop_equal_reward_groups = True
     config.trainer.micro_batch_size = 8
     return config
 
