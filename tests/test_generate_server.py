@@ -134,7 +134,7 @@ def test_a_training_run_with_serve_enabled_serves_while_it_trains_and_stops_serv
     answered while the run trains, the run ends as usual, and nothing listens there afterwards."""
     run = subprocess.Popen([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path),
                             "--controller.steps", "4", "--serve.enabled", "true", "--serve.port", "0"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
         while not (tmp_path / "serve.json").is_file():

@@ -16,7 +16,7 @@ import pytest
 
 from meshrl.actors.grader import EnvReply
 from meshrl.models.model import ChatTokenizer, ModelError, read_hf_config, resolve_checkpoint
-from meshrl.rollout import converse
+from meshrl.tasks.conversation import converse
 from meshrl.tasks.tool_calls import ToolCallParser, assistant_message, parser_name
 from meshrl.types import Generated, Sampling
 

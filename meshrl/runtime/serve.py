@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import logging
 import socket
 import time
 from dataclasses import dataclass, field
@@ -36,7 +35,6 @@ from meshrl.actors.timeouts import Timeout, deadline
 from meshrl.episodes import episode
 from meshrl.types import Completion, Episode, Prompt, Sampling
 
-logger = logging.getLogger(__name__)
 GENERATE, MODELS, SESSIONS = "/inference/v1/generate", "/v1/models", "/meshrl/v1/sessions"
 # vLLM sampling parameters the generator serves; any other, set to other than its default, is refused
 SERVED = {"n", "temperature", "top_p", "max_tokens", "stop", "stop_token_ids", "logprobs", "detokenize",
