@@ -156,3 +156,19 @@ def test_a_training_run_with_serve_enabled_serves_while_it_trains_and_stops_serv
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
     with pytest.raises(httpx.ConnectError):
         httpx.get(served["url"] + MODELS, timeout=5)
+
+
+def test_a_session_whose_first_turn_was_refused_holds_no_place():
+    """A session opened for a turn the generator then refused is let go (found in review: it held a place
+    under serve.max_sessions and raised when made an episode); one with an answered turn is kept."""
+    from meshrl.runtime.serve import Refused, Session, SessionStore
+
+    store = SessionStore(max_sessions=1)
+    store.open("refused")
+    store.let_go_if_empty("refused")
+    answered = store.open("answered")  # the place is free again
+    answered.turns.append(object())
+    store.let_go_if_empty("answered")
+    assert list(store.sessions) == ["answered"] and isinstance(store.sessions["answered"], Session)
+    with pytest.raises(Refused, match="serve.max_sessions"):
+        store.open("third")

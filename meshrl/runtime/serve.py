@@ -104,6 +104,12 @@ class SessionStore:
             raise Refused(f"session {session_id!r} has ended: a new turn needs a new session id", 409)
         return session
 
+    def let_go_if_empty(self, session_id: str) -> None:
+        """Forget a session none of whose turns was answered (its first generation refused): no empty
+        session holds a place under `max_sessions` or becomes an episode."""
+        if (session := self.sessions.get(session_id)) is not None and not session.turns:
+            del self.sessions[session_id]
+
     def end(self, session_id: str) -> Session:
         """Mark a session done (no more turns): it is taken by the next `take_ended`."""
         if session_id not in self.sessions:
@@ -265,8 +271,10 @@ class GenerateServer:
         try:
             c = await self.pool.call(on, prefer=session.replica)
         except CallFailed as e:  # the request's own fault (too long a prompt, say): the replica serves on
+            self.store.let_go_if_empty(session_id)
             raise Refused(f"the generator refused it: {e}") from None
         except (RoleFailed, TokensLost) as e:
+            self.store.let_go_if_empty(session_id)
             raise Refused(f"no generator can serve it: {e}", 503) from None
         session.turns.append(Turn(c, sampling))
         return GenerateTokensResponse(
