@@ -292,8 +292,9 @@ class Attempt:
 
         try:
             opening = await self.grade("open_sessions", sample, sessions, on=replica)
-            return await converse(self.index, opening, dataclasses.replace(sampling, stop=list(c.task.stop)),
-                                  c.controller.max_turns, c.generator.max_model_len, c.tokenizer,
+            tokenizer = c.tokenizer.offering(opening.tools) if opening.tools else c.tokenizer  # tools= in every render
+            return await converse(self.index, opening.messages, dataclasses.replace(sampling, stop=list(c.task.stop)),
+                                  c.controller.max_turns, c.generator.max_model_len, tokenizer,
                                   lambda prompts, s: self.generate(prompts, s, text=True), step, sessions=sessions)
         finally:  # those ended are closed already: closing again is a no-op
             task = asyncio.ensure_future(close_on(replica, sessions, c.timeouts, c.session_room))

@@ -2,7 +2,8 @@
 against openenv's Environment (tests/openenv_envs.py) gives the same transcripts and rewards as native Zorplex
 for scripted replies; the seeds of the splits are disjoint; replies parse into actions; and real runs of
 `meshrl train` on the tiny model train it in the grader's process, served on 127.0.0.1 with concurrent
-sessions, and through a grader killed mid-group."""
+sessions, and through a grader killed mid-group. An MCP environment's tools are offered to the model through the chat
+template (`tools=`) and its replies are read by vLLM's tool parser of the model's format."""
 
 import asyncio
 import json
@@ -20,7 +21,10 @@ pytest.importorskip("openenv", reason="openenv is installed from requirements-op
 
 from openenv_envs import NATIVE, ZorplexLookupEnv  # noqa: E402
 
+from meshrl.models.model import ChatTokenizer, ModelError, resolve_checkpoint  # noqa: E402
+from meshrl.tasks.conversation import converse  # noqa: E402
 from meshrl.tasks.openenv import SEEDS, OpenEnvConfig, OpenEnvTask, parse_action  # noqa: E402
+from meshrl.types import Generated, Sampling  # noqa: E402
 from meshrl.tasks.zorplex import SYSTEM, Zorplex  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -82,13 +86,10 @@ def test_the_splits_reset_with_disjoint_seeds_and_the_same_index_gives_the_same_
         task.eval_samples("train")
 
 
-def test_replies_parse_into_text_json_and_tool_call_actions():
+def test_replies_parse_into_text_and_json_actions():
     assert parse_action("LOOKUP[zorp]", "text", "message") == {"message": "LOOKUP[zorp]"}
     assert parse_action('I move: ```json\n{"x": 1, "y": {"z": 2}}\n``` done', "json") == {"x": 1, "y": {"z": 2}}
     assert parse_action("no action here {", "json") is None
-    call = 'Let me add. <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
-    assert parse_action(call, "tool_call") == {"type": "call_tool", "tool_name": "add", "arguments": {"a": 1, "b": 2}}
-    assert parse_action("<tool_call>not json</tool_call>", "tool_call") is None
     with pytest.raises(ValueError, match="one of openenv.env"):
         OpenEnvConfig().check()
     with pytest.raises(ValueError, match="openenv.stop"):
@@ -179,9 +180,20 @@ def test_a_grader_without_session_endpoints_cannot_serve_openenv():
     assert actor_classes(load_config("smoke", ["--task", "openenv", "--openenv.env", "openenv_envs:ZorplexLookupEnv"]))
 
 
-def test_tool_calls_step_an_mcp_environment_and_its_results_are_the_tool_turns():
-    task = OpenEnvTask(OpenEnvConfig(env="openenv_envs:ZorplexToolEnv", action="tool_call", role="tool"))
-    last = OpenEnvTask(OpenEnvConfig(env="openenv_envs:ZorplexToolEnv", action="tool_call", role="tool", reward="last"))
+@pytest.fixture(scope="module")
+def smollm2():
+    return resolve_checkpoint("smollm2")
+
+
+def mcp_task(smollm2, **kw) -> OpenEnvTask:
+    """The Zorplex MCP environment with tool calls read as a run's graders read them: launched with model.tool_parser
+    auto (SmolLM2's family: vLLM's hermes parser) and the checkpoint."""
+    config = OpenEnvConfig(env="openenv_envs:ZorplexToolEnv", action="tool_call", role="tool", **kw)
+    return OpenEnvTask(config.launched("auto", smollm2))
+
+
+def test_tool_calls_step_an_mcp_environment_and_its_results_are_the_tool_turns(smollm2):
+    task, last = mcp_task(smollm2), mcp_task(smollm2, reward="last")
     sample = task.train_sample(2)
     values = Zorplex(NATIVE).train_sample(2).info["values"]
     [(word, value)] = values.items()
@@ -209,6 +221,74 @@ def test_tool_calls_step_an_mcp_environment_and_its_results_are_the_tool_turns()
     assert asyncio.run(episode(replies, last))[1][0] == 1.0  # openenv.reward last
     turns, (reward, checks, _) = asyncio.run(episode(["The answer is 12.", call("answer", '{"value": 0}')]))
     assert turns[1:] == [None] and reward == 0.0 and checks["invalid_action"] == 1.0 and checks["done"] == 0.0
+    # a malformed call (its JSON cut off) is no call: the episode ends there, with no action
+    turns, (reward, checks, _) = asyncio.run(episode(['<tool_call>\n{"name": "lookup", "arguments": {"word": \n'
+                                                      '</tool_call>', call("answer", json.dumps({"value": value}))]))
+    assert turns[1:] == [None] and reward == 0.0 and checks["invalid_action"] == 1.0 and checks["done"] == 0.0
+    unlaunched = OpenEnvTask(OpenEnvConfig(env="openenv_envs:ZorplexToolEnv", action="tool_call"))
+    asyncio.run(unlaunched.open("u", sample))
+    with pytest.raises(ValueError, match=r"build the task from OpenEnvConfig\.launched"):
+        asyncio.run(unlaunched.step("u", call("answer", "{}")))
+    asyncio.run(unlaunched.close("u"))
+
+
+def test_an_mcp_environments_tools_are_in_the_prompt_and_a_reply_in_the_templates_format_steps_it(smollm2, tmp_path):
+    """A session group as a run carries it: the grader (its endpoints' bodies, called in this process) opens the
+    session and answers an Opening with the session's tools (its ListToolsAction answer); `converse` renders with
+    the tokenizer offering them, so SmolLM2 under the hermes template sees their schemas in its system turn; a
+    reply written in that template's tool-call format is read by vLLM's hermes parser into the CallToolAction the
+    environment answers (the word's value, a step reward); SmolLM2's own template, which ignores tools, stops
+    the run before it starts, and a run's graders get the parser resolved."""
+    from meshrl.actors.grader import Grader
+
+    grader = Grader("openenv", OpenEnvConfig(env="openenv_envs:ZorplexToolEnv", action="tool_call", role="tool")
+                    .launched("auto", smollm2))
+    endpoint = lambda name: getattr(Grader, name)._method  # noqa: E731 (the function under Monarch's @endpoint)
+    sample = grader.task.train_sample(2)
+    [(word, value)] = Zorplex(NATIVE).train_sample(2).info["values"].items()
+    opened = asyncio.run(endpoint("open_sessions")(grader, sample, ["t"]))
+    opening, tools = opened.messages, opened.tools
+    assert [t["function"]["name"] for t in tools] == ["lookup", "answer"]
+    assert tools[0]["function"]["parameters"]["properties"] == {"word": {"type": "string"}}
+    tokenizer = ChatTokenizer(smollm2, "hermes")
+    # the model's turn as the template writes a call: content, then <tool_call> JSON </tool_call>
+    written = tokenizer.render([{"role": "assistant", "content": "I look it up.", "tool_calls": [
+        {"type": "function", "function": {"name": "lookup", "arguments": {"word": word}}}]}],
+        add_generation_prompt=False).split("<|im_start|>assistant\n")[1].removesuffix("<|im_end|>\n")
+    assert "<tool_call>" in written
+    prompts, answers = [], []
+
+    async def generate(batch, sampling):
+        prompts.extend(batch)
+        ids = tokenizer.tokenizer.encode(written, add_special_tokens=False).ids
+        return [Generated(len(prompts), 0, len(batch[0].token_ids), len(ids), 0, "stop", tail=ids[-8:], text=written)]
+
+    async def step(conversations, last, sessions):
+        replies = await endpoint("step_sessions")(grader, sessions, [m[-1]["content"] for m in conversations], last)
+        answers.extend(replies)
+        return replies
+
+    scored, failed = asyncio.run(converse(0, opening, Sampling(n=1), 1, 4096, tokenizer.offering(tools), generate,
+                                          step, sessions=["t"]))
+    assert failed == 0 and len(scored) == 1 and not grader.task.episodes  # ended: closed
+    shown = tokenizer.tokenizer.decode(prompts[0].token_ids, skip_special_tokens=False)
+    system = shown.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\n") and "<tools>" in system
+    assert all(json.dumps(t) in system for t in tools)  # each tool's schema, as the template writes it (tojson)
+    assert prompts[0].token_ids == tokenizer.encode_messages(opening, tools=tools)
+    assert "<tools>" not in tokenizer.tokenizer.decode(tokenizer.encode_messages(opening), skip_special_tokens=False)
+    # lookup(word) was called: the environment's step reward, and its answer in the episode's only step
+    assert answers[0].reward == pytest.approx(0.1) and answers[0].metadata["rewards"] == [0.1]
+    assert answers[0].checks["invalid_action"] == 0.0 and scored[0].reward == pytest.approx(0.1)
+
+    from meshrl.configs import load_config
+    from meshrl.runtime.run import Run
+
+    flags = ["--task", "openenv", "--openenv.env", "openenv_envs:ZorplexToolEnv", "--openenv.action", "tool_call"]
+    with pytest.raises(ModelError, match="ignores tools: set model.chat_template"):
+        Run(load_config("smoke", flags), tmp_path / "run")
+    assert Run(load_config("smoke", [*flags, "--model.chat_template", "hermes"]), tmp_path / "run").grader_task \
+        .tool_parser == "hermes"
 
 
 def test_a_resume_may_move_the_served_environment_but_not_change_the_environment():

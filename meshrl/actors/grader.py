@@ -41,6 +41,14 @@ class EnvReply:
     metadata: dict = field(default_factory=dict)  # a session's episode metadata (JSON), kept in rollouts.jsonl
 
 
+@dataclass
+class Opening:
+    """How a session environment opens a group's conversations."""
+
+    messages: list[dict]  # the opening messages
+    tools: list[dict] | None = None  # the tools offered to the model (OpenAI-style function schemas); None: none
+
+
 class UserCodeFailed(RuntimeError):
     """The task's reward function or environment raised on most of one call's completions."""
 
@@ -141,13 +149,14 @@ class Grader(Actor):
     # The session form: a group's conversations as sessions held by this replica.
 
     @endpoint
-    async def open_sessions(self, sample: Sample, sessions: list[str]) -> list[dict]:
-        """Open a session per conversation of `sample`'s group: the messages that open them (alike: the same
-        sample). Raises (the group fails) if the environment raised, or opened them differently."""
-        openings = []
+    async def open_sessions(self, sample: Sample, sessions: list[str]) -> Opening:
+        """Open a session per conversation of `sample`'s group: the messages that open them and the tools offered
+        (alike: the same sample). Raises (the group fails) if the environment raised, or opened them differently."""
+        openings, tools = [], getattr(self.task, "tools", None)
         try:
             for session in sessions:
-                openings.append(await self.task.open(session, sample))
+                messages = await self.task.open(session, sample)
+                openings.append(Opening(messages, await tools(session) if tools else None))
         except Exception as e:
             self._log(self.env_name, e, f"opening {sample.prompt}")
             await self._close(sessions)

@@ -88,9 +88,10 @@ class Grader(Protocol):
         """Needed only for a multi-turn task (an `Environment`): one `EnvReply` per conversation, the environment's
         next messages or, once it ends the conversation or `last`, its reward and checks."""
 
-    async def open_sessions(self, sample, sessions: list[str]) -> list[dict]:
+    async def open_sessions(self, sample, sessions: list[str]):
         """Needed only for a session environment (`SessionEnvironment`): opens a session per conversation of
-        `sample`'s group, held by this replica until closed; the messages that open them."""
+        `sample`'s group, held by this replica until closed; an `Opening` (meshrl.actors.grader): the messages
+        that open them and the tools offered to the model."""
 
     async def step_sessions(self, sessions: list[str], replies: list[str | None], last: bool) -> list:
         """Session environments: one `EnvReply` per session for its model turn (None: it ends where it is); an

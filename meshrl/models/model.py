@@ -204,7 +204,7 @@ class ChatTokenizer:
     def offering(self, tools: list[dict] | None) -> "ChatTokenizer":
         """This tokenizer with `tools` (OpenAI-style schemas) offered in every conversation it renders: what a task with
         tools hands to `converse`, whose openings and continuations then carry them."""
-        self._check(tools)
+        self.check_tools(tools)
         bound = copy.copy(self)
         bound.tools = tools
         return bound
@@ -215,7 +215,7 @@ class ChatTokenizer:
         from transformers.utils.chat_template_utils import render_jinja_template
 
         tools = self.tools if tools is None else tools
-        self._check(tools)
+        self.check_tools(tools)
         try:
             rendered, _ = render_jinja_template([messages], tools=tools or None, chat_template=self.template,
                                                 add_generation_prompt=add_generation_prompt)
@@ -223,7 +223,9 @@ class ChatTokenizer:
             raise ModelError(f"the chat template refused the conversation: {e}") from None
         return rendered[0]
 
-    def _check(self, tools: list[dict] | None) -> None:
+    def check_tools(self, tools: list[dict] | bool | None) -> None:
+        """One ModelError line if `tools` (those offered, or True: any) would be offered through a template that
+        ignores them."""
         if tools and not self.takes_tools:
             raise ModelError(f"the chat template ({self.name}) ignores tools: set model.chat_template to one that "
                              f"renders them ({', '.join(TEMPLATES)} or a .jinja file)")

@@ -73,6 +73,10 @@ class Run:
         if config.trainer.lora.rank:  # its targets and rank checked against the model, on the meta device
             published_weights(self.model_path, "float32", config.trainer.lora)
         self.tokenizer = ChatTokenizer(self.model_path, config.model.chat_template)
+        self.tokenizer.check_tools(getattr(self.task, "offers_tools", False))  # an MCP environment's, say
+        self.grader_task = task_config(config)  # with what it needs of the model, if anything (openenv's tool parser)
+        if hasattr(self.grader_task, "launched"):
+            self.grader_task = self.grader_task.launched(config.model.tool_parser, self.model_path)
         self.fit_prompts()
         self.signals = StopSignals()
         self.hosts: Hosts | None = None
@@ -236,7 +240,7 @@ class Run:
             cfg.controller.restart_window_s, sticky_slack(gen))
         graders = ReplicaPool("grader", monarch_replicas(
             lambda i: replica_name("grader", i, grade.replicas), self.classes["grader"],
-            lambda i: (cfg.task, task_config(cfg), grade), lambda i: self.hosts.host("grader", i), None, timeouts.grade),
+            lambda i: (cfg.task, self.grader_task, grade), lambda i: self.hosts.host("grader", i), None, timeouts.grade),
             grade.replicas, grade.max_restarts, self._write_processes, timeouts.stop, cfg.controller.restart_window_s)
         self.pools = [generators, graders]
         await asyncio.gather(generators.start(), graders.start())

@@ -90,7 +90,9 @@ class SessionEnvironment(Protocol):
 
     async def open(self, session: str, sample: Sample) -> list[dict]:
         """Start session `session` for `sample` (an environment's reset): the messages that open it. The
-        conversations of one group open alike (the same sample, the same seed)."""
+        conversations of one group open alike (the same sample, the same seed). A task that offers tools to the
+        model also has `async def tools(session) -> list[dict] | None`: the session's tools (OpenAI-style function
+        schemas), rendered by the chat template in every turn (OpenEnv's MCP environments)."""
 
     async def step(self, session: str, reply: str) -> tuple[list[dict] | None, dict]:
         """The session's answer to the model's turn `reply`: (the next messages, or None when the episode is

@@ -9,15 +9,20 @@ An OpenEnv environment has no dataset: a sample is a reset seed. Train prompt i 
 splits take seeds from ranges of their own (SEEDS), so no validation or test episode is a training one as far as
 the environment's episodes follow their seed.
 
+An MCP environment (`openenv.action tool_call`) offers its tools (its ListToolsAction answer, as OpenAI-style function
+schemas) to the model through the chat template, and the model's calls are read by vLLM's tool parser of the model's
+format (meshrl/tasks/tool_calls.py), named at launch (`OpenEnvConfig.launched`: model.tool_parser and the checkpoint).
+
 openenv is not in requirements.lock (its declared dependencies conflict with vLLM's: requirements-openenv.txt says
 why and installs it); it is imported only when a session opens.
 """
 
+import dataclasses
 import importlib.util
 import json
-import re
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from meshrl.tasks import Sample
 from meshrl.tasks.splits import SPLITS, check_split
@@ -26,7 +31,6 @@ from meshrl.tasks.splits import SPLITS, check_split
 SEEDS = {"train": 0, "validation": 1_000_000_000, "test": 2_000_000_000}
 SPAN = 1_000_000_000  # seeds a split may use
 ACTIONS = ("text", "json", "tool_call")
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
 @dataclass
@@ -35,7 +39,7 @@ class OpenEnvConfig:
 
     env: str = ""  # module:Class of an openenv Environment, built in each grader's process, one instance a conversation
     url: str = ""  # ws://HOST:PORT of a served environment (openenv's create_app): one WebSocket session a conversation
-    action: str = "text"  # text: the reply whole in the action's `text_field` | json: the reply's JSON object is the action | tool_call: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, sent as an MCP CallToolAction
+    action: str = "text"  # text: the reply whole in the action's `text_field` | json: the reply's JSON object is the action | tool_call: an MCP environment's tools offered through the chat template (model.chat_template must render tools: hermes for SmolLM2), the reply's last call in the model's format (read by vLLM's model.tool_parser) sent as a CallToolAction
     text_field: str = "message"  # the action's field that takes the reply (action text)
     observation_field: str = ""  # the observation's field rendered as the next turn; "": its only field's text, or all its fields (not done, reward, metadata) as JSON
     role: str = "user"  # the chat role of a rendered observation (user | tool)
@@ -62,6 +66,24 @@ class OpenEnvConfig:
         if self.max_sessions < 0:
             raise ValueError(f"openenv.max_sessions must be 0 (no bound) or more, not {self.max_sessions}")
 
+    def launched(self, tool_parser: str, checkpoint: Path | str) -> "LaunchedOpenEnv":
+        """These settings with what the launch resolves from the model's (run.py, for the graders): the vLLM tool
+        parser `model.tool_parser` names (auto: the model family's) and the checkpoint whose tokenizer it reads."""
+        from meshrl.models.model import read_hf_config
+        from meshrl.tasks.tool_calls import parser_name
+
+        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(OpenEnvConfig)}
+        return LaunchedOpenEnv(**settings, tool_parser=parser_name(tool_parser, read_hf_config(Path(checkpoint))),
+                               checkpoint=str(checkpoint))
+
+
+@dataclass
+class LaunchedOpenEnv(OpenEnvConfig):
+    """OpenEnvConfig.launched's: not command-line settings, but the model's, resolved at launch."""
+
+    tool_parser: str = ""  # vLLM's tool parser of the model's format (tool_call actions)
+    checkpoint: str = ""  # the model's HF directory: the parser reads its tokenizer
+
 
 def stop_strings(text: str) -> list[str]:
     if not text:
@@ -75,28 +97,30 @@ def stop_strings(text: str) -> list[str]:
     return stop
 
 
-def parse_action(reply: str, how: str, text_field: str = "message") -> dict | None:
+def parse_action(reply: str, how: str, text_field: str = "message", parser=None) -> dict | None:
     """The action (as openenv's wire format has it: a dict) that the model's reply names, or None if it names none.
-    text: {text_field: reply}; json: the reply's last JSON object; tool_call: the last
-    <tool_call>{"name": ..., "arguments": {...}}</tool_call> as an MCP call_tool action."""
+    text: {text_field: reply}; json: the reply's last JSON object; tool_call: the last call `parser` (a
+    meshrl.tasks.tool_calls.ToolCallParser) reads in the reply, as an MCP call_tool action (a malformed call is none)."""
     if how == "text":
         return {text_field: reply}
     if how == "json":
         return last_json_object(reply)
-    # TODO(issue 55 item 2): read calls with vLLM's parser of the model's format (meshrl/tasks/tool_calls.py's
-    # ToolCallParser, model.tool_parser); it needs the checkpoint's tokenizer, which the grader is not given yet
-    calls = [c for c in (_json_object(m) for m in _TOOL_CALL.findall(reply)) if c is not None]
-    if not calls or not isinstance(calls[-1].get("name"), str) or not isinstance(calls[-1].get("arguments", {}), dict):
+    _, calls = parser.parse(reply)
+    if not calls:
         return None
-    return {"type": "call_tool", "tool_name": calls[-1]["name"], "arguments": calls[-1].get("arguments", {})}
+    return {"type": "call_tool", "tool_name": calls[-1].name, "arguments": calls[-1].arguments}
 
 
-def _json_object(text: str) -> dict | None:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
+def function_schemas(listed: dict) -> list[dict]:
+    """An MCP environment's ListToolsObservation (openenv's wire format) as OpenAI-style function schemas, which chat
+    templates render (`tools=`) and vLLM's tool parsers take."""
+    if "tools" not in listed:
+        raise ValueError(f"openenv.action tool_call: the environment answered ListToolsAction without tools "
+                         f"({', '.join(listed) or 'nothing'}): is it an MCPEnvironment?")
+    return [{"type": "function", "function": {"name": tool["name"], "description": tool.get("description") or "",
+                                              "parameters": tool.get("input_schema") or {"type": "object",
+                                                                                         "properties": {}}}}
+            for tool in listed["tools"]]
 
 
 def last_json_object(text: str) -> dict | None:
@@ -197,6 +221,7 @@ class Episode:
     metadata: dict = field(default_factory=dict)  # the last observation's
     done: bool = False  # the environment said so
     invalid: bool = False  # a reply named no action: the episode ended there
+    tools: list[dict] | None = None  # an MCP environment's tools offered to the model (tool_call actions)
 
 
 class OpenEnvTask:
@@ -211,7 +236,9 @@ class OpenEnvTask:
         self.accuracy = config.accuracy
         self.stop = stop_strings(config.stop)
         self.max_sessions = config.max_sessions  # the controller's bound on sessions open at once (0: none)
+        self.offers_tools = config.action == "tool_call"  # the chat template must render tools (checked at launch)
         self.episodes: dict[str, Episode] = {}
+        self._parsers: dict[str, object] = {}  # vLLM's tool parser, by the tools it was given (as JSON)
         self._env_class = self._actions = None
 
     def train_sample(self, index: int) -> Sample:
@@ -242,12 +269,31 @@ class OpenEnvTask:
                     from None
             raise
         episode.metadata = first.get("metadata") or {}
+        if self.offers_tools:
+            episode.tools = function_schemas((await episode.session.step({"type": "list_tools"}))["observation"])
         opening = [{"role": "system", "content": self.config.system}] if self.config.system else []
         return opening + [{"role": "user", "content": render(first["observation"], self.config.observation_field)}]
 
+    async def tools(self, session: str) -> list[dict] | None:
+        """The tools offered in this session (OpenAI-style function schemas; None: none), rendered by the chat template."""
+        return self.episodes[session].tools
+
+    def _parser(self, tools: list[dict] | None):
+        """vLLM's parser of the model's tool calls (the launch names it: OpenEnvConfig.launched), one per tool set."""
+        from meshrl.tasks.tool_calls import ToolCallParser
+
+        if not getattr(self.config, "tool_parser", ""):
+            raise ValueError("openenv.action tool_call reads calls with the model's tool parser: build the task from "
+                             "OpenEnvConfig.launched(model.tool_parser, checkpoint), as a run's graders are")
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self._parsers:
+            self._parsers[key] = ToolCallParser(self.config.tool_parser, self.config.checkpoint, tools)
+        return self._parsers[key]
+
     async def step(self, session: str, reply: str) -> tuple[list[dict] | None, dict]:
         episode = self.episodes[session]
-        action = parse_action(reply, self.config.action, self.config.text_field)
+        parser = self._parser(episode.tools) if self.config.action == "tool_call" else None
+        action = parse_action(reply, self.config.action, self.config.text_field, parser)
         if action is None:
             episode.invalid = True
             return None, {"invalid_action": True}
