@@ -457,3 +457,40 @@ def test_demo_heldout_chooses_on_validation_alone_and_reports_the_chosen_recipes
     assert "Chosen: **lr_7e-5+format_0+decay+zero_truncated**" in text
     assert "| worst seed | 0.200 | 0.200 | 0.000 |" in text and "| untrained model | 0.000 | 0.000 | 0.000 |" in text
     assert "0.990" not in text and "0.950" not in text  # the other recipes' test figures are not read
+
+
+def test_the_calculator_report_shows_validation_by_eval_and_each_seeds_test_split_beside_the_untrained(
+        tmp_path, monkeypatch):
+    from meshrl.configs import to_dict
+    from meshrl.tools.studies import STUDIES, calculator
+
+    study = STUDIES["calculator"]
+    test = {"seed0": 0.75, "seed1": 0.5, "seed2": 0.25}
+    for run in study.runs:
+        run_dir = tmp_path / run.name
+        run_dir.mkdir()
+        config = load_config(run.config, run.overrides)
+        (run_dir / "config.json").write_text(json.dumps(to_dict(config)))
+        (run_dir / "study_run.json").write_text(json.dumps(run.recipe()))
+        rows = [{"step": s, **({"eval_accuracy": s / 40} if s % 10 == 0 else {})} for s in range(1, 31)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run_dir / "summary.json").write_text(json.dumps({
+            "config_hash": run.config_hash(), "steps": 30, "eval_accuracy_initial": 0.0, "wall_time_s": 600,
+            **{f"eval_{c}_final": 0.5 for c in ("tool_call", "calculated", "tagged")}}))
+        # one level-2 conversation at step 30 (prompt 240: level 2 under the curriculum), right
+        sample = Zorplex(config.zorplex).train_sample(240)
+        (run_dir / "rollouts.jsonl").write_text(json.dumps({
+            "step": 30, "prompt_index": 240, "prompt": "q", "completion": f"CALC[..] Answer: {sample.answer}",
+            "reward": 1.1, "reward_components": {"correct": 1.0, "tool_call": 1.0}}) + "\n")
+        for out, accuracy in (("eval-test", test[run.name]), ("eval-test-base", 0.0)):  # meshrl eval's, cached
+            (run_dir / out).mkdir()
+            (run_dir / out / "eval.json").write_text(json.dumps({"rates": {
+                "eval_accuracy": accuracy, "eval_tool_call": 1.0, "eval_calculated": accuracy, "eval_tagged": 1.0}}))
+    monkeypatch.setattr(calculator, "resolve_checkpoint", lambda source: tmp_path / "base")
+    text = write_report(study, tmp_path).read_text()
+    assert "| seed0 | 0.000 / 0.250 / 0.500 / 0.750 | 0.500 | 0.500 | 0.500 | 600 |" in text
+    assert "| seed1 | 0.500 | 1.000 | 0.500 | 1.000 |" in text  # test: accuracy, tool_call, calculated, tagged
+    assert "| worst seed | 0.250 | 1.000 | 0.250 | 1.000 |" in text
+    assert "| untrained model | 0.000 | 1.000 | 0.000 | 1.000 |" in text
+    assert f"### seed2, step 30\n\n```\nq\nCALC[..] Answer: {sample.answer}\n-> reward 1.10 (right)" in text
+    assert (tmp_path / "validation_level2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
