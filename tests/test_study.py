@@ -217,7 +217,7 @@ def test_the_study_command_lists_dry_runs_and_refuses_unknown_names(tmp_path, cl
     assert code == 0
     assert [line.split()[0] for line in listed.splitlines()] == ["weight-sync-equivalence", "sync-vs-async",
                                                                   "difficulty", "replay", "curriculum",
-                                                                  "demo-settings", "demo-heldout"]
+                                                                  "demo-settings", "demo-heldout", "calculator"]
     code, out, _ = cli("study", "sync-vs-async", "--dry-run", "--dir", tmp_path)
     commands = out.splitlines()
     assert code == 0

@@ -202,5 +202,5 @@ class Grader(Actor):
         for session in sessions:
             try:
                 await self.task.close(session)
-            except Exception as e:
+            except Exception as e:  # the user's code: logged, and the other sessions are closed all the same
                 self._log(f"{self.env_name} (closing a session)", e, session)
