@@ -188,23 +188,31 @@ class ReplicaPool:
         while True:
             replica = await self._route(prefer)
             prefer = None  # a call redone goes to the least-loaded replica
-            self._track(replica, +1)
-            try:
-                answer = await fn(replica)
-                replica.served += 1
+            answer, reason = await self._once(replica, fn)
+            if reason is None:
                 return answer
-            except ActorError as e:
-                if isinstance(e.exception, TokensLost):  # the work's tokens died elsewhere: the caller's to redo
-                    raise TokensLost(str(e.exception)) from None
-                if not isinstance(e.exception, ReplicaBroken):
-                    raise CallFailed(error_line(e)) from None
-                reason = e
-            except (SupervisionError, CallTimeout) as e:  # CancelledError is not retried
-                reason = e
-            finally:
-                self._track(replica, -1)
             self.retried += 1
             await self._replace(replica, reason)
+
+    async def _once(self, replica: Replica, fn: Callable[[Replica], Awaitable[T]]) -> tuple[T | None, BaseException | None]:
+        """`fn` on `replica`, counted in its load: (its answer, None), or (None, why) where the replica broke
+        (the caller replaces it). TokensLost if the work's tokens died elsewhere; CallFailed for an error of
+        `fn`'s call's own."""
+        self._track(replica, +1)
+        try:
+            answer = await fn(replica)
+            replica.served += 1
+            return answer, None
+        except ActorError as e:
+            if isinstance(e.exception, TokensLost):  # the work's tokens died elsewhere: the caller's to redo
+                raise TokensLost(str(e.exception)) from None
+            if not isinstance(e.exception, ReplicaBroken):
+                raise CallFailed(error_line(e)) from None
+            return None, e
+        except (SupervisionError, CallTimeout) as e:  # CancelledError is not retried
+            return None, e
+        finally:
+            self._track(replica, -1)
 
     async def pick(self) -> Replica:
         """The least-loaded healthy replica, for work pinned to one replica (`call_on`)."""
@@ -216,21 +224,9 @@ class ReplicaPool:
         the work whole. CallFailed if `fn`'s call raised an error of its own."""
         if not replica.healthy:
             raise TokensLost(f"{self.role} {replica.index}, holding its state, was replaced")
-        self._track(replica, +1)
-        try:
-            answer = await fn(replica)
-            replica.served += 1
+        answer, reason = await self._once(replica, fn)
+        if reason is None:
             return answer
-        except ActorError as e:
-            if isinstance(e.exception, TokensLost):
-                raise TokensLost(str(e.exception)) from None
-            if not isinstance(e.exception, ReplicaBroken):
-                raise CallFailed(error_line(e)) from None
-            reason = e
-        except (SupervisionError, CallTimeout) as e:
-            reason = e
-        finally:
-            self._track(replica, -1)
         await self._replace(replica, reason)
         raise TokensLost(f"{self.role} {replica.index}, holding its state, failed: {error_line(reason)}")
 
