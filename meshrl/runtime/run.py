@@ -1,13 +1,14 @@
-"""One training run from start to end: the job's hosts, every role's actors on them, the controller's
-loops (meshrl/controller.py), and whatever happens last: the final checkpoint and policy, or a stop, or
-a failure, after which everything written so far is kept and no process is left behind.
+"""One training run (`meshrl train`) or one evaluation (`meshrl eval`) from start to end, in the process
+that drives it: the job's hosts (meshrl/runtime/jobs.py), every role's actors on them
+(meshrl/runtime/launch.py), the generator and grader replica pools attached to the trainer's weight rings
+(or their hosts' relays, meshrl/runtime/relays.py), the controller's loops (meshrl/controller.py), and
+how it ends: the final checkpoint, the policy saved to final/ and summary.json, or a stop or a failure,
+after which everything written so far is kept and no process is left behind.
 
-Completions (generator replicas) -> ScoredCompletions (grader replicas) -> Episodes with group
-advantages (meshrl/episodes.py) in the work buffer's batches -> TrainBatches (trainer,
-meshrl/train_step.py) -> weight ring -> generators. A generator or grader replica that dies or stops
-answering is replaced (meshrl/actors/replicas.py); so are the trainer, brought back to the state it lost,
-the reference and the replay buffer (meshrl/restarts.py). Each role runs on the hosts its config names
-(meshrl/runtime/jobs.py).
+The controller's loops move the data; this module starts and stops what they run on, and replaces what
+they cannot: `Run._respawn` starts a dead trainer's, reference's or replay buffer's new mesh on the same
+hosts and `Run._attach_generators` points the generators at a new trainer's rings, for the restarts
+(meshrl/restarts.py); the generator and grader pools replace their own replicas (meshrl/actors/replicas.py).
 """
 
 import asyncio
