@@ -1,4 +1,4 @@
-"""The data that flows between actors: Prompt -> Completion -> ScoredCompletion -> Episode -> TrainBatch.
+"""The data that flows between actors: a task's Sample -> Prompt -> Completion -> ScoredCompletion -> Episode -> TrainBatch.
 A multi-turn rollout's Completions (one per model turn) make a Trajectory, scored as one.
 
 Each stage adds only what its producer knows: the generator knows tokens and logprobs, the grader
@@ -18,6 +18,16 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported where a TrainBatch is made: a grader's process never loads torch
     import torch
+
+
+@dataclass
+class Sample:
+    """One question of a task (meshrl/tasks/__init__.py), as the controller, the graders and the task itself pass it:
+    its text, its reference answer and whatever else scoring it needs."""
+
+    prompt: str  # the user's message; the chat template is applied by the controller
+    answer: str
+    info: dict = field(default_factory=dict)  # what an environment needs besides the answer (its hidden state)
 
 
 @dataclass

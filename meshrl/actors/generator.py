@@ -66,8 +66,9 @@ HANDOFF_WORKER = "meshrl.weight_sync.handoff.SharedWeightsWorker"  # mixed into 
 
 
 @dataclass
-class Sample:
-    """One sequence of a request as its tokens arrive, each step's under the version then served."""
+class PartialCompletion:
+    """One sequence of a request as its tokens arrive, each step's under the version then served: a Completion
+    in the making (not a task's Sample)."""
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -86,7 +87,7 @@ class Sample:
 @dataclass
 class Request:
     prompt: Prompt
-    samples: list[Sample]
+    sequences: list[PartialCompletion]
     done: asyncio.Future
 
 
@@ -176,13 +177,13 @@ class VLLMGenerator(Actor):
             self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt.token_ids,
                                                              cache_salt=f"v{self.policy_version}"), params,
                                     lora_request=self.adapter.request if isinstance(self.adapter, ServedAdapter) else None)
-            self.running[request_id] = request = Request(prompt, [Sample() for _ in range(s.n)], loop.create_future())
+            self.running[request_id] = request = Request(prompt, [PartialCompletion() for _ in range(s.n)], loop.create_future())
             requests.append(request)
         self.book.running()
         if self.driver is None or self.driver.done():
             self.driver = asyncio.create_task(self._drive())
         await asyncio.gather(*(r.done for r in requests))
-        return [self.held.keep(self._completion(r.prompt, sample), text) for r in requests for sample in r.samples]
+        return [self.held.keep(self._completion(r.prompt, seq), text) for r in requests for seq in r.sequences]
 
     async def _whole(self, prompt: Prompt) -> Prompt:
         """`prompt` with its prefix's tokens in front (the held turn it names, here or on its holder)."""
@@ -204,11 +205,10 @@ class VLLMGenerator(Actor):
         """Let the held Completions `keys` go (a group dropped, failed or evaluated)."""
         self.held.forget(keys)
 
-    def _completion(self, prompt: Prompt, sample: Sample) -> Completion:
-        first = sample.versions[0][1] if sample.versions else self.policy_version
-        return Completion(prompt.index, prompt.token_ids, sample.token_ids, sample.logprobs, sample.text, first,
-                          sample.finish_reason, sample.versions if len(sample.versions) > 1 else [],
-                          sum(sample.logprobs))
+    def _completion(self, prompt: Prompt, seq: PartialCompletion) -> Completion:
+        first = seq.versions[0][1] if seq.versions else self.policy_version
+        return Completion(prompt.index, prompt.token_ids, seq.token_ids, seq.logprobs, seq.text, first,
+                          seq.finish_reason, seq.versions if len(seq.versions) > 1 else [], sum(seq.logprobs))
 
     async def _drive(self) -> None:
         """Step the engine until no request is left, handing each finished request to its caller; between
@@ -235,10 +235,10 @@ class VLLMGenerator(Actor):
             if request is None:
                 continue
             for out in output.outputs:
-                sample = request.samples[out.index]
-                sample.add(out.token_ids, out.logprobs or [], out.text, self.policy_version)
-                sample.finish_reason = out.finish_reason or sample.finish_reason
-            if output.finished or all(sample.finish_reason for sample in request.samples):
+                seq = request.sequences[out.index]
+                seq.add(out.token_ids, out.logprobs or [], out.text, self.policy_version)
+                seq.finish_reason = out.finish_reason or seq.finish_reason
+            if output.finished or all(seq.finish_reason for seq in request.sequences):
                 self.prompt_tokens += len(request.prompt.token_ids)  # vLLM's prefix cache served what it could
                 self.cached_prompt_tokens += output.num_cached_tokens or 0
                 del self.running[output.request_id]

@@ -24,8 +24,8 @@ from monarch.actor import Actor, endpoint
 
 from meshrl.actors.held import take_held
 from meshrl.configs import GraderConfig
-from meshrl.tasks import Sample, make_task
-from meshrl.types import Completion
+from meshrl.tasks import make_task
+from meshrl.types import Completion, Sample
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,7 @@ from meshrl.actors.engine import start_vllm
 from meshrl.actors.grader import Grader
 from meshrl.configs import GraderConfig
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
-from meshrl.tasks import Sample
-from meshrl.types import Completion
+from meshrl.types import Completion, Sample
 
 RUBRIC = """You are grading a reply to a question against the reference answer.
 

@@ -12,15 +12,9 @@ no edit here; built-in tasks have a config section of their own (`--sum_digits.n
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
 from typing import Protocol
 
-
-@dataclass
-class Sample:
-    prompt: str  # the user's message; the chat template is applied by the controller
-    answer: str
-    info: dict = field(default_factory=dict)  # what an environment needs besides the answer (its hidden state)
+from meshrl.types import Sample  # a task's samples; `from meshrl.tasks import Sample` in a task of one's own
 
 
 class Task(Protocol):
