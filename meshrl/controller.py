@@ -348,9 +348,12 @@ class Controller:
                     "restart_seconds": self.restarts.seconds_lost,
                     **self.updates, "batches_ready": len(self.work.ready) - 1}
         counters |= {**self.collector.take_counts(), "weight_bytes_egress": figures["egress"]}
-        # what the batch held, the replicas' counters, what training did (the plan's staleness among it)
+        # what the batch held, the replicas' counters, what training did (the plan's staleness among it); the
+        # loop's wait for the last publish before starting this one, and the slowest generator load reported
+        # since the last row (gathered beside the loop, never waited for)
         row = {"step": step, "policy_version": version, **batch.stats, **counters, **cache_figures(figures), **train,
-               "train_time_s": t2 - t1, "weight_sync_s": t3 - t2 + figures["pull"], "wait_time_s": t1 - start}
+               "train_time_s": t2 - t1, "publish_wait_s": t3 - t2, "longest_load_s": figures["pull"],
+               "wait_time_s": t1 - start}
         row["generator_idle"] = max(0.0, 1 - figures["busy"] / self.config.generator.replicas
                                     / (time.perf_counter() - start))
         return row

@@ -47,7 +47,7 @@ def test_a_publish_overlaps_the_next_steps_training_when_the_bound_allows(tmp_pa
     assert bool(overlapping) == (age > 0)
     assert [r["policy_version"] for r in done.rows] == [1, 2, 3, 4] and done.controller.trainer_version == 4
     assert_staleness_bound(done.rows, read_jsonl(tmp_path / "rollouts.jsonl"), age)
-    assert all(r["weight_sync_s"] < 0.05 for r in done.rows[:-1])  # the loop did not wait for the copies
+    assert all(r["publish_wait_s"] < 0.05 for r in done.rows[:-1])  # the loop did not wait for the copies
 
 
 @pytest.mark.parametrize("age", [0, 1])

@@ -71,7 +71,9 @@ def test_fifo_trains_each_group_once_in_the_order_given_and_then_forgets_it():
         await add(buf, 1, 5, 0, (1.0, 0.0))
         plan, firsts = await trained_groups(buf, 0, [1, 3])
         assert firsts == [1, 1, 3, 3] and plan["micro_batches"] == [2]
-        assert (plan["episodes_trained"], plan["episodes_reused"], plan["tokens_trained"]) == (4, 0, 12)
+        # four sequences, each a 1-token prompt and a 2-token response: the loss is over the responses
+        assert (plan["episodes_trained"], plan["episodes_reused"], plan["tokens_trained"], plan["tokens_processed"]
+                ) == (4, 0, 8, 12)
         await buf.trained.call_one(0, 1)
         assert set(buf.actors[0].groups) == {5}  # 1 and 3 trained: gone
         plan, firsts = await trained_groups(buf, 1, [5])

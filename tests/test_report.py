@@ -9,9 +9,11 @@ from meshrl.tools.report import report, summarize
 
 def write_fake_run(run_dir, rewards, tokens_trained, step_time, staleness_max=0, summary=None, trace=True):
     run_dir.mkdir(parents=True)
+    """A run whose rows each train `tokens_trained` loss tokens of sequences three times as long (their prompts)."""
     rows = [{"step": i + 1, "reward_mean": r, "accuracy": r, "tokens_trained": tokens_trained,
-             "tokens_generated": tokens_trained // 4, "step_time_s": step_time, "staleness_mean": staleness_max / 2,
-             "staleness_max": staleness_max, "weight_sync_s": 0.5} for i, r in enumerate(rewards)]
+             "tokens_processed": 3 * tokens_trained, "tokens_generated": tokens_trained // 4, "step_time_s": step_time,
+             "staleness_mean": staleness_max / 2, "staleness_max": staleness_max, "publish_wait_s": 0.1,
+             "longest_load_s": 0.5} for i, r in enumerate(rewards)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if summary:
         (run_dir / "summary.json").write_text(json.dumps(summary))
@@ -27,9 +29,20 @@ def test_summarize_by_hand(tmp_path):
                           summary={"eval_accuracy_initial": 0.25, "eval_accuracy_final": 0.75, "steps": 3})
     figures = summarize(rows, {"eval_accuracy_initial": 0.25, "eval_accuracy_final": 0.75, "steps": 3})
     assert figures == pytest.approx({
-        "steps": 3, "wall_time_s": 6.0, "trained_tokens_per_s": 200.0, "generated_tokens_per_s": 50.0,
-        "reward_first": 0.1, "reward_last": 0.8, "eval_accuracy_initial": 0.25, "eval_accuracy_final": 0.75,
-        "staleness_mean": 0.5, "staleness_max": 1, "weight_sync_s": 0.5})
+        "steps": 3, "wall_time_s": 6.0, "trained_tokens_per_s": 200.0, "processed_tokens_per_s": 600.0,
+        "generated_tokens_per_s": 50.0, "reward_first": 0.1, "reward_last": 0.8, "eval_accuracy_initial": 0.25,
+        "eval_accuracy_final": 0.75, "staleness_mean": 0.5, "staleness_max": 1, "publish_wait_s": 0.1,
+        "longest_load_s": 0.5})
+
+
+def test_a_run_from_before_the_token_split_reports_its_tokens_as_processed_and_no_weight_figures(tmp_path):
+    rows = write_fake_run(tmp_path / "a", [0.1, 0.3], tokens_trained=100, step_time=1.0)
+    for row in rows:  # as rows were written then: tokens_trained counted every token; one weight-sync figure
+        row["tokens_trained"] = row.pop("tokens_processed")
+        row["weight_sync_s"] = row.pop("publish_wait_s") + row.pop("longest_load_s")
+    figures = summarize(rows, {})
+    assert figures["processed_tokens_per_s"] == 300.0
+    assert not {"trained_tokens_per_s", "publish_wait_s", "longest_load_s", "weight_sync_s"} & set(figures)
 
 
 def test_restarts_per_role_are_the_runs_totals_from_its_last_row(tmp_path):

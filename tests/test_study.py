@@ -133,8 +133,9 @@ def test_the_sync_vs_async_report_from_one_finished_run_shows_its_arm_alone(tmp_
 
     run_dir = tmp_path / "async_age1_seed0"
     run_dir.mkdir()
-    rows = [{"step": s, "step_time_s": 20.0, "accuracy": 0.1 * s, "tokens_trained": 400, "tokens_generated": 100,
-             "wait_time_s": 0.0, "train_time_s": 20.0, "weight_sync_s": 0.2, "generator_idle": 0.5,
+    rows = [{"step": s, "step_time_s": 20.0, "accuracy": 0.1 * s, "tokens_trained": 400, "tokens_processed": 600,
+             "tokens_generated": 100, "wait_time_s": 0.0, "train_time_s": 20.0, "publish_wait_s": 0.05,
+             "longest_load_s": 0.2, "generator_idle": 0.5,
              "staleness_mean": 1.0, "staleness_max": 1, "reward_mean": 0.1 * s, **({"eval_accuracy": 0.25} if s == 10 else {})} for s in range(1, 11)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     study = STUDIES["sync-vs-async"]
@@ -146,7 +147,7 @@ def test_the_sync_vs_async_report_from_one_finished_run_shows_its_arm_alone(tmp_
     text = write_report(study, tmp_path).read_text()
     arm_rows = [line for line in text.splitlines() if line.startswith("| async_age1 |")]
     assert len(arm_rows) == 2 and "0.250 (one run)" in arm_rows[0]
-    assert "| 200 | 20.0 | 0.0 | 20.0 | 0.20 | 20 | 5 | 0.50 | 1.00 |" in arm_rows[1]  # 4000 tokens in 200 s
+    assert "| 200 | 20.0 | 0.0 | 20.0 | 0.05 | 0.20 | 20 | 5 | 0.50 | 1.00 |" in arm_rows[1]  # 4000 loss tokens in 200 s
     # the train accuracy's 3-step mean first reaches 0.5 at step 6 (0.4 + 0.5 + 0.6) / 3, after 120 s
     assert "| 120 s (1/1) |" in arm_rows[0]
     assert "| sync |" not in text and "against sync" not in text

@@ -154,8 +154,8 @@ class FifoBuffer(Actor):
     async def sample(self, batch: int, fresh: list[int]) -> dict:
         """Compose batch `batch` from its fresh groups `fresh` (in this order; a logged batch: as it was
         handed out), collate its micro-batches, and return its plan: {"micro_batches": [count per
-        update], "episodes_trained", "episodes_reused", "groups_reused", "tokens_trained", "padding_fraction",
-        "staleness_mean", "staleness_max", "episodes_by_age": [episodes of age 0, 1, ...]}."""
+        update], "episodes_trained", "episodes_reused", "groups_reused", "tokens_trained", "tokens_processed",
+        "padding_fraction", "staleness_mean", "staleness_max", "episodes_by_age": [episodes of age 0, 1, ...]}."""
         handed = self.log.get(batch) or self.compose(batch, fresh)
         ages = [batch - e.policy_version for e in handed.episodes]
         if ages and not 0 <= min(ages) <= max(ages) <= self.max_policy_age:
@@ -171,7 +171,8 @@ class FifoBuffer(Actor):
         self.micro[batch] = updates
         return {"micro_batches": [len(u) for u in updates], "episodes_trained": len(handed.episodes),
                 "episodes_reused": handed.reused, "groups_reused": handed.groups_reused,
-                "tokens_trained": sum(len(e.tokens) for e in handed.episodes),
+                "tokens_trained": sum(e.num_response_tokens for e in handed.episodes),  # those the loss is over
+                "tokens_processed": sum(len(e.tokens) for e in handed.episodes),  # prompt and response
                 "padding_fraction": padding_fraction(handed.episodes, [m.episodes for u in updates for m in u]),
                 "staleness_mean": sum(ages) / len(ages) if ages else 0.0, "staleness_max": max(ages, default=0),
                 "episodes_by_age": [ages.count(a) for a in range(max(ages, default=0) + 1)]}

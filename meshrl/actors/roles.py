@@ -192,7 +192,7 @@ class ReplayBuffer(Protocol):
         """Compose batch `batch` (its fresh groups `fresh`, in order, and whatever else the buffer trains),
         its episodes within the staleness bound (raise otherwise); collate its micro-batches; return
         {"micro_batches": [count per optimizer update], "episodes_trained", "episodes_reused", "groups_reused",
-        "tokens_trained", "padding_fraction", "staleness_mean", "staleness_max", "episodes_by_age"}.
+        "tokens_trained", "tokens_processed", "padding_fraction", "staleness_mean", "staleness_max", "episodes_by_age"}.
         A batch handed out before (since the newest checkpoint) is handed out again exactly."""
 
     async def micro_batch(self, ref: BatchRef) -> TrainBatch:

@@ -32,21 +32,30 @@ RESTARTS = ("generator_restarts", "grader_restarts", "trainer_restarts", "refere
 
 
 def summarize(rows: list[dict], summary: dict) -> dict:
-    """A run's headline figures: throughput over the steps' wall time, first and last reward, the
-    eval rates before and after (from summary.json), staleness, weight-sync time, and the processes
-    restarted per role (the run's totals, where its rows count them)."""
+    """A run's headline figures: throughput over the steps' wall time (the tokens the loss was taken over,
+    every token of the sequences trained on, the tokens generated), first and last reward, the eval rates
+    before and after (from summary.json), staleness, the loop's wait for the trainer's publish and the
+    slowest generator load, and the processes restarted per role (the run's totals, where its rows count
+    them). A run from before `tokens_processed` and `publish_wait_s` were recorded has no
+    `trained_tokens_per_s` (its `tokens_trained` counted every token: `processed_tokens_per_s`) and no
+    weight figures (its `weight_sync_s` added the two together)."""
     wall = sum(r["step_time_s"] for r in rows)
+    old = "tokens_processed" not in rows[0]
+    weights = {} if "publish_wait_s" not in rows[0] else {
+        "publish_wait_s": statistics.fmean(r["publish_wait_s"] for r in rows),
+        "longest_load_s": statistics.fmean(r["longest_load_s"] for r in rows)}
     return {
         "steps": len(rows),
         "wall_time_s": wall,
-        "trained_tokens_per_s": sum(r["tokens_trained"] for r in rows) / wall,
+        **({} if old else {"trained_tokens_per_s": sum(r["tokens_trained"] for r in rows) / wall}),
+        "processed_tokens_per_s": sum(r["tokens_trained" if old else "tokens_processed"] for r in rows) / wall,
         "generated_tokens_per_s": sum(r["tokens_generated"] for r in rows) / wall,
         "reward_first": rows[0]["reward_mean"],
         "reward_last": rows[-1]["reward_mean"],
         **{k: v for k, v in summary.items() if k.startswith("eval_")},
         "staleness_mean": statistics.fmean(r["staleness_mean"] for r in rows),
         "staleness_max": max(r["staleness_max"] for r in rows),
-        "weight_sync_s": statistics.fmean(r["weight_sync_s"] for r in rows),
+        **weights,
         **{k: rows[-1][k] for k in RESTARTS if k in rows[-1]},
     }
 

@@ -47,7 +47,8 @@ def arm_figures(run_dir: Path) -> dict:
             "step_s": statistics.median(r["step_time_s"] for r in rows),
             "wait_s": statistics.median(r["wait_time_s"] for r in rows),
             "train_s": statistics.median(r["train_time_s"] for r in rows),
-            "sync_s": statistics.median(r["weight_sync_s"] for r in rows),
+            "publish_wait_s": statistics.median(r["publish_wait_s"] for r in rows),
+            "longest_load_s": statistics.median(r["longest_load_s"] for r in rows),
             "generator_idle": sum(r["generator_idle"] * r["step_time_s"] for r in rows) / wall,
             "staleness": figures["staleness_mean"],
             "reach": {th: time_to_reach(times, accuracy, th) for th in THRESHOLDS},
@@ -76,11 +77,13 @@ def report(directory: Path, runs: list[StudyRun]) -> str:
     rows = []
     for arm, runs_ in figures.items():
         rows.append([arm] + [cell(statistics.fmean(f[k] for f in runs_), fmt) for k, fmt in (
-            ("wall_s", ".0f"), ("step_s", ".1f"), ("wait_s", ".1f"), ("train_s", ".1f"), ("sync_s", ".2f"),
+            ("wall_s", ".0f"), ("step_s", ".1f"), ("wait_s", ".1f"), ("train_s", ".1f"),
+            ("publish_wait_s", ".2f"), ("longest_load_s", ".2f"),
             ("trained_tps", ".0f"), ("generated_tps", ".0f"), ("generator_idle", ".2f"), ("staleness", ".2f"))])
     parts += ["## Throughput and the step's time (means over seeds; per step: medians)\n",
               table(["arm", "training wall time (s)", "step (s)", "waiting for the batch (s)", "training (s)",
-                     "weight sync (s)", "trained tokens/s", "generated tokens/s", "generator idle", "staleness mean"],
+                     "waiting for the publish (s)", "slowest weight load (s)", "trained (loss) tokens/s",
+                     "generated tokens/s", "generator idle", "staleness mean"],
                     rows),
               _against_sync(figures)]
     colours = {f"{arm} #{i}": COLOURS[arm] for arm in ARMS for i in range(len(SEEDS))}
@@ -99,7 +102,7 @@ def _against_sync(figures: dict[str, list[dict]]) -> str:
     if "sync" not in figures:
         return ""
     sync_tps = statistics.fmean(f["trained_tps"] for f in figures["sync"])
-    return "\nTrained tokens per second against sync: " + ", ".join(
+    return "\nTrained (loss) tokens per second against sync: " + ", ".join(
         f"{arm} {statistics.fmean(f['trained_tps'] for f in runs_) / sync_tps:.2f} x"
         for arm, runs_ in figures.items() if arm != "sync")
 
