@@ -66,7 +66,7 @@ class ZorplexLookupEnv(Environment[ZorplexAction, ZorplexObservation, State]):
         answer = self.native.step(self.sample, self.messages)
         alive = {"open_sessions": ZorplexLookupEnv.alive}
         if answer is None:
-            reward, checks = self.native.reward(self.sample, self.messages)
+            reward, checks = self.native.conversation_reward(self.sample, self.messages)
             return ZorplexObservation(done=True, reward=reward, metadata={**checks, **alive})
         self.messages += answer
         return ZorplexObservation(text=answer[0]["content"], reward=0.0, metadata=alive)

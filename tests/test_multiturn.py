@@ -145,11 +145,11 @@ def test_zorplex_answers_tool_calls_and_scores_the_conversation():
     assert say("LOOKUP[nosuch]")[1] == [{"role": "tool", "content": "unknown word"}]
     assert say("I do not know.")[1] is None and say(f"Answer: 3 LOOKUP[{w1}]")[1] is None
     right, _ = say(f"LOOKUP[{w1}]", f"LOOKUP[{w2}]", f"Answer: {v1 + v2}")
-    assert env.reward(sample, right) == (1.1, {"correct": 1.0, "tagged": 1.0, "tool_call": 1.0})
+    assert env.conversation_reward(sample, right) == (1.1, {"correct": 1.0, "tagged": 1.0, "tool_call": 1.0})
     guessed, _ = say(f"LOOKUP[{w1}]", f"Answer: {v1 + v2}")  # right, but one word never looked up
-    assert env.reward(sample, guessed) == (1.0, {"correct": 1.0, "tagged": 1.0, "tool_call": 0.0})
+    assert env.conversation_reward(sample, guessed) == (1.0, {"correct": 1.0, "tagged": 1.0, "tool_call": 0.0})
     untagged, _ = say(f"LOOKUP[{w1}]", f"LOOKUP[{w2}]", f"It is {v1 + v2}.")
-    assert env.reward(sample, untagged) == (pytest.approx(0.1), {"correct": 0.0, "tagged": 0.0, "tool_call": 1.0})
+    assert env.conversation_reward(sample, untagged) == (pytest.approx(0.1), {"correct": 0.0, "tagged": 0.0, "tool_call": 1.0})
     with pytest.raises(ValueError, match="zorplex level"):
         Zorplex(ZorplexConfig(level=3))
 
@@ -172,7 +172,7 @@ def test_the_calculator_answers_arithmetic_only_and_its_use_is_reported():
                                                                             "bad expression"]
     messages.append({"role": "assistant", "content": f"Answer: {v1 + v2}"})
     assert env.step(sample, messages) is None
-    assert env.reward(sample, messages) == (1.1, {"correct": 1.0, "tagged": 1.0, "tool_call": 1.0, "calculated": 1.0})
+    assert env.conversation_reward(sample, messages) == (1.1, {"correct": 1.0, "tagged": 1.0, "tool_call": 1.0, "calculated": 1.0})
     # without the calculator a CALC call is no tool call: the turn ends the conversation
     plain = Zorplex(ZorplexConfig(level=2))
     assert plain.step(sample, plain.opening(sample) + [{"role": "assistant", "content": "CALC[1+2]"}]) is None

@@ -64,7 +64,7 @@ def test_scripted_replies_give_native_zorplexs_transcripts_and_rewards():
                 if (more := native.step(sample, messages)) is None:
                     break
                 messages += more
-            reward, checks = native.reward(sample, messages)
+            reward, checks = native.conversation_reward(sample, messages)
             ours, our_reward, our_checks, metadata = asyncio.run(episode(task.train_sample(index), replies))
             assert ours == messages and our_reward == pytest.approx(reward)
             assert {k: our_checks[k] for k in checks} == checks and our_checks["done"] == 1.0

@@ -122,6 +122,22 @@ def test_module_class_tasks_take_their_config_from_task_args():
         task_config(load_config("smoke", ["--task", "user_task:Nope"]))
 
 
+def test_an_environment_whose_conversation_score_is_still_called_reward_is_one_error(tmp_path, monkeypatch):
+    """An environment's whole-conversation score is `conversation_reward` (a single-turn task's `reward` takes a
+    reply and an answer): one written with the old name is refused by name, not called with the wrong arguments."""
+    (tmp_path / "old_env.py").write_text(
+        "class OldEnv:\n"
+        "    accuracy, stop = 'correct', []\n"
+        "    def step(self, sample, messages):\n        return None\n"
+        "    def reward(self, sample, messages):\n        return 1.0, {'correct': 1.0}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"environment old_env:OldEnv has no `conversation_reward\(sample, messages\)`"):
+        make_task("old_env:OldEnv", None)
+    from user_task import FakeTool
+
+    assert make_task("user_task:FakeTool", FakeTool.Config()).conversation_reward  # the same shape, renamed: loads
+
+
 def smoke(tmp_path, *args, stderr: list | None = None) -> list[dict]:
     run = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path),
                           "--checkpoint.every", "0", *args], capture_output=True, text=True, timeout=600)

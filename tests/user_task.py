@@ -89,7 +89,7 @@ class FakeTool:
         turns = sum(m["role"] == "assistant" for m in messages)
         return [{"role": "tool", "content": f"result {turns}"}] if turns < self.config.turns else None
 
-    def reward(self, sample: Sample, messages: list[dict]) -> tuple[float, dict[str, float]]:
+    def conversation_reward(self, sample: Sample, messages: list[dict]) -> tuple[float, dict[str, float]]:
         length = sum(len(m["content"]) for m in messages if m["role"] == "assistant")
         return min(length / 100, 1.0), {"long": float(length > 50)}
 

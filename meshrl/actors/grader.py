@@ -136,7 +136,7 @@ class Grader(Actor):
                 if not last and (new := self.task.step(sample, messages)) is not None:
                     replies.append(EnvReply(messages=new))
                     continue
-                reward, checks = self.task.reward(sample, messages)
+                reward, checks = self.task.conversation_reward(sample, messages)
                 replies.append(EnvReply(reward=float(reward), checks=checks))
             except Exception as e:  # the user's code: counted, and named if it fails most conversations
                 self._log(self.env_name, e, messages[-1]["content"])

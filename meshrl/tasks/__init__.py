@@ -14,6 +14,7 @@ import dataclasses
 import json
 from typing import Protocol
 
+from meshrl.plugins import load_object
 from meshrl.types import Sample  # a task's samples; `from meshrl.tasks import Sample` in a task of one's own
 
 
@@ -45,7 +46,8 @@ class Environment(Protocol):
     """A multi-turn task. The controller opens the conversation with `opening`, lets the model take a turn
     (which ends at the model's end of turn or at one of the `stop` strings, kept), and asks `step` for the
     environment's answer, until `step` ends it or the model has taken `controller.max_turns` turns; then
-    `reward` scores the whole conversation. Only the model's tokens are trained."""
+    `conversation_reward` scores the whole conversation (a single-turn Task's `reward` scores one reply against
+    the answer). Only the model's tokens are trained."""
 
     accuracy: str
     stop: list[str]  # strings that end a model turn, e.g. the end of a tool call
@@ -62,7 +64,7 @@ class Environment(Protocol):
         """The messages that answer the model's turn (the last of `messages`), or None: the conversation
         is over."""
 
-    def reward(self, sample: Sample, messages: list[dict]) -> tuple[float, dict[str, float]]:
+    def conversation_reward(self, sample: Sample, messages: list[dict]) -> tuple[float, dict[str, float]]:
         """The conversation's reward and the checks it is made of (`accuracy` among them)."""
 
 
@@ -120,7 +122,6 @@ def task_class(name: str) -> type:
     target = BUILT_IN.get(name, name)
     if ":" not in target:
         raise ValueError(f"unknown task {name!r}; built in: {', '.join(sorted(BUILT_IN))}, or module:Class")
-    from meshrl.configs.plugins import load_object  # here: meshrl.configs imports the tasks' configs
 
     return load_object(target, "task")
 
@@ -151,4 +152,7 @@ def make_task(name: str, config) -> Task:
     task = cls(config) if config is not None else cls()
     if not isinstance(getattr(task, "accuracy", None), str):
         raise ValueError(f"task {name} has no `accuracy`: the name of its reward check that says a reply is right")
+    if is_environment(task) and not is_session(task) and not callable(getattr(task, "conversation_reward", None)):
+        raise ValueError(f"environment {name} has no `conversation_reward(sample, messages)`, which scores a whole "
+                         "conversation (an environment's `reward` is called `conversation_reward` since 2026-11-27)")
     return task

@@ -131,7 +131,7 @@ class Zorplex:
         value = sample.info["values"].get(argument.strip())
         return [{"role": self.config.tool_role, "content": str(value) if value is not None else "unknown word"}]
 
-    def reward(self, sample: Sample, messages: list[dict]) -> tuple[float, dict[str, float]]:
+    def conversation_reward(self, sample: Sample, messages: list[dict]) -> tuple[float, dict[str, float]]:
         """The reward, and its checks (each 0 or 1): `correct`: the last tagged answer is the answer;
         `tagged`: there is a tagged answer; `tool_call`: every word of the question was looked up; with the
         calculator, `calculated`: the calculator was asked for the answer (only reported, not rewarded)."""
