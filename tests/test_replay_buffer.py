@@ -14,7 +14,7 @@ from assertions import assert_staleness_bound, read_jsonl
 from fake_holder import FakeHolder
 
 from meshrl.actors import spawn
-from meshrl.actors.replay_buffer import FifoBuffer, ReplayBuffer
+from meshrl.actors.replay_buffer import FifoBuffer, ReuseBuffer
 from meshrl.configs import ReplayBufferConfig, TrainerConfig
 from meshrl.tools.fake_monarch import FakeMesh
 from meshrl.tools.simulation import Script, fake_config, run_fake
@@ -103,7 +103,7 @@ def test_a_round_short_of_micro_batches_gets_an_idle_copy_that_trains_nothing():
 
 async def one_trained_one_waiting():
     """A replay buffer (2 prompts a batch, half fresh) whose batch 0 (group 0) is trained and group 1 added."""
-    buf = buffer(ReplayBuffer, prompts=2, age=2, fresh_fraction=0.5)
+    buf = buffer(ReuseBuffer, prompts=2, age=2, fresh_fraction=0.5)
     await add(buf, 0, 0, 0, (1.0, 0.0))
     await buf.sample.call_one(0, [0])
     await buf.trained.call_one(0, 1)
@@ -135,7 +135,7 @@ def test_a_logged_batch_is_handed_out_again_exactly_until_a_checkpoint_holds_its
 
 def test_replay_fills_a_batch_with_old_groups_by_reward_spread_within_the_bound_and_max_reuse():
     async def go():
-        buf = buffer(ReplayBuffer, prompts=3, age=2, max_reuse=1, fresh_fraction=0.34)
+        buf = buffer(ReuseBuffer, prompts=3, age=2, max_reuse=1, fresh_fraction=0.34)
         await add(buf, 0, 0, 0, (1.0, 0.0))  # spread 0.5
         await add(buf, 0, 1, 0, (1.0, 1.0))  # no signal
         await add(buf, 0, 2, 0, (0.6, 0.0))  # spread 0.3
@@ -161,7 +161,7 @@ def test_the_state_a_checkpoint_holds_brings_back_the_same_groups_and_use_counts
     async def go():
         buf = await one_trained_one_waiting()
         await buf.save_state.call_one(str(tmp_path / "replay_buffer"))
-        restored = buffer(ReplayBuffer, prompts=2, age=2, fresh_fraction=0.5)
+        restored = buffer(ReuseBuffer, prompts=2, age=2, fresh_fraction=0.5)
         assert await restored.load_state.call_one(str(tmp_path / "replay_buffer")) == 2
         assert restored.actors[0].groups == buf.actors[0].groups
         assert await trained_groups(restored, 1, [1]) == await trained_groups(buf, 1, [1])

@@ -22,7 +22,7 @@ this buffer asserts the bound for every episode it hands out. Two implementation
 `replay_buffer.impl`:
 
 - `fifo` (FifoBuffer): each group trained once, in the batch it was generated for.
-- `replay` (ReplayBuffer): a batch trains its fresh groups (`fresh_fraction` of `prompts_per_step`)
+- `replay` (ReuseBuffer): a batch trains its fresh groups (`fresh_fraction` of `prompts_per_step`)
   and fills the rest with groups trained before, while their version stays within the bound and up to
   `max_reuse` times again, those with the widest spread of rewards first (`priority reward_std`: a
   group whose rewards are all equal has no learning signal, and comes last), or the newest first
@@ -258,7 +258,7 @@ class FifoBuffer(Actor):
         return len(self.groups)
 
 
-class ReplayBuffer(FifoBuffer):
+class ReuseBuffer(FifoBuffer):
     """Groups trained again (roles.ReplayBuffer): each batch's fresh groups, then groups trained
     before, while within the staleness bound and up to `max_reuse` times again, by priority."""
 
@@ -279,7 +279,7 @@ class ReplayBuffer(FifoBuffer):
         self.groups = {g: s for g, s in self.groups.items() if not s.uses or self.reusable(s, next_batch)}
 
 
-IMPLEMENTATIONS = {"fifo": "meshrl.actors.replay_buffer:FifoBuffer", "replay": "meshrl.actors.replay_buffer:ReplayBuffer"}
+IMPLEMENTATIONS = {"fifo": "meshrl.actors.replay_buffer:FifoBuffer", "replay": "meshrl.actors.replay_buffer:ReuseBuffer"}
 
 
 def buffer_impl(impl: str) -> str:
