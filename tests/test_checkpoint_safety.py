@@ -14,9 +14,9 @@ import torch.distributed.checkpoint as dcp
 from meshrl.actors.replay_buffer import FifoBuffer
 from meshrl.checkpoint import CheckpointError, RunState, UnsafeCheckpoint, resumable, verify
 from meshrl.configs import ReplayBufferConfig, TrainerConfig, load_config, to_dict
-from meshrl.tools.fake_monarch import endpoint_of
 from meshrl.types import Completion, GroupEpisodes
 from meshrl.work_buffer import Filling
+from support.fake_monarch import endpoint_of
 
 
 class Payload:

@@ -1,5 +1,5 @@
 """The controller's loops, collector, work buffer, replica pools and checkpoints, driven by fake actors
-that follow the role contracts (meshrl/tools/simulation.py): the staleness gate, batch counting, failures by kind,
+that follow the role contracts (tests/support/simulation.py): the staleness gate, batch counting, failures by kind,
 and a stop at every await point of the loops followed by a resume. Milliseconds per run."""
 
 import asyncio
@@ -13,8 +13,8 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 
 from meshrl import checkpoint
 from meshrl.actors.replicas import RoleFailed
-from meshrl.tools.simulation import Costs, FakeTrainer, Script, fake_config, run_fake
 from meshrl.work_buffer import TooManyFailures, WorkBuffer
+from support.simulation import Costs, FakeTrainer, Script, fake_config, run_fake
 
 
 def run(config, run_dir, script=None, **kw):
@@ -355,7 +355,7 @@ def test_the_fake_trainer_answers_with_the_real_loss_metrics():
 
     from meshrl.configs import LossConfig
     from meshrl.losses import policy_loss
-    from meshrl.tools.simulation import FakeWeights
+    from support.simulation import FakeWeights
     from meshrl.types import Episode, TrainBatch
 
     batch = TrainBatch.collate([Episode([1, 2, 3], [False, True, True], [0.0, -1.0, -2.0], 1.0, 0, 0)], 2, 1)

@@ -3,7 +3,7 @@
 Monarch 0.7 runs one actor's plain `@endpoint` calls one at a time, in arrival order; its
 `concurrent_endpoint` calls as tasks that overlap; calls to different actors overlap. The overlap
 the system claims (a publish beside the next step's training, groups batched by a generator) rests on
-these rules, and the controller's tests rest on fakes that follow them (meshrl/tools/fake_monarch.py): each
+these rules, and the controller's tests rest on fakes that follow them (tests/support/fake_monarch.py): each
 scenario runs on both, and every fake marks `concurrent` exactly the endpoints its real actor does.
 A change in Monarch's behaviour fails here first. Times are the actors' own."""
 
@@ -18,8 +18,8 @@ from meshrl.actors import roles
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.grader import Grader
 from meshrl.actors.trainer import TitanTrainer
-from meshrl.tools.fake_monarch import FakeMesh, concurrent
-from meshrl.tools.simulation import FakeGenerator, FakeGrader, FakeTrainer
+from support.fake_monarch import FakeMesh, concurrent
+from support.simulation import FakeGenerator, FakeGrader, FakeTrainer
 
 LONG = 0.6  # seconds a first call takes; the second is sent 0.1 s after it
 

@@ -1,5 +1,5 @@
 """The replay buffer's rules, on the real actor classes run in this process behind the fakes' Monarch
-handles (meshrl/tools/fake_monarch.py): what each batch trains (fifo, replay), the staleness bound, the log of
+handles (tests/support/fake_monarch.py): what each batch trains (fifo, replay), the staleness bound, the log of
 batches handed out since the last checkpoint, and its state across a checkpoint. Then on a real buffer actor:
 it takes a group's completions from the generator holding them, and serves the ranks' fetches at once."""
 
@@ -16,9 +16,9 @@ from fake_holder import FakeHolder
 from meshrl.actors import spawn
 from meshrl.actors.replay_buffer import FifoBuffer, ReuseBuffer
 from meshrl.configs import ReplayBufferConfig, TrainerConfig
-from meshrl.tools.fake_monarch import FakeMesh
-from meshrl.tools.simulation import Script, fake_config, run_fake
 from meshrl.types import BatchRef, Completion, GroupEpisodes
+from support.fake_monarch import FakeMesh
+from support.simulation import Script, fake_config, run_fake
 
 TRAINER = TrainerConfig(micro_batch_size=2)
 

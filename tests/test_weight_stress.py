@@ -20,7 +20,7 @@ from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
 from meshrl.models.model import ChatTokenizer
 from meshrl.types import Prompt, Sampling
-from meshrl.weight_sync.stress import stress_ring
+from support.weight_stress import stress_ring
 
 SLOW_LOAD_S = 0.8  # longer than the tiny model's trainer takes to publish two versions here (~0.2-0.35 s each)
 

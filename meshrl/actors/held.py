@@ -1,6 +1,6 @@
 """The completions a generator made and keeps (issue 54's data plane): each under a key unique to the run,
 answered to the controller as a `Generated`, until the replay buffer takes it or the controller lets it
-go. One owner of that bookkeeping for every generator: vLLM's, the simulation's and the benches'."""
+go. One owner of that bookkeeping for every generator: vLLM's, the benches' stand-ins and the tests' fakes."""
 
 import itertools
 import random

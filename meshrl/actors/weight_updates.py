@@ -1,7 +1,7 @@
 """What a generator replica keeps about its weight updates, whatever its engine: whether new requests
 may start (a drain holds them back until the running ones are done), how long its engine had requests,
 and the loads it did since the controller last asked (roles.Generator.weight_updates). The vLLM
-generator and the fake one (meshrl/tools/simulation.py) load alike through it. And the controller's
+generator, the benches' stand-in and the tests' fake one load alike through it. And the controller's
 side: the replicas' reports gathered, beside its loops, into the step's figures (`gather_reports`)."""
 
 import asyncio

@@ -85,7 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     weight_sync.add_argument("--model", default="smollm2", help=MODEL_HELP)
     weight_sync.add_argument("--repeats", type=int, default=5,
                              help="timings per figure (transfers: the best, warm; publish-to-loaded: the median)")
-    weight_sync.add_argument("--stress-seconds", type=float, default=10.0, help="length of the torn-read stress (0: none)")
+    weight_sync.add_argument("--stress-seconds", type=float, default=10.0, 
+                             help="length of the torn-read stress (0: none; more: from a repository checkout, "
+                                  "whose tests/support/ holds the stress driver)")
     weight_sync.add_argument("--ranks", default="1,2", help="trainer rank counts to measure, comma separated")
     weight_sync.add_argument("--lora-rank", type=int, default=16, help="the rank of the LoRA adapter measured beside "
                                                                      "the whole model (0: none)")
@@ -117,7 +119,8 @@ def _parser() -> argparse.ArgumentParser:
                          "with the memory switches on and off, a fresh process per size (meshrl/tools/bench/trainer_memory.py)")
     trainer.add_argument("--tokens", default="512,1024,2048,4096", help="--memory: tokens per micro-batch, comma separated")
     control = bench.add_parser("controller", help="the controller's own cost with fake actors, and a placement's "
-                                                  "predicted step time")
+                                                  "predicted step time (from a repository checkout: the fakes "
+                                                  "are its tests/support/)")
     control.add_argument("--json", type=Path, required=True, help="where to write the figures")
     control.add_argument("--replicas", default="1,8,64,512", help="generator replica counts, comma separated")
     control.add_argument("--group-size", type=int, default=8, help="completions per prompt")
@@ -332,8 +335,6 @@ def _bench_controller(args) -> None:
                                [int(t) for t in args.max_tokens.split(",")])
         return _write_bench(args.json, real, real.run(runs, args.group_size, args.groups, args.processes,
                                                       args.workers, args.bind))
-    from meshrl.tools.simulation import Costs
-
     placement = None
     if args.placement:
         try:
@@ -341,7 +342,7 @@ def _bench_controller(args) -> None:
         except ValueError:
             raise ValueError(f"--placement {args.placement!r} is not REPLICAS:RANKS:PROMPTS, e.g. 8:4:64") from None
         placement = {"replicas": replicas, "ranks": ranks, "prompts": prompts}
-    costs = Costs(args.generate_s_per_token, args.train_s_per_token, args.publish_s, args.pull_s, args.tail)
+    costs = controller.Costs(args.generate_s_per_token, args.train_s_per_token, args.publish_s, args.pull_s, args.tail)
     _write_bench(args.json, controller, controller.run([int(r) for r in args.replicas.split(",")], args.group_size,
                                                        [int(t) for t in args.max_tokens.split(",")], args.groups,
                                                        placement, costs,

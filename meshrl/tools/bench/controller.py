@@ -1,11 +1,11 @@
 """`meshrl bench controller`: the controller's own cost, and what a placement's step time would be.
 
 - Cost: the real controller (loops, work buffer, replica pools, tracer, metric rows, checkpoint)
-  drives fake actors (meshrl/tools/simulation.py) that answer at once, and the real replay buffer, all on one
+  drives fake actors (tests/support/simulation.py) that answer at once, and the real replay buffer, all on one
   core: groups routed per second and the controller's CPU per group, for each replica count and
   completion length. Each step has one group per replica (of `group_size` completions of
   `max_tokens` tokens), one step of staleness allowed. The actors run in this process, each step of
-  their endpoints timed (meshrl/tools/fake_monarch.py's ACTOR_CPU): the controller's CPU is the process's
+  their endpoints timed (tests/support/fake_monarch.py's ACTOR_CPU): the controller's CPU is the process's
   less theirs. `with_buffer` adds the replay buffer's (composing and collating each batch): the work
   the controller did itself before the buffer was an actor of its own. Messages are not serialized
   between fakes; a real controller also unpickles each group's completions and pickles them on.
@@ -34,8 +34,12 @@ import torch
 
 from meshrl.actors import cpu_name
 from meshrl.actors.replay_buffer import FifoBuffer
-from meshrl.tools.fake_monarch import ACTOR_CPU
-from meshrl.tools.simulation import Costs, fake_config, run_fake
+from meshrl.tools.bench.checkout import from_checkout
+
+# The simulation and the fake actor handles are test support, not in the wheel: this bench runs from a checkout.
+simulation = from_checkout("simulation")
+ACTOR_CPU = from_checkout("fake_monarch").ACTOR_CPU
+Costs, fake_config, run_fake = simulation.Costs, simulation.fake_config, simulation.run_fake
 
 
 def one_core() -> int:

@@ -43,8 +43,12 @@ from meshrl.actors.trace import Tracer
 from meshrl.controller import Controller
 from meshrl.runtime.launch import note_fault
 from meshrl.runtime.metric_rows import MetricRows
+from meshrl.tools.bench.checkout import from_checkout
 from meshrl.tools.bench.standins import StandInGenerator, StandInGrader, StandInTrainer
-from meshrl.tools.simulation import FakeTask, FakeTokenizer, fake_config
+
+# The fake task and tokenizer and the small config of the in-process bench: test support, from a checkout.
+simulation = from_checkout("simulation")
+FakeTask, FakeTokenizer, fake_config = simulation.FakeTask, simulation.FakeTokenizer, simulation.fake_config
 
 SUPERVISION_WAIT_S = 120.0  # a kill not noticed and replaced within this is reported as not
 

@@ -5,7 +5,8 @@ of the same bytes with 1, 2, 4, 8 or 16 concurrent `RDMABuffer.read_into` stream
 RDMA path; transfers are timed warm, best of the repeats. Then the real trainer publishes into its
 ring (one ring its ranks share, this being one host; for each rank count asked), this process reads it
 as a generator does (nothing else running), a real vLLM generator pulls and loads (publish, ring read and vLLM load timed apart), and a stress phase counts torn reads while the
-trainer publishes as fast as it can. Last, the same publish-to-loaded with a LoRA adapter (`--lora-rank`)
+trainer publishes as fast as it can (the stress driver of tests/support/: the stress phase runs from a repository
+checkout, meshrl/tools/bench/checkout.py). Last, the same publish-to-loaded with a LoRA adapter (`--lora-rank`)
 in place of the whole model: the adapter's bytes, and vLLM loading it in place.
 """
 
@@ -22,9 +23,9 @@ from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
 from meshrl.models.lora import LoraConfig
 from meshrl.models.model import resolve_checkpoint
+from meshrl.tools.bench.checkout import from_checkout
 from meshrl.weight_sync import published_weights
 from meshrl.weight_sync.shards import ShardedReader
-from meshrl.weight_sync.stress import stress_ring
 
 STREAMS = (1, 2, 4, 8, 16)
 
@@ -75,6 +76,7 @@ async def bench_weight_sync(model: str = "smollm2", repeats: int = 5, stress_sec
                             rank_counts: tuple[int, ...] = (1, 2), lora_rank: int = 16) -> dict:
     from monarch.rdma import get_rdma_backend
 
+    stress = from_checkout("weight_stress").stress_ring if stress_seconds > 0 else None  # before any figure
     checkpoint = str(resolve_checkpoint(model))
     layout, to_hf = published_weights(checkpoint)  # the whole model, whatever the ranks
     nbytes = layout.nbytes
@@ -102,8 +104,8 @@ async def bench_weight_sync(model: str = "smollm2", repeats: int = 5, stress_sec
 
     for ranks in rank_counts:
         figures = await _ring_figures(checkpoint, layout, to_hf, ranks, repeats, gbps)
-        if stress_seconds > 0:
-            figures.update(await _stress(checkpoint, ranks, stress_seconds))
+        if stress:
+            figures.update(await _stress(stress, checkpoint, ranks, stress_seconds))
         figures["ring_rdma_vs_raw"] = figures["ring_rdma_gbps"] / result["raw_rdma_gbps"]
         figures["ring_shm_vs_memcpy"] = figures["ring_shm_gbps"] / result["memcpy_gbps"]
         result[f"ranks_{ranks}"] = figures
@@ -187,8 +189,8 @@ async def _adapter_figures(checkpoint: str, lora: LoraConfig, repeats: int) -> d
             await p.stop()
 
 
-async def _stress(checkpoint: str, ranks: int, seconds: float) -> dict:
-    """With checksums: the trainer's ranks step and publish flat out while two generators pull."""
+async def _stress(stress_ring, checkpoint: str, ranks: int, seconds: float) -> dict:
+    """With checksums: the trainer's ranks step and publish flat out while two generators pull (`stress_ring`)."""
     procs = []
     try:
         sync = WeightSyncConfig(checksums=True)

@@ -1,6 +1,6 @@
 """Fake actors for the controller's tests and its benchmark, in one process: a fake generator, grader
 and trainer that follow their role contracts (meshrl/actors/roles.py) behind Monarch's actor handles
-as meshrl/tools/fake_monarch.py fakes them (each actor's plain endpoints one call at a time, its concurrent
+as tests/support/fake_monarch.py fakes them (each actor's plain endpoints one call at a time, its concurrent
 ones together, as Monarch runs them), a fake task and tokenizer, and `run_fake`, which drives the real Controller,
 RolloutCollector, WorkBuffer, ReplicaPools, Checkpointer and metric rows with them.
 
@@ -37,8 +37,10 @@ from meshrl.runtime.launch import weight_update
 from meshrl.runtime.loggers import MetricLoggers
 from meshrl.runtime.metric_rows import MetricRows
 from meshrl.tasks import Sample
-from meshrl.tools.fake_monarch import FakeMesh, FakeProcs, concurrent
+from meshrl.tools.bench.standins import text_rewards
 from meshrl.types import Completion
+
+from support.fake_monarch import FakeMesh, FakeProcs, concurrent
 
 PROMPT_ID = 100  # FakeTokenizer: a prompt's first token is PROMPT_ID + its index, so the trainer can tell
 
@@ -219,11 +221,6 @@ class FakeGrader:
 
     async def score(self, sample, holder, keys: list[int]) -> list[tuple[float, dict[str, float]] | None]:
         return text_rewards(await take_held(holder, keys))
-
-
-def text_rewards(completions: list[Completion]) -> list[tuple[float, dict[str, float]]]:
-    """The fake and stand-in graders' scores: a completion's reward (and `correct`) is the number its text is."""
-    return [(float(c.text), {"correct": float(c.text)}) for c in completions]
 
 
 class FakeTrainer:

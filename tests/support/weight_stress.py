@@ -1,4 +1,5 @@
-"""Weight-ring stress: the trainer steps and publishes as fast as it can while generators keep pulling.
+"""Weight-ring stress: the trainer steps and publishes as fast as it can while generators keep pulling
+(tests/test_weight_stress.py, and the stress phase of `meshrl bench weight-sync`).
 
 Run with checksums on (`WeightSyncConfig(checksums=True)`): every version a generator loads is then
 checked against the CRC32 the trainer wrote for it; a mismatch is refused and counted.

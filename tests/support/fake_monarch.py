@@ -1,4 +1,4 @@
-"""Monarch's actor handles, faked for the fake actors of meshrl/tools/simulation.py, with Monarch's order of work.
+"""Monarch's actor handles, faked for the fake actors of tests/support/simulation.py, with Monarch's order of work.
 
 Monarch 0.7 delivers one actor's messages in arrival order, one at a time: a plain `@endpoint` runs
 to its end before the actor takes the next message, so calls to it queue. A `concurrent_endpoint`
@@ -140,7 +140,7 @@ def endpoint_of(actor, name: str):
 class FakeMesh:
     """Monarch's actor-mesh handle over plain objects, one per rank: `mesh.endpoint.call_one()`,
     `mesh.endpoint.call()`, `mesh.slice(procs=r)`; `script.point(endpoint, actor)` sees each call
-    as it is made (meshrl/tools/simulation.py's Script)."""
+    as it is made (tests/support/simulation.py's Script)."""
 
     def __init__(self, actors: list, script):
         self.actors, self.script = actors, script
