@@ -109,8 +109,7 @@ class Controller:
         (self.generators.restarts, self.generators.retried), (self.graders.restarts, self.graders.retried) = (
             state.counters["generator"], state.counters["grader"])
         self.updates = dict(state.counters["updates"])
-        count, self.restarts.seconds_lost = state.counters.get("restarts", ({}, 0.0))
-        self.restarts.count.update(count)
+        self.restarts.restore(state.counters.get("restarts", ({}, 0.0)))
 
     async def run(self) -> None:
         """Train up to `controller.steps` (evaluating first, unless resumed), then checkpoint. A stop
@@ -159,7 +158,7 @@ class Controller:
         await self._added()
         counters = {"generator": (self.generators.restarts, self.generators.retried),
                     "grader": (self.graders.restarts, self.graders.retried), "updates": dict(self.updates),
-                    "restarts": (dict(self.restarts.count), self.restarts.seconds_lost)}
+                    "restarts": self.restarts.counters()}
         await self.checkpointer.write(RunState(self.rows.done, self.trainer_version, self.work.snapshot(),
                                                list(self.rows.rows), self.initial, counters))
 
@@ -212,6 +211,65 @@ class Controller:
             self.adding.cancel()
             self.adding.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.adding, self.outbox = None, []
+
+    # What the restarts (meshrl/restarts.py) have the controller do: they decide when and what, these change
+    # the controller's own state.
+
+    def abandon_step(self) -> int | None:
+        """A role died while a step may have been training: the step is trained again whole. The count of
+        its updates already applied (None when no step was training)."""
+        training, self.training = self.training, None
+        return None if training is None else training["updates"]
+
+    def abandon_publish(self) -> None:
+        """The trainer died: its publish in flight, if any, is dropped (its error with it); the restarted
+        trainer publishes that version again."""
+        if self.publishing is not None:
+            self.publishing.cancel()
+            self.publishing.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self.publishing = None
+
+    def replace_trainer(self, trainer) -> None:
+        """A new trainer mesh in the dead one's place, for the loops and the checkpoints."""
+        self.trainer = self.checkpointer.trainer = trainer
+
+    def trainer_published(self, version: int) -> None:
+        """A restarted trainer has published `version` again: the gate and the generators are told, unless
+        the dead trainer's own publish of it said so already."""
+        if self.trainer_version < version:
+            self.trainer_version = version
+            self.collector.published(version)
+
+    def replace_reference(self, reference) -> None:
+        """A new reference mesh in the dead one's place."""
+        self.reference = reference
+
+    def replace_buffer(self, buffer) -> int:
+        """An empty replay buffer in the dead one's place. Every group kept for a batch not yet trained is
+        generated again, the kept groups on their way to the dead buffer are lost with it, and the groups in
+        flight (some staged in it) stop, their prompts started again; the count of groups lost. Not async:
+        nothing runs between the swap and the loss, so each group kept from now on goes to the new buffer."""
+        self.buffer = self.checkpointer.buffer = buffer
+        lost = self.work.lose()
+        self.lose_adds()
+        self.collector.cancel()
+        return lost
+
+    async def attach_buffer(self) -> None:
+        """The trainer's and reference's ranks take their micro-batches from the replay buffer now in place,
+        which writes rollouts.jsonl from the steps logged on."""
+        for mesh in (self.trainer, self.reference):
+            if mesh is not None:
+                await mesh.attach_buffer.call(self.buffer)
+        await self.record_rollouts()
+
+    def restart_rollouts(self) -> None:
+        """The rollout loop running again if it had ended (every batch was complete), and woken: the prompts
+        stopped or lost start again."""
+        if self.rollouts is not None and self.rollouts.done():
+            self.rollouts.result()  # raises what ended it, if that was an error
+            self.rollouts = asyncio.create_task(self._rollout_loop())
+        self.collector.changed.set()
 
     async def _rollout_loop(self) -> None:
         """Keep every group the gate allows in flight; raise what ends the run (a pool out of replicas,

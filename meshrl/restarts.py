@@ -53,17 +53,17 @@ class Respawner:
     attach: Callable[[object], Awaitable[None]]
 
 
-async def is_dead(mesh, role: str, error: BaseException, buffer, timeout) -> bool:
+async def is_dead(mesh, role: str, error: BaseException, timeout) -> bool:
     """Whether `error`, raised while the controller used `role`'s `mesh`, means that role is gone: its own
-    call timed out, or it no longer answers (asked to attach to the replay buffer it already has; another
-    role's failure leaves it answering)."""
+    call timed out, or it no longer answers `ping`, which changes nothing (another role's failure leaves it
+    answering)."""
     if isinstance(error, CallTimeout):
         return error.role == role
     if not isinstance(error, (SupervisionError, ActorError)):
         return False
     try:
-        async with deadline(timeout, role, "attach_buffer"):
-            await mesh.attach_buffer.call(buffer)
+        async with deadline(timeout, role, "ping"):
+            await mesh.ping.call()
         return False
     except asyncio.CancelledError:
         raise
@@ -88,8 +88,9 @@ async def buffer_is_dead(buffer, error: BaseException, timeout) -> bool:
         return True
 
 
-async def replay(trainer, reference, buffer, batches: range, config, span, timeouts) -> None:
-    """Train `batches` again, as logged by the replay buffer, each followed by its publish."""
+async def retrain_logged(trainer, reference, buffer, batches: range, config, span, timeouts) -> None:
+    """Train `batches` again, as the replay buffer logged them (the same micro-batches), each followed by
+    its publish: a restarted trainer brought to the state the dead one had after them."""
     logged = set(await buffer.logged.call_one())
     if missing := [b for b in batches if b not in logged]:
         raise RoleFailed(f"the replay buffer no longer holds batches {missing} trained since the newest checkpoint")
@@ -107,11 +108,13 @@ async def replay(trainer, reference, buffer, batches: range, config, span, timeo
 
 
 class Restarts:
-    """The controller's restarts of its trainer and reference: how many, and the seconds they cost."""
+    """Whether the controller's trainer, reference or replay buffer died, and the steps that bring it back:
+    these decide when and what, the controller's own methods for them (`abandon_step`, `replace_trainer`,
+    `replace_buffer`, ...) change its state. How many restarts, and the seconds they cost."""
 
     def __init__(self, respawner: Respawner | None, config):
         """From `config`: the controller's restart window and each restartable role's `max_restarts` (a
-        restarted trainer trains its batches again with the controller's config: `replay`)."""
+        restarted trainer trains its batches again with the controller's config: `retrain_logged`)."""
         self.respawner = respawner
         window = config.controller.restart_window_s
         self.budgets = {"trainer": RestartBudget(config.trainer.max_restarts, window),
@@ -123,15 +126,24 @@ class Restarts:
         for role, budget in self.budgets.items():
             budget.start(role)
 
+    def counters(self) -> tuple[dict, float]:
+        """What a checkpoint keeps: the restarts per role and the seconds they cost."""
+        return dict(self.count), self.seconds_lost
+
+    def restore(self, counters: tuple[dict, float]) -> None:
+        """Go on from a checkpoint's `counters()`."""
+        count, self.seconds_lost = counters
+        self.count.update(count)
+
     async def after(self, controller, error: BaseException) -> None:
         """`error` ended a step: restart the trainer, the reference or the replay buffer if it is the one that
         died (re-raise it otherwise, or when there is no way back)."""
         if self.respawner is not None:
             timeouts = controller.timeouts
-            if await is_dead(controller.trainer, "trainer", error, controller.buffer, timeouts.trainer):
+            if await is_dead(controller.trainer, "trainer", error, timeouts.trainer):
                 return await self._timed(controller, "trainer", error, self._trainer)
             if controller.reference is not None and await is_dead(controller.reference, "reference", error,
-                                                                  controller.buffer, timeouts.reference):
+                                                                  timeouts.reference):
                 return await self._timed(controller, "reference", error, self._reference)
             if await buffer_is_dead(controller.buffer, error, timeouts.buffer):
                 return await self._timed(controller, "replay_buffer", error, self._buffer)
@@ -154,38 +166,25 @@ class Restarts:
     async def _reference(self, controller, cause: str) -> None:
         """A fresh reference: the initial policy, as the dead one held."""
         logger.warning("the reference failed (%s); restarting it", cause)
-        controller.reference = await self.respawner.respawn("reference")
+        controller.replace_reference(await self.respawner.respawn("reference"))
 
     async def _buffer(self, controller, cause: str) -> None:
         """An empty replay buffer; the groups the dead one held for untrained batches generated again."""
         if self.trainer_behind:
             raise RoleFailed(f"the replay buffer failed ({cause}) while the trainer was being brought back from the "
                              "batches it logged, which died with it; go on from the newest checkpoint with --resume")
-        training, controller.training = controller.training, None
-        if training and training["updates"]:  # its batch is lost with the buffer: those updates cannot be redone
-            raise RoleFailed(f"the replay buffer failed ({cause}) after {training['updates']} of step "
+        applied = controller.abandon_step()
+        if applied:  # its batch is lost with the buffer: those updates cannot be redone
+            raise RoleFailed(f"the replay buffer failed ({cause}) after {applied} of step "
                              f"{controller.rows.done + 1}'s updates were applied, which cannot be undone; go on from "
                              "the newest checkpoint with --resume")
-        buffer = await self.respawner.respawn("replay_buffer")
-        # nothing awaited between the swap and the loss: every group kept so far is generated again, each
-        # kept from now on goes to the new buffer; the groups in flight (some staged in the dead buffer) stop,
-        # their prompts started again
-        controller.buffer = controller.checkpointer.buffer = buffer
-        lost = controller.work.lose()
-        controller.lose_adds()
-        controller.collector.cancel()
+        lost = controller.replace_buffer(await self.respawner.respawn("replay_buffer"))
         logger.warning("the replay buffer failed (%s); restarted empty: the %d groups it held for batches not yet "
                        "trained are generated again", cause, lost)
-        for mesh in (controller.trainer, controller.reference):
-            if mesh is not None:
-                await mesh.attach_buffer.call(buffer)
-        await controller.record_rollouts()
-        if training is not None:  # the failed step's micro-batches trained so far: it is trained again whole
+        await controller.attach_buffer()
+        if applied is not None:  # the failed step's micro-batches trained so far: it is trained again whole
             await controller.trainer.drop_gradients.call()
-        if controller.rollouts is not None and controller.rollouts.done():  # it ended with every batch complete
-            controller.rollouts.result()
-            controller.rollouts = asyncio.create_task(controller._rollout_loop())
-        controller.collector.changed.set()  # prompts to start again
+        controller.restart_rollouts()
         done = controller.rows.done
         if done and done not in [step for step, _ in checkpoints(controller.checkpointer.run_dir)]:
             await controller.checkpoint()  # the log of the batches trained since the newest one died with it
@@ -198,19 +197,15 @@ class Restarts:
         since, newest = saved[-1] if saved else (0, None)
         logger.warning("the trainer failed (%s); restarting it from %s and training again the %d step(s) since",
                        cause, newest.name if newest else "the initial policy", done - since)
-        if controller.publishing is not None:  # it failed, or will: the replay publishes its version again
-            controller.publishing.cancel()
-            controller.publishing.add_done_callback(lambda f: f.cancelled() or f.exception())
-            controller.publishing = None
-        self.trainer_behind, controller.training = True, None  # restored and replayed: none of the step is left
+        controller.abandon_publish()  # it failed, or will: the retraining publishes its version again
+        controller.abandon_step()  # restored and retrained: none of the step is left
+        self.trainer_behind = True
         trainer = await self.respawner.respawn("trainer")
-        controller.trainer = controller.checkpointer.trainer = trainer
+        controller.replace_trainer(trainer)
         if newest is not None:
             await controller.checkpointer.restore_trainer(newest)
-        await replay(trainer, controller.reference, controller.buffer, range(since, done), controller.config,
-                     controller.tracer.span, controller.timeouts)
+        await retrain_logged(trainer, controller.reference, controller.buffer, range(since, done), controller.config,
+                             controller.tracer.span, controller.timeouts)
         await self.respawner.attach(trainer)
         self.trainer_behind = False
-        if controller.trainer_version < done:  # the dead trainer's last publish never said it was readable
-            controller.trainer_version = done
-            controller.collector.published(done)
+        controller.trainer_published(done)

@@ -30,6 +30,10 @@ class ReferenceModel(Actor):
         self.buffer = buffer
 
     @endpoint
+    async def ping(self) -> None:
+        """Answer, changing nothing: whether this actor is still there (a restart's probe, meshrl/restarts.py)."""
+
+    @endpoint
     async def logprobs(self, batch: TrainBatch | BatchRef) -> torch.Tensor | None:
         """log p_ref of every target token [B, T] (on the host, for the caller; of a BatchRef's micro-batch,
         put back into the replay buffer as its `into`)."""

@@ -108,6 +108,9 @@ class Trainer(Protocol):
     async def attach_buffer(self, buffer) -> None:
         """Take micro-batches from this replay buffer (an actor mesh following ReplayBuffer) from now on."""
 
+    async def ping(self) -> None:
+        """Answer at once, changing nothing: a restart's probe of whether it is still there (meshrl/restarts.py)."""
+
     async def forward_backward(self, batch: TrainBatch | BatchRef) -> dict:
         """Accumulate the loss's gradient over one micro-batch (a `BatchRef`: taken from the replay buffer);
         returns its metric sums (meshrl/losses.py). Logprobs are taken from logits / `batch.temperature`:
@@ -160,6 +163,9 @@ class Reference(Protocol):
 
     async def attach_buffer(self, buffer) -> None:
         """As the trainer's: take micro-batches from this replay buffer."""
+
+    async def ping(self) -> None:
+        """As the trainer's: answer, changing nothing."""
 
     async def logprobs(self, batch: TrainBatch | BatchRef) -> torch.Tensor | None:
         """log p_ref of every target token [B, T]; for a `BatchRef`, attached in the replay buffer instead."""

@@ -98,6 +98,10 @@ class TitanTrainer(Actor):
         self.buffer = buffer
 
     @endpoint
+    async def ping(self) -> None:
+        """Answer, changing nothing: whether this actor is still there (a restart's probe, meshrl/restarts.py)."""
+
+    @endpoint
     async def forward_backward(self, batch: TrainBatch | BatchRef) -> dict:
         """Accumulate the loss's gradient over one micro-batch (a BatchRef: taken from the replay buffer);
         returns the loss's metric sums. Logprobs are taken from logits / the batch's sampling temperature:

@@ -239,6 +239,9 @@ class FakeTrainer:
     async def attach_buffer(self, buffer) -> None:
         self.buffer = buffer
 
+    async def ping(self) -> None:
+        pass
+
     async def forward_backward(self, batch) -> dict:
         self.received[type(batch).__name__] += 1
         batch = await from_buffer(self.buffer, batch)

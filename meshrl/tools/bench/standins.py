@@ -105,6 +105,10 @@ class StandInTrainer(Actor):
         self.buffer = buffer
 
     @endpoint
+    async def ping(self) -> None:
+        pass
+
+    @endpoint
     async def forward_backward(self, batch) -> dict:
         batch = await from_buffer(self.buffer, batch, self.clock, self.version)
         tokens = int(batch.loss_mask.sum())
