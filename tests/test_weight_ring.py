@@ -14,7 +14,7 @@ import torch
 from meshrl.weight_sync import LayoutError, WeightLayout, ordering
 from meshrl.weight_sync import ring as ring_module
 from meshrl.weight_sync.ring import (BEGIN, CHECKSUM, END, VERSION, CorruptWeightsError, RingReader, TornReadsError,
-                                     WeightRing, checksum)
+                                     WeightRing, checksum, pull_together)
 
 
 def weights(value: float) -> dict[str, torch.Tensor]:
@@ -24,8 +24,10 @@ def weights(value: float) -> dict[str, torch.Tensor]:
 LAYOUT = WeightLayout.of_tensors(weights(0.0))
 
 
-def pull(reader, newer_than=-1):
-    return asyncio.run(reader.pull_latest(newer_than))
+def pull(reader, newer_than=-1, attempts=50):
+    """What a run's reader does (ShardedReader.read_latest), with one ring: (version, its weights) or None."""
+    latest = asyncio.run(pull_together([reader], newer_than, attempts))
+    return None if latest is None else (latest[0], latest[1][0])
 
 
 def values(pulled) -> dict[str, float]:
@@ -86,7 +88,7 @@ def test_a_slot_overwritten_during_the_read_is_detected_and_retried(transport):
 
 def test_reader_gives_up_when_every_read_is_torn():
     ring = WeightRing(LAYOUT, slots=2)
-    reader = RingReader(ring.handle(), LAYOUT, "shm", max_attempts=3)
+    reader = RingReader(ring.handle(), LAYOUT, "shm")
     ring.publish(weights(1.0), version=1)
     read_payload = reader.read_payload
 
@@ -98,7 +100,7 @@ def test_reader_gives_up_when_every_read_is_torn():
 
     reader.read_payload = always_overwritten
     with pytest.raises(TornReadsError, match="use more weight_sync.slots"):
-        pull(reader)
+        pull(reader, attempts=3)
     assert reader.torn_reads == 3
 
 
@@ -106,9 +108,9 @@ def test_checksums_refuse_a_corrupted_payload():
     ring = WeightRing(LAYOUT, checksums=True)
     ring.publish(weights(1.0), version=1)
     ring.payloads[1][100] ^= 0xFF  # corrupt the published bytes behind the header's back
-    reader = RingReader(ring.handle(), LAYOUT, "shm", max_attempts=3)
+    reader = RingReader(ring.handle(), LAYOUT, "shm")
     with pytest.raises(CorruptWeightsError, match="version 1"):
-        pull(reader)
+        pull(reader, attempts=3)
     assert reader.corrupt_reads == 3 and reader.torn_reads == 0
 
 
@@ -200,7 +202,7 @@ def test_a_torn_write_is_detected_and_never_handed_on_when_checked(transport):
     ring.publish(weights(1.0), version=1)
     ring.publish(weights(2.0), version=2)
     land = publish_out_of_order(ring, weights(3.0), version=3, landed=0.5)  # into slot 1, over version 1
-    reader = RingReader(ring.handle(), LAYOUT, transport, max_attempts=3)
+    reader = RingReader(ring.handle(), LAYOUT, transport)
     handed = []
 
     def load(got):
@@ -209,7 +211,7 @@ def test_a_torn_write_is_detected_and_never_handed_on_when_checked(transport):
 
     # its stores never land: refused every time, reported, nothing handed on
     with pytest.raises(CorruptWeightsError, match="version 3"):
-        load(pull(reader))
+        load(pull(reader, attempts=3))
     assert handed == [] and reader.corrupt_reads == 3 and reader.torn_reads == 0
 
     # they land while the reader looks again: version 3, whole
@@ -221,7 +223,7 @@ def test_a_torn_write_is_detected_and_never_handed_on_when_checked(transport):
         return await read_payload(slot, begins, cancel)
 
     reader.read_payload = landing_meanwhile
-    load(pull(reader))
+    load(pull(reader, attempts=3))
     assert handed == [{"a": 3.0, "b": -3.0}] and reader.corrupt_reads == 4
 
 

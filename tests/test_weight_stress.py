@@ -25,7 +25,7 @@ from support.weight_stress import stress_ring
 SLOW_LOAD_S = 0.8  # longer than the tiny model's trainer takes to publish two versions here (~0.2-0.35 s each)
 
 
-TEARS = 2  # copies slowed past two publishes: fewer than RingReader.max_attempts in a row
+TEARS = 2  # copies slowed past two publishes: fewer than ShardedReader's max_attempts in a row
 SLOW_COPY_S = 1.5  # a 2-slot ring's slot is rewritten within two publishes (~0.2-0.7 s each here)
 
 

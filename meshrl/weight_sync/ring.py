@@ -230,11 +230,12 @@ def choose_transport(handle: RingHandle, transport: str) -> str:
 
 
 class RingReader:
-    """Generator side: `pull_latest` returns the newest complete version, never a torn one."""
+    """Generator side: one ring's reader; `pull_together` reads the newest version complete in every reader's
+    ring (meshrl/weight_sync/shards.py's ShardedReader holds a run's readers), never a torn one."""
 
-    def __init__(self, handle: RingHandle, expected: WeightLayout, transport: str = "auto", max_attempts: int = 50):
+    def __init__(self, handle: RingHandle, expected: WeightLayout, transport: str = "auto"):
         handle.layout.check_matches(expected)
-        self.handle, self.layout, self.max_attempts = handle, expected, max_attempts
+        self.handle, self.layout = handle, expected
         self.transport = choose_transport(handle, transport)
         # this reader's copy of a version, in shared memory of its own: vLLM's tensor-parallel workers map it
         # (meshrl/weight_sync/handoff.py)
@@ -259,11 +260,6 @@ class RingReader:
         else:
             chunk = handle.chunks[0][0].size()
             self.chunk_views = [self.bytes[i:i + chunk] for i in range(0, expected.nbytes, chunk)]
-
-    async def pull_latest(self, newer_than: int = -1) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
-        """(version, weights as views into this reader's own copy), or None if nothing newer than `newer_than`."""
-        latest = await pull_together([self], newer_than, self.max_attempts)
-        return None if latest is None else (latest[0], latest[1][0])
 
     def complete_versions(self, header: list[list[list[int]]]) -> dict[int, int]:
         """version -> slot, for the slots of `header` that every writer has completely written, with one version."""

@@ -95,8 +95,7 @@ class ShardedReader:
         handles = [h for h in handles if h is not None]
         if [r for h in handles for r in range(*h.ranks)] != list(range(handles[0].world)):
             raise ValueError(f"the rings hold ranks {[h.ranks for h in handles]}, not each of {handles[0].world} once")
-        self.readers = [RingReader(h, shard_layout(full, h.ranks[0], h.world, h.ranks[1]), transport, max_attempts)
-                        for h in handles]
+        self.readers = [RingReader(h, shard_layout(full, h.ranks[0], h.world, h.ranks[1]), transport) for h in handles]
         self.full, self.to_hf, self.max_attempts = full, to_hf, max_attempts
         self.transport = self.readers[0].transport
         self.assembled: SharedMemory | None = None  # the full tensors, with several rings
