@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     weight_sync.add_argument("--model", default="smollm2", help=MODEL_HELP)
     weight_sync.add_argument("--repeats", type=int, default=5,
                              help="timings per figure (transfers: the best, warm; publish-to-loaded: the median)")
-    weight_sync.add_argument("--stress-seconds", type=float, default=10.0, 
+    weight_sync.add_argument("--stress-seconds", type=float, default=10.0,
                              help="length of the torn-read stress (0: none; more: from a repository checkout, "
                                   "whose tests/support/ holds the stress driver)")
     weight_sync.add_argument("--ranks", default="1,2", help="trainer rank counts to measure, comma separated")
