@@ -235,11 +235,7 @@ class WorkBuffer:
     def restore(self, snapshot: dict) -> None:
         """The position a snapshot holds (nothing running), for a run of `self.steps` batches."""
         self.next_prompt, self.redo = snapshot["next_prompt"], list(snapshot["redo"])
-        filling = copy.deepcopy(snapshot["filling"])
-        if isinstance(filling, Filling):  # a checkpoint from before batches had slots: one batch filling
-            self.filling, self.complete_below = {filling.index: Filling(**vars(filling))}, filling.index
-        else:
-            self.filling, self.complete_below = filling, snapshot["complete_below"]
+        self.filling, self.complete_below = copy.deepcopy(snapshot["filling"]), snapshot["complete_below"]
         self.ready, self.totals, self.running = dict(snapshot["ready"]), dict(snapshot["totals"]), {}
 
     def _end(self, prompt_index: int) -> Filling:

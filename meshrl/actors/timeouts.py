@@ -3,7 +3,7 @@ as its actor having died, never as a hang. A generator or grader replica that ti
 like a crashed one (its group redone elsewhere); the trainer, the reference or the replay buffer
 timing out is restarted (meshrl/restarts.py), and past its restart budget ends the run with one line
 naming the call. Each role's config sets its own limit (`generator.timeout_s`,
-`weight_sync.timeout_s` for weight pulls, `trainer.timeout_s`, ...). Calls made while stopping are
+`weight_sync.timeout_s` for weight pulls and relays, `trainer.timeout_s`, ...). Calls made while stopping are
 bounded too (`controller.stop_timeout_s`): past it the stop goes on without them.
 
 A user's stop (Ctrl-C, SIGTERM) ends the controller's calls too: `StopSignals`, below.
@@ -41,7 +41,7 @@ class Timeouts:
 
     generate: Timeout | None = None  # a group's generation
     start: Timeout | None = None  # a generator replica's start: vLLM loading the model
-    pull: Timeout | None = None  # a generator's weight pull: read and load into vLLM
+    relay: Timeout | None = None  # a weight relay attaching to the trainer's rings (generators bound their own pulls)
     grade: Timeout | None = None
     trainer: Timeout | None = None  # one trainer call: a micro-batch, an optimizer step, a publish, the save
     reference: Timeout | None = None
@@ -53,7 +53,7 @@ class Timeouts:
         return Timeouts(
             generate=Timeout(config.generator.timeout_s, "generator.timeout_s"),
             start=Timeout(config.generator.start_timeout_s, "generator.start_timeout_s"),
-            pull=Timeout(config.weight_sync.timeout_s, "weight_sync.timeout_s"),
+            relay=Timeout(config.weight_sync.timeout_s, "weight_sync.timeout_s"),
             grade=Timeout(config.grader.timeout_s, "grader.timeout_s"),
             trainer=Timeout(config.trainer.timeout_s, "trainer.timeout_s"),
             reference=Timeout(config.reference.timeout_s, "reference.timeout_s"),

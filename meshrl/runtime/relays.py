@@ -53,7 +53,7 @@ class Relays:
         procs, relay = spawn("relay", WeightRelay, w.slots, w.chunk_mb, w.checksums, w.transport, w.timeout_s,
                              host=self.hosts.host("generator", host))
         self.procs[host] = procs
-        async with deadline(self.timeouts.pull, "relay", "attach"):
+        async with deadline(self.timeouts.relay, "relay", "attach"):
             handle = await relay.attach.call_one(self.rings)
         self.handles[host] = dataclasses.replace(handle, relay=relay)
 
@@ -65,7 +65,7 @@ class Relays:
 
     async def _reattach(self, host: int) -> None:
         try:
-            async with deadline(self.timeouts.pull, "relay", "attach"):
+            async with deadline(self.timeouts.relay, "relay", "attach"):
                 await self.handles[host].relay.attach.call_one(self.rings)
         except Exception as e:  # the relay died or hung: another is started (logged there)
             await self._replace(host, e)
