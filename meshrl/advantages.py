@@ -1,6 +1,8 @@
 """Advantage estimators: how a group of rewards for one prompt becomes one advantage per completion.
 
-The controller picks one by name (`controller.advantage`); the trainer never sees rewards.
+The run picks one by name (`controller.advantage`); meshrl/episodes.py's `group_episodes` gives each kept group its
+advantages as the group finishes (the controller's `keep_group`), and the replay buffer's Episodes carry them to
+the trainer, which never sees rewards.
 """
 
 import math
@@ -46,7 +48,7 @@ def estimator(name: str):
     return ESTIMATORS[name]
 
 
-STEP_WISE = "step_wise_"  # controller.advantage step_wise_<estimator>: one Episode per turn (meshrl/rollout.py)
+STEP_WISE = "step_wise_"  # controller.advantage step_wise_<estimator>: one Episode per turn (meshrl/episodes.py)
 
 
 def step_wise(final_rewards: list[float], steps_per_run: list[int], name: str = "grpo",

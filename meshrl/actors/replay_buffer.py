@@ -10,8 +10,9 @@ micro-batches and answers only their count per optimizer update; the trainer's r
 reference's) then take each micro-batch from the buffer themselves, all at once (`micro_batch`, by a
 `BatchRef`, a concurrent endpoint: each collated in a thread the first time it is asked for, every
 fetch a span of the buffer's own clock) and put back what they compute for it (`attach`: pi_old, the
-reference's logprobs). No token of a training batch passes through the controller, nor does the text
-of its completions: the buffer writes a trained batch's records to rollouts.jsonl (`trained`).
+reference's logprobs). No token of a training batch passes through the controller, nor (single-turn) the
+text of its completions: the buffer fills that text into a trained batch's records and writes them to
+rollouts.jsonl (`trained`); a conversation's text, which the controller holds to drive it, comes in its record.
 
 The state the concurrent endpoints share is guarded by the event loop itself: each touches it only
 between awaits (a dict read or write), and a micro-batch is collated once (one future per micro-batch,
@@ -153,9 +154,10 @@ class FifoBuffer(Actor):
     @endpoint
     async def sample(self, batch: int, fresh: list[int]) -> dict:
         """Compose batch `batch` from its fresh groups `fresh` (in this order; a logged batch: as it was
-        handed out), collate its micro-batches, and return its plan: {"micro_batches": [count per
-        update], "episodes_trained", "episodes_reused", "groups_reused", "tokens_trained", "tokens_processed",
-        "padding_fraction", "staleness_mean", "staleness_max", "episodes_by_age": [episodes of age 0, 1, ...]}."""
+        handed out), split it into micro-batches (each collated when a rank first asks for it), and return its
+        plan: {"micro_batches": [count per update], "episodes_trained", "episodes_reused", "groups_reused",
+        "tokens_trained", "tokens_processed", "padding_fraction", "staleness_mean", "staleness_max",
+        "episodes_by_age": [episodes of age 0, 1, ...]}."""
         handed = self.log.get(batch) or self.compose(batch, fresh)
         ages = [batch - e.policy_version for e in handed.episodes]
         if ages and not 0 <= min(ages) <= max(ages) <= self.max_policy_age:

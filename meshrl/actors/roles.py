@@ -196,7 +196,7 @@ class ReplayBuffer(Protocol):
 
     async def sample(self, batch: int, fresh: list[int]) -> dict:
         """Compose batch `batch` (its fresh groups `fresh`, in order, and whatever else the buffer trains),
-        its episodes within the staleness bound (raise otherwise); collate its micro-batches; return
+        its episodes within the staleness bound (raise otherwise); split it into micro-batches; return
         {"micro_batches": [count per optimizer update], "episodes_trained", "episodes_reused", "groups_reused",
         "tokens_trained", "tokens_processed", "padding_fraction", "staleness_mean", "staleness_max", "episodes_by_age"}.
         A batch handed out before (since the newest checkpoint) is handed out again exactly."""
