@@ -1,4 +1,5 @@
-# Two commands: `make demo` (a short real training run) and `make test`.
+# Two commands: `make demo` (a short real training run) and `make test` (the whole suite; `make test-fast`, the
+# tests that start no process).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +9,7 @@ STAMP := $(VENV)/.installed
 CUDA_STAMP := $(VENV)/.installed-cuda
 INSTALLED := $(if $(wildcard $(CUDA_STAMP)),$(CUDA_STAMP),$(STAMP))
 
-.PHONY: demo demo-zorplex demo-reasoning-gym test install install-cuda clean
+.PHONY: demo demo-zorplex demo-reasoning-gym test test-fast install install-cuda clean
 
 demo: $(INSTALLED)
 	$(BIN)/meshrl prepare-model
@@ -32,6 +33,11 @@ demo-reasoning-gym: $(INSTALLED)
 # runs last, for one worker to finish alone).
 test: $(INSTALLED)
 	$(BIN)/python -m pytest -v -n 2 --dist loadfile --no-loadscope-reorder tests
+
+# The fast tier: every test not marked `processes` (no Monarch proc mesh, vLLM engine or subprocess; such a
+# test fails here: tests/conftest.py), under 90 s on 2 cores. For a change to pure logic; `make test` before a commit.
+test-fast: $(INSTALLED)
+	$(BIN)/python -m pytest -q -m "not processes" tests
 
 install: $(STAMP)
 

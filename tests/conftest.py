@@ -1,7 +1,13 @@
+"""What every test shares: the environment the suite's processes inherit, the checkpoints and command-line
+fixtures many files use, the order files go out to the workers, and the fast tier's guard (a test not
+marked `processes` that starts a process, a Monarch proc mesh or a vLLM engine fails: `make test-fast`
+runs exactly the unmarked tests, so the fast tier stays fast by construction)."""
 import os
 from pathlib import Path
 
 import pytest
+
+from process_guard import process_guard
 
 # Each actor pins its own threads; keep the test process from competing with them.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -96,3 +102,14 @@ SLOW_FIRST = ["test_checkpoint.py", "test_multihost.py", "test_train_smoke.py", 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: each file's order kept
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test that is not marked `processes` (by `pytestmark` in its file or on itself) may start no process,
+    in its body or in any fixture it sets up, module and session fixtures included (a fixture an autouse
+    one would miss: they are set up first): process_guard makes each way of starting one raise."""
+    if item.get_closest_marker("processes") or not os.environ.get("F_GUARD"):  # TEMPORARY while marks go in
+        return (yield)
+    with process_guard(item.nodeid):
+        return (yield)
