@@ -38,6 +38,7 @@ from meshrl.actors.timeouts import Stopped, StopSignals, Timeouts, bounded, dead
 from meshrl.actors.weight_updates import cache_figures, gather_reports, no_figures
 from meshrl.checkpoint import Checkpointer, RunState, latest
 from meshrl.configs import Config
+from meshrl.buffer_calls import BufferCalls
 from meshrl.episodes import batch_builder, keep_group
 from meshrl.restarts import FAULTS, Respawner, Restarts
 from meshrl.rollout import RolloutCollector
@@ -81,9 +82,7 @@ class Controller:
                                fresh * (cfg.max_sample_rounds if cfg.drop_equal_reward_groups else 1),
                                cfg.drop_equal_reward_groups, cfg.max_failed_fraction, self._keep,
                                generation_ahead(config), self._discard)
-        # the replay buffer's calls still to make, in order: ("add", (batch, kept groups)) or ("discard", (group,))
-        self.outbox: list[tuple[str, tuple]] = []
-        self.adding: asyncio.Future | None = None  # tells it, while there is anything
+        self.buffer_calls = BufferCalls(lambda: self.buffer, timeouts.buffer)  # kept groups' adds, discards
         self.rollouts: asyncio.Task | None = None  # the rollout loop, while it runs
         self.collector = RolloutCollector(config.controller, config.generator, task, tokenizer, generators, graders,
                                           tracer, self.work, lambda: self.buffer, timeouts)
@@ -155,7 +154,7 @@ class Controller:
         if self.rows.bad_steps:
             return
         await self._published()
-        await self._added()
+        await self.buffer_calls.sent()
         counters = {"generator": (self.generators.restarts, self.generators.retried),
                     "grader": (self.graders.restarts, self.graders.retried), "updates": dict(self.updates),
                     "restarts": self.restarts.counters()}
@@ -173,98 +172,63 @@ class Controller:
         tokens), with the groups kept while the last add is on its way; a summary stays here."""
         episodes, kept = keep_group(group.scored, group.prompt_index, self.config.controller, self.task,
                                     self.config.generator.temperature)
-        last = self.outbox[-1] if self.outbox else None  # not yet on its way: the sender takes each out first
-        if last and last[0] == "add" and last[1][0] == batch:
-            last[1][1].append(episodes)
-        else:
-            self._send("add", batch, [episodes])
+        self.buffer_calls.add(batch, episodes)
         return kept
 
     def _discard(self, group: Group) -> None:
         """A finished group not trained (dropped, stale): the replay buffer lets its staged tokens go."""
         if group.scored:
-            self._send("discard", group.prompt_index)
-
-    def _send(self, endpoint: str, *args) -> None:
-        """`endpoint(*args)` of the replay buffer, after those before it, one call at a time (a call that
-        failed stops them: `_added` raises its error until a restarted buffer replaces the dead one, `lose_adds`)."""
-        self.outbox.append((endpoint, args))
-        if self.adding is None or (self.adding.done() and (self.adding.cancelled() or not self.adding.exception())):
-            self.adding = asyncio.ensure_future(self._send_all())
-
-    async def _send_all(self) -> None:
-        while self.outbox:
-            # out of the outbox before it is sent: a group kept meanwhile goes in the next call, never into one
-            # already on its way (lost with it if the buffer died: its restart generates them again)
-            endpoint, args = self.outbox.pop(0)
-            async with deadline(self.timeouts.buffer, "replay_buffer", endpoint):
-                await getattr(self.buffer, endpoint).call_one(*args)
-
-    async def _added(self) -> None:
-        """Wait until every kept group sent so far is in the replay buffer (raising its error)."""
-        if self.adding is not None:
-            await self.adding
-
-    def lose_adds(self) -> None:
-        """The replay buffer died: the kept groups on their way to it are lost with it (generated again)."""
-        if self.adding is not None:
-            self.adding.cancel()
-            self.adding.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self.adding, self.outbox = None, []
+            self.buffer_calls.discard(group.prompt_index)
 
     # What the restarts (meshrl/restarts.py) have the controller do: they decide when and what, these change
     # the controller's own state.
 
     def abandon_step(self) -> int | None:
-        """A role died while a step may have been training: the step is trained again whole. The count of
-        its updates already applied (None when no step was training)."""
+        """A role died while a step may have been training (it is trained again whole): the count of its
+        updates already applied, None when no step was training."""
         training, self.training = self.training, None
         return None if training is None else training["updates"]
 
     def abandon_publish(self) -> None:
-        """The trainer died: its publish in flight, if any, is dropped (its error with it); the restarted
-        trainer publishes that version again."""
+        """The trainer died: its publish in flight, if any, is dropped with its error (published again)."""
         if self.publishing is not None:
             self.publishing.cancel()
             self.publishing.add_done_callback(lambda f: f.cancelled() or f.exception())
             self.publishing = None
 
     def replace_trainer(self, trainer) -> None:
-        """A new trainer mesh in the dead one's place, for the loops and the checkpoints."""
         self.trainer = self.checkpointer.trainer = trainer
 
     def trainer_published(self, version: int) -> None:
-        """A restarted trainer has published `version` again: the gate and the generators are told, unless
-        the dead trainer's own publish of it said so already."""
+        """A restarted trainer published `version` again: the gate and generators told, if not already."""
         if self.trainer_version < version:
             self.trainer_version = version
             self.collector.published(version)
 
     def replace_reference(self, reference) -> None:
-        """A new reference mesh in the dead one's place."""
         self.reference = reference
 
     def replace_buffer(self, buffer) -> int:
-        """An empty replay buffer in the dead one's place. Every group kept for a batch not yet trained is
-        generated again, the kept groups on their way to the dead buffer are lost with it, and the groups in
-        flight (some staged in it) stop, their prompts started again; the count of groups lost. Not async:
-        nothing runs between the swap and the loss, so each group kept from now on goes to the new buffer."""
+        """An empty replay buffer in the dead one's place; the count of groups lost. The groups kept for
+        batches not yet trained are generated again, those on their way to the dead buffer lost with it, and
+        those in flight (some staged in it) stop, their prompts started again. Not async: nothing runs
+        between the swap and the loss, so each group kept from now on goes to the new buffer."""
         self.buffer = self.checkpointer.buffer = buffer
         lost = self.work.lose()
-        self.lose_adds()
+        self.buffer_calls.lose()
         self.collector.cancel()
         return lost
 
     async def attach_buffer(self) -> None:
-        """The trainer's and reference's ranks take their micro-batches from the replay buffer now in place,
-        which writes rollouts.jsonl from the steps logged on."""
+        """The trainer's and reference's ranks take micro-batches from the buffer in place, which records
+        rollouts from the steps logged on."""
         for mesh in (self.trainer, self.reference):
             if mesh is not None:
                 await mesh.attach_buffer.call(self.buffer)
         await self.record_rollouts()
 
     def restart_rollouts(self) -> None:
-        """The rollout loop running again if it had ended (every batch was complete), and woken: the prompts
+        """The rollout loop running again if it had ended (every batch complete), and woken: the prompts
         stopped or lost start again."""
         if self.rollouts is not None and self.rollouts.done():
             self.rollouts.result()  # raises what ended it, if that was an error
@@ -370,7 +334,7 @@ class Controller:
         t1 = time.perf_counter()
         self._bookkeep()
         await self._sleep_generators()
-        await self._added()
+        await self.buffer_calls.sent()
         async with self.tracer.span("replay_buffer", "sample", batch.index, timeout=self.timeouts.buffer):
             plan = await self.buffer.sample.call_one(batch.index, batch.groups)
         updates = [[BatchRef(batch.index, u, m) for m in range(count)] for u, count in enumerate(plan.pop("micro_batches"))]
