@@ -109,7 +109,7 @@ def pytest_runtest_protocol(item, nextitem):
     """A test that is not marked `processes` (by `pytestmark` in its file or on itself) may start no process,
     in its body or in any fixture it sets up, module and session fixtures included (a fixture an autouse
     one would miss: they are set up first): process_guard makes each way of starting one raise."""
-    if item.get_closest_marker("processes") or not os.environ.get("F_GUARD"):  # TEMPORARY while marks go in
+    if item.get_closest_marker("processes"):
         return (yield)
     with process_guard(item.nodeid):
         return (yield)

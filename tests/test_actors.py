@@ -17,6 +17,8 @@ from meshrl.tasks import Sample
 from meshrl.tasks.sum_digits import SumDigitsConfig
 from meshrl.types import Completion, Prompt, Sampling, TrainBatch
 
+pytestmark = pytest.mark.processes
+
 # Mean |trainer - vLLM| logprob per token of a completion, nats, on the tiny stand-ins, vLLM serving bf16
 # and the trainer in bf16 autocast. Largest measured here (2026-11-23, 6 completions each): Llama 0.008,
 # Qwen3 0.004, Qwen3-MoE 0.018 (a near tie in the router's top-k can pick other experts in bf16). The

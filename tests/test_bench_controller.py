@@ -6,7 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 import psutil
+
+pytestmark = pytest.mark.processes
 
 
 def test_controller_bench_writes_its_curve_and_a_prediction_that_follows_the_cost_model(tmp_path):

@@ -7,7 +7,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from meshrl.models.model import load_hf_weights
+
+pytestmark = pytest.mark.processes
 
 
 def test_trainer_bench_writes_its_figures_for_each_rank_count(tmp_path, tiny_checkpoint):

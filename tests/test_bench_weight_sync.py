@@ -12,6 +12,8 @@ import pytest
 from meshrl.models.model import load_hf_weights
 from meshrl.weight_sync import WeightLayout
 
+pytestmark = pytest.mark.processes
+
 PER_RANKS = {"ring_rdma_gbps", "ring_shm_gbps", "publish_to_loaded_s", "ring_rdma_vs_raw", "ring_shm_vs_memcpy", "generator_transport", "publish_s", "generator_read_s",
              "generator_load_s", "vllm_reload_floor_s"}
 

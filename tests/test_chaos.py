@@ -27,6 +27,8 @@ from assertions import assert_each_prompt_trained_once, assert_final_policy_is_t
 
 from meshrl.tools.chaos import chaos, role_of, steps_logged
 
+pytestmark = pytest.mark.processes
+
 AFTER = 3  # steps logged after the last replacement served, before the SIGTERM
 
 

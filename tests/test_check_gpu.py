@@ -23,6 +23,7 @@ def dry(tmp_path_factory):
     return json.loads(out.read_text()), done.stdout
 
 
+@pytest.mark.processes
 def test_the_dry_run_writes_every_section_and_says_what_ran_on_stand_ins(dry):
     result, stdout = dry
     assert result["dry"] and result["passed"] and result["machine"]["device"] == "cpu"
@@ -37,6 +38,7 @@ def test_the_dry_run_writes_every_section_and_says_what_ran_on_stand_ins(dry):
     assert 0 < sum(s["seconds"] for s in result["sections"].values()) <= result["seconds"]
 
 
+@pytest.mark.processes
 def test_the_dry_parity_compares_two_real_paths_within_their_tolerances(dry):
     """Both sides are the CPU: fp32 is the same pass twice and must agree within fp32's tolerance; bf16
     is the CPU's autocast (where the trainer chose it) against fp32, a different computation that must differ
@@ -61,6 +63,7 @@ def test_the_dry_parity_compares_two_real_paths_within_their_tolerances(dry):
     assert lora["adapter_tensors"] == lora["tensors"] > 0 and full["adapter_tensors"] == 0  # the adapter's only
 
 
+@pytest.mark.processes
 def test_the_dry_endpoints_shard_at_world_one_and_read_back_each_version_equal(dry):
     section = dry[0]["sections"]["endpoints"]
     assert (section["world"], section["process_group"], section["fsdp2"]) == (1, "gloo", True)
@@ -70,6 +73,7 @@ def test_the_dry_endpoints_shard_at_world_one_and_read_back_each_version_equal(d
     assert section["logprob_change"] > 0 and section["problems"] == []
 
 
+@pytest.mark.processes
 def test_the_dry_memory_mfu_and_publish_sections_run_the_same_passes_at_tiny_sizes(dry):
     sections = dry[0]["sections"]
     memory = sections["memory"]
@@ -122,6 +126,7 @@ def test_an_unknown_section_is_one_clear_error(cli, tmp_path):
     assert not (tmp_path / "gpu.json").exists()
 
 
+@pytest.mark.processes
 def test_with_monarch_installed_the_endpoints_run_on_its_real_actor_class(tmp_path):
     """Where Monarch is installed the check builds the real actor class in process and calls its endpoints,
     the concurrent publish_weights unwrapped from the task Monarch would start."""

@@ -68,6 +68,7 @@ def assert_identical(a: dict, b: dict) -> None:
             assert a[key] == b[key], key
 
 
+@pytest.mark.processes
 def test_restored_trainer_and_its_next_step_equal_the_uninterrupted_trainer_bit_for_bit(tiny_checkpoint, tmp_path):
     # a warmup and a cosine decay over the 6 updates: the restored trainer must continue the schedule too
     config = TrainerConfig(lr=1e-2, num_threads=1, mini_batches=2, micro_batch_size=2,
@@ -210,6 +211,7 @@ def killed(tmp_path_factory) -> dict:
             "stderr": stderr, "dead": dead}
 
 
+@pytest.mark.processes
 def test_a_run_killed_after_a_checkpoint_resumes_where_it_stopped_and_samples_what_the_whole_run_did(killed, whole):
     """SIGKILL, real processes, synchronous training, request seeds, a task whose rewards differ (so every
     step changes the policy): the resumed run trains the same prompts in the same steps as a run never
@@ -254,6 +256,7 @@ MEASURED = {"step_time_s", "gen_time_s", "rollout_time_s", "train_time_s", "publ
             "weight_bytes_egress"}  # the generators' reports land in the row of the step they arrive in
 
 
+@pytest.mark.processes
 def test_a_trainer_killed_between_checkpoints_comes_back_and_the_run_ends_as_if_it_had_never_died(killed, whole):
     """The trainer's process SIGKILLed after step 3 (checkpoints at 2 and 4; in the resumed run): the run
     restarts it from step 2's checkpoint, trains step 3's batch again and goes on by itself; its final
@@ -280,6 +283,7 @@ def test_a_trainer_killed_between_checkpoints_comes_back_and_the_run_ends_as_if_
     assert len(restarts) == 1 and restarts[0]["role"] == "trainer"
 
 
+@pytest.mark.processes
 def test_nan_losses_are_not_applied_counted_and_stop_the_run_with_the_last_good_checkpoint_kept(tmp_path):
     # each version kept as a file (the plain path): what the policy was after each step
     result = subprocess.run(train(tmp_path, "--controller.steps", "6", "--checkpoint.every", "1",
@@ -300,6 +304,7 @@ def test_nan_losses_are_not_applied_counted_and_stop_the_run_with_the_last_good_
     assert (tmp_path / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.processes
 def test_a_replay_runs_buffer_killed_mid_run_is_restarted_and_a_resume_goes_on_with_the_groups_it_held(tmp_path):
     """`replay_buffer.impl replay` on real actors: the replay buffer is a process of its own, the trainer's
     ranks take their micro-batches from it (their own spans say so), and groups are trained again. The

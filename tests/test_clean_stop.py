@@ -10,7 +10,10 @@ import subprocess
 import sys
 import time
 
+import pytest
 import psutil
+
+pytestmark = pytest.mark.processes
 
 
 def start(run_dir, *args) -> tuple[subprocess.Popen, list]:

@@ -88,6 +88,7 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "meshrl", *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("args, message", [
     (["train", "--config", "nope"], "unknown config 'nope'"),
     (["train", "--config", "smoke", "--controller.steps", "x"], "Error parsing --controller.steps"),
@@ -124,6 +125,7 @@ def test_cli_bad_input_is_one_error_line_and_nonzero_exit(args, message, tmp_pat
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.processes
 def test_a_bad_command_line_is_one_line_from_the_real_process_too(tmp_path):
     result = run_cli("train", "--config", "smoke", "--generator.impl", "meshrl.actors.grader:Grader",
                      "--run-dir", str(tmp_path / "run"))
@@ -144,6 +146,7 @@ def leaf_fields(cls, prefix=""):
             yield f"{prefix}{f.name}", kind
 
 
+@pytest.mark.processes
 def test_train_help_lists_every_field_with_its_type_default_and_comment():
     result = run_cli("train", "--config", "smoke", "--help")
     assert result.returncode == 0, result.stderr
@@ -156,6 +159,7 @@ def test_train_help_lists_every_field_with_its_type_default_and_comment():
     assert "optimizer updates per step" in text
 
 
+@pytest.mark.processes
 def test_cli_lists_configs():
     result = run_cli("configs")
     assert result.returncode == 0 and "smoke" in result.stdout and "sum_digits_smollm2" in result.stdout

@@ -183,6 +183,7 @@ def conflict(said: str) -> str:
                      or "requested" in line or "conflict" in line)[-3000:]
 
 
+@pytest.mark.processes
 def test_the_cuda_pins_resolve_together_to_exactly_themselves_for_linux_x86_64_cp311(resolved):
     code, report, said, alone = resolved
     assert code == 0, f"pip's resolver finds no consistent set:\n{conflict(said)}"
@@ -203,6 +204,7 @@ def test_the_cuda_pins_resolve_together_to_exactly_themselves_for_linux_x86_64_c
                     f"{pin.name} needs {text}"
 
 
+@pytest.mark.processes
 def test_every_cuda_pin_is_a_pypi_file_for_linux_x86_64_cp311_with_the_locked_hash(resolved):
     code, report, said, alone = resolved
     assert code == 0, f"pip's resolver finds no consistent set:\n{conflict(said)}"

@@ -9,6 +9,7 @@ the behaviour weight and its KL instead. With two updates, the second one clips.
 import asyncio
 import dataclasses
 
+import pytest
 from actor_helpers import generate_whole
 
 from meshrl.actors import spawn
@@ -20,6 +21,8 @@ from meshrl.losses import LOSSES
 from meshrl.models.model import ChatTokenizer
 from meshrl.train_step import train_step
 from meshrl.types import Prompt, Sampling, ScoredCompletion
+
+pytestmark = pytest.mark.processes
 
 
 def test_one_update_clips_nothing_even_on_stale_episodes_and_a_second_update_clips(tiny_checkpoint):

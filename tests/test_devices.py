@@ -181,6 +181,7 @@ class FakeHosts:
         return this_host()
 
 
+@pytest.mark.processes
 def test_roles_on_other_hosts_are_asked_there_once_per_host_by_a_probe_actor():
     import asyncio
 
@@ -224,6 +225,7 @@ def test_free_heap_memory_scattered_below_a_live_block_goes_back_to_the_system()
     libc.free(blocks[-1])
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_smoke_trains_on_the_gpu(tmp_path):
     result = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path),

@@ -26,6 +26,7 @@ def per_token(spans: list[dict]) -> list[int]:
     return [int(s["version"]) for s in spans for _ in range(s["start"], s["end"])]
 
 
+@pytest.mark.processes
 def test_a_scripted_client_runs_a_two_turn_session_recorded_with_its_exact_tokens_logprobs_and_versions(
         tiny_checkpoint):
     """Turn 1 from version 0; the trainer trains on the session's record and publishes version 1; turn 2,
@@ -129,6 +130,7 @@ def test_a_scripted_client_runs_a_two_turn_session_recorded_with_its_exact_token
     assert refusals["ended"][0] == 409
 
 
+@pytest.mark.processes
 def test_a_training_run_with_serve_enabled_serves_while_it_trains_and_stops_serving_with_it(tmp_path):
     """`meshrl train --serve.enabled true --serve.port 0`: serve.json names the address, a harness's turn is
     answered while the run trains, the run ends as usual, and nothing listens there afterwards."""

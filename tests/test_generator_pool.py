@@ -16,6 +16,8 @@ from assertions import (assert_each_prompt_trained_once, assert_final_policy_is_
 
 from meshrl.weight_sync.disk import versions
 
+pytestmark = pytest.mark.processes
+
 TWO_REPLICAS = ["--generator.replicas", "2", "--generator.num_threads", "1", "--generator.cpus", "0;1"]
 
 

@@ -70,6 +70,7 @@ def test_placements_that_cannot_work_are_one_clear_error(overrides, message):
         placed(**overrides)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("config, kind", [("sum_digits_smollm2_slurm", "slurm"),
                                           ("sum_digits_smollm2_kubernetes", "kubernetes")])
 def test_cluster_configs_are_checked_by_a_dry_run_without_a_cluster(config, kind, tmp_path):
@@ -93,6 +94,7 @@ def test_cluster_configs_are_checked_by_a_dry_run_without_a_cluster(config, kind
     assert bad.stderr.strip() == "meshrl: error: generator.hosts 'generators' is not a group of job.hosts (trainer:1)"
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(bool(usable()), reason=usable())
 def test_workers_hosts_report_their_gpus_by_group(tmp_path):
     """`job.kind workers` asks each attached host how many GPUs it has (one short-lived process a host);
@@ -129,6 +131,7 @@ def test_workers_hosts_report_their_gpus_by_group(tmp_path):
         assert all(not psutil.Process(w.pid).children(recursive=True) for w in hosts.workers)  # the askers stopped
 
 
+@pytest.mark.processes
 def test_the_same_host_is_the_same_machine_and_namespaces_not_the_same_host_name():
     fd = os.memfd_create("ring")
     os.ftruncate(fd, 4096)
@@ -152,6 +155,7 @@ def test_the_same_host_is_the_same_machine_and_namespaces_not_the_same_host_name
     assert there.stdout.split() == [socket.gethostname(), "False"], there.stderr
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("config, model, generators", [
     ("qwen3_0_6b_gsm8k", "Qwen3-0.6B", "0 | 1 | 2 | 3 | 4 | 5 | 6 | 7"),
     ("qwen3_8b_gsm8k", "Qwen3-8B", "0,1 | 2,3 | 4,5 | 6,7")])

@@ -92,6 +92,7 @@ def test_lora_on_a_model_of_the_transformers_backend_is_refused(qwen2_checkpoint
                                                     "(torchtitan's transformers backend) trains full weights only"])
 
 
+@pytest.mark.processes
 def test_vllm_serves_the_base_at_step_0_then_the_trainers_adapter_as_an_adapter_or_merged():
     """Two LoRA replicas, one serving the adapter through vLLM's LoRA (the zero adapter before any version)
     and one merging it into its base weights (at version 0 the checkpoint as vLLM loaded it, as a plain
@@ -146,6 +147,7 @@ def test_vllm_serves_the_base_at_step_0_then_the_trainers_adapter_as_an_adapter_
     asyncio.run(run())
 
 
+@pytest.mark.processes
 def test_a_lora_checkpoint_resumes_exactly(tmp_path):
     """The adapter and its AdamW state saved and loaded into a trainer whose own adapter started elsewhere
     (another seed): its next two steps' losses and gradient norms are the saver's, bit for bit (one rank,
@@ -199,6 +201,7 @@ def lora_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.processes
 def test_smoke_trains_a_lora_adapter_to_the_end_and_final_is_a_peft_adapter(lora_run):
     rows = read_jsonl(lora_run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["policy_version"] for r in rows] == [1, 2, 3, 4]
@@ -214,6 +217,7 @@ def test_smoke_trains_a_lora_adapter_to_the_end_and_final_is_a_peft_adapter(lora
     assert sum(f.stat().st_size for f in saved.rglob("*") if f.is_file()) < 1_000_000
 
 
+@pytest.mark.processes
 def test_the_kl_reference_is_the_trainers_own_base_and_no_reference_process_starts(lora_run):
     rows = read_jsonl(lora_run / "metrics.jsonl")
     assert "reference" not in json.loads((lora_run / "processes.json").read_text())
@@ -222,6 +226,7 @@ def test_the_kl_reference_is_the_trainers_own_base_and_no_reference_process_star
     assert rows[0]["kl"] == 0 and all(r["kl"] > 0 for r in rows[1:])
 
 
+@pytest.mark.processes
 def test_adapters_are_loaded_in_flight_with_each_tokens_version(lora_run):
     """The real run of in-flight loads (for full weights too: test_weight_updates.py says why one does for
     both): requests run on while a replica loads the next adapter, their later tokens under the new
@@ -241,6 +246,7 @@ def test_adapters_are_loaded_in_flight_with_each_tokens_version(lora_run):
                for p in pulls for g in generating)
 
 
+@pytest.mark.processes
 def test_final_loads_in_vllm_on_the_base_and_its_merge_gives_the_same_logprobs(lora_run, cli, tmp_path):
     code, out, err = cli("merge", lora_run / "final", tmp_path / "merged")
     assert code == 0, err

@@ -3,6 +3,7 @@ positive advantage becomes more likely, one with a negative advantage less likel
 
 import asyncio
 
+import pytest
 import torch
 
 from meshrl.actors import spawn
@@ -11,6 +12,8 @@ from meshrl.configs import LossConfig, TrainerConfig, WeightSyncConfig
 from meshrl.losses import LOSSES
 from meshrl.models.model import ChatTokenizer
 from meshrl.types import Episode, TrainBatch
+
+pytestmark = pytest.mark.processes
 
 
 def test_each_loss_moves_logprobs_the_way_the_advantages_point(tiny_checkpoint):

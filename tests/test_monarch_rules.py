@@ -72,6 +72,7 @@ def check(scenario: str, actors) -> None:
     assert (start2 >= end1 - 0.01) == waits, (start1, end1, start2)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_monarch_runs_calls_so(real_actors, scenario):
     check(scenario, real_actors)

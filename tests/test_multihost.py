@@ -18,6 +18,8 @@ from netns_hosts import leftovers, namespace_hosts, usable
 from meshrl.actors import resolve_device
 from meshrl.actors.dtypes import bf16_choice
 
+pytestmark = pytest.mark.processes
+
 TWO_HOSTS = ["--job.hosts", "trainer:1,generators:1", "--trainer.hosts", "trainer", "--generator.hosts", "generators"]
 
 

@@ -179,6 +179,7 @@ def test_the_calculator_answers_arithmetic_only_and_its_use_is_reported():
     assert "CALC" not in str(plain.opening(sample))
 
 
+@pytest.mark.processes
 def test_smollm2_looks_up_in_the_environment_and_only_its_own_tokens_are_trained(smollm2):
     """Real SmolLM2 in vLLM (greedy), the Zorplex environment in a real grader actor: conversations
     with tool results in between, whose loss mask covers exactly the model's tokens."""
@@ -251,6 +252,7 @@ def smoke(tmp_path, *args) -> tuple[list[dict], list[dict]]:
     return read("metrics.jsonl"), read("rollouts.jsonl")
 
 
+@pytest.mark.processes
 def test_step_wise_grpo_trains_a_users_environment_turn_by_turn_each_group_on_its_replica(tmp_path):
     """On two replicas with sticky routing (the default), each group's later turns ask for the replica of
     its previous turn, and vLLM's prefix-cache counts reach the step's metrics (80 tokens a turn: the third
@@ -275,6 +277,7 @@ def test_step_wise_grpo_trains_a_users_environment_turn_by_turn_each_group_on_it
     assert "eval_accuracy" in metrics[-1]
 
 
+@pytest.mark.processes
 def test_sticky_routing_serves_later_turns_from_the_prefix_cache_and_least_loaded_routing_does_not(tiny_checkpoint):
     """The same scripted conversation (the tiny model, greedy, 3 turns of 120 tokens: each turn's prompt
     holds the ones before it, past vLLM's 128-token blocks on the CPU) through the real ReplicaPool over
@@ -356,6 +359,7 @@ def test_sticky_routing_serves_later_turns_from_the_prefix_cache_and_least_loade
     assert [t[2] for t in least] == [0, 0, blocks(prompts[0] + 120)] == [0, 0, 128]
 
 
+@pytest.mark.processes
 def test_a_later_turn_sends_only_its_new_tokens_and_a_replica_that_did_not_make_the_turn_before_takes_it(
         tiny_checkpoint):
     """Turn 2 of a conversation is sent as its new tokens only (the template's end of turn 1, the tool's
@@ -399,6 +403,7 @@ def test_a_later_turn_sends_only_its_new_tokens_and_a_replica_that_did_not_make_
     assert (on_b.num_tokens, on_b.policy_version) == (on_a.num_tokens, on_a.policy_version)
 
 
+@pytest.mark.processes
 def test_zorplex_smoke_run_on_two_replicas_serves_prompts_from_the_prefix_cache(tmp_path):
     """vLLM's own count of prompt tokens its prefix cache served, per step (the tiny model never calls the
     tool: these are the openings' shared worked example; later turns: the step-wise run above)."""

@@ -111,6 +111,7 @@ def train(tmp_path: Path, *args, env: dict | None = None) -> tuple[list[dict], l
     return read("metrics.jsonl"), read("rollouts.jsonl")
 
 
+@pytest.mark.processes
 def test_an_openenv_environment_trains_in_the_graders_process_through_a_grader_killed_mid_group(tmp_path):
     """Two grader replicas; the environment kills its grader's process at the first step of train seed 1 (prompt
     1), once: that group is generated again on the other replica (counted), no group fails, every prompt trains."""
@@ -133,6 +134,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.processes
 def test_a_served_openenv_environment_trains_with_concurrent_sessions_each_closed(tmp_path):
     """The environment served by openenv's create_app on 127.0.0.1, one WebSocket session per conversation; it
     never ends an episode on a random model's replies, so every conversation is truncated at max_turns. A
@@ -192,6 +194,7 @@ def mcp_task(smollm2, **kw) -> OpenEnvTask:
     return OpenEnvTask(config.launched("auto", smollm2))
 
 
+@pytest.mark.processes
 def test_tool_calls_step_an_mcp_environment_and_its_results_are_the_tool_turns(smollm2):
     task, last = mcp_task(smollm2), mcp_task(smollm2, reward="last")
     sample = task.train_sample(2)

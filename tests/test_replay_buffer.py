@@ -191,6 +191,7 @@ def test_with_generation_kept_in_step_replay_trains_an_old_group_beside_each_fre
     assert [r["episodes_by_age"] for r in rows] == [[2], [2, 2], [2, 2], [2, 2], [2, 2]]  # the newest old group
 
 
+@pytest.mark.processes
 def test_stage_takes_a_groups_completions_from_their_generator_and_answers_false_once_it_died(monkeypatch):
     """A real buffer actor takes a graded group's completions from the generator actor holding them (a fake
     one, holding given Completions), which then no longer holds them, and trains exactly those tokens; a
@@ -221,6 +222,7 @@ def test_stage_takes_a_groups_completions_from_their_generator_and_answers_false
     assert gone is False
 
 
+@pytest.mark.processes
 def test_two_ranks_fetches_of_a_batchs_micro_batches_are_served_at_once():
     """Two trainer ranks fetch their micro-batches of one batch at the same moment from a real buffer actor:
     `micro_batch` is a concurrent endpoint (each collated in a thread), so the buffer serves the second

@@ -53,6 +53,7 @@ def keep_the_client_alive():
     monarch.actor.unhandled_fault_hook = lambda failure: None
 
 
+@pytest.mark.processes
 def test_calls_spread_over_replicas_and_failures_are_handled_by_kind():
     async def run():
         spawned = []
@@ -106,6 +107,7 @@ def test_calls_spread_over_replicas_and_failures_are_handled_by_kind():
     asyncio.run(run())
 
 
+@pytest.mark.processes
 def test_a_replacement_failing_its_first_call_as_its_predecessor_did_is_a_configuration_fault():
     """A fresh process that fails the same way on its first call is the configuration, not a death: the
     pool stops after one replacement per replica, with one line, instead of using up max_restarts."""
@@ -177,6 +179,7 @@ def test_sticky_routing_keeps_a_group_on_its_replica_until_load_or_a_replacement
     asyncio.run(run())
 
 
+@pytest.mark.processes
 def test_a_replicas_start_is_bounded_by_start_timeout_s_not_timeout_s():
     """A start longer than one group's generator.timeout_s serves; a start that stalls ends as a timeout
     of generator.start_timeout_s, naming it, with nothing left running."""

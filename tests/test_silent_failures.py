@@ -140,6 +140,7 @@ def test_an_optimizer_step_with_no_gradient_applies_nothing_and_leaves_the_lr_sc
     assert lrs == pytest.approx([1.0, 2 / 3, 1 / 3, 0.0]) and t.updates == 4  # the floor on the last update
 
 
+@pytest.mark.processes
 def test_a_run_whose_reward_function_raises_on_every_reply_stops_at_once_with_one_line(tmp_path):
     """A real smoke run of the dataset task, 12 steps asked for, its reward `mymodule:reward` raising
     IndexError on every reply: it stops before step 5 with one `meshrl: error:` line naming the function

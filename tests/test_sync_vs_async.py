@@ -14,6 +14,8 @@ from statistics import fmean
 import pytest
 from assertions import assert_staleness_bound, read_jsonl
 
+pytestmark = pytest.mark.processes
+
 ARMS = ("sync", "async_drain", "async_in_flight")
 
 

@@ -29,6 +29,7 @@ def test_dataset_rewards_by_hand(reward, text, answer, expected):
     assert checks == expected and value == expected["correct"]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("text, answer, correct, found", [
     # equal forms the old regex reward (numbers only, last \boxed{} or "Answer:") got wrong
     (r"So the probability is \boxed{\frac{1}{2}}.", "0.5", 1, 1),
@@ -51,6 +52,7 @@ def test_math_rewards_compare_answers_with_math_verify(text, answer, correct, fo
     assert math_answer(text, answer) == (float(correct), {"correct": float(correct), "format": float(found)})
 
 
+@pytest.mark.processes
 def test_a_reply_that_keeps_math_verify_busy_is_cut_off_and_the_next_is_compared():
     from meshrl.tasks.math_reward import MathVerifier
 
@@ -147,6 +149,7 @@ def smoke(tmp_path, *args, stderr: list | None = None) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.processes
 def test_meshrl_eval_scores_a_finished_runs_policy_on_a_held_out_split_in_a_directory_of_its_own(tmp_path):
     """One smoke step of sum_digits, then `meshrl eval RUN --split test`: the test split's prompts (none a
     validation prompt) through the run's generators and graders, the rates the eval during training
@@ -174,6 +177,7 @@ def test_meshrl_eval_scores_a_finished_runs_policy_on_a_held_out_split_in_a_dire
     assert missing.stderr.strip() == f"meshrl: error: {tmp_path / 'nothing'} is not a run directory (no config.json)"
 
 
+@pytest.mark.processes
 def test_a_users_task_from_its_own_module_trains(dataset_run):
     """The dataset run's task is a user's class (user_task:SlippingDataset, built from --task_args), loaded in
     the grader's process from the user's module; user_task:Parity, a task written from scratch, is loaded and
@@ -203,6 +207,7 @@ def dataset_run(tmp_path_factory) -> dict:
     return {"rows": done, "records": records, "stderr": stderr[0]}
 
 
+@pytest.mark.processes
 def test_a_jsonl_file_trains_through_the_dataset_task_and_bad_data_stops_before_anything_starts(dataset_run, tmp_path,
                                                                                                  cli):
     rows, records = dataset_run["rows"], dataset_run["records"]
@@ -232,6 +237,7 @@ def test_rows_too_long_for_the_generator_are_skipped_at_load_with_their_row_numb
         task.keep_only(lambda prompt: False, "over 0 words")
 
 
+@pytest.mark.processes
 def test_a_dataset_with_over_long_prompts_trains_to_the_end_without_replacing_a_generator(dataset_run):
     """The rows too long for the context are reported at load and skipped; the prompt that slips through
     anyway is refused by vLLM: its group fails, is counted, and nothing else happens."""

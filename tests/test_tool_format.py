@@ -123,6 +123,7 @@ def test_a_chat_template_is_chosen_by_name_or_path_and_an_unknown_one_is_refused
         ChatTokenizer(smollm2, "nope")
 
 
+@pytest.mark.processes
 def test_vllms_hermes_parser_reads_calls_and_a_malformed_call_is_no_call(smollm2):
     parser = ToolCallParser("hermes", smollm2, TOOLS)
     content, calls = parser.parse('Let me look.\n<tool_call>\n{"name": "lookup", "arguments": {"word": "zorp"}}\n'
@@ -144,6 +145,7 @@ def test_the_tool_parser_defaults_to_the_model_familys(smollm2):
     assert parser_name("qwen3_xml", read_hf_config(smollm2)) == "qwen3_xml"
 
 
+@pytest.mark.processes
 def test_smollm2_under_the_hermes_template_trains_on_the_tokens_a_fresh_render_gives(smollm2):
     tokenizer = ChatTokenizer(smollm2, "hermes").offering(TOOLS)
     parser = ToolCallParser(parser_name("auto", read_hf_config(smollm2)), smollm2, TOOLS)
@@ -165,6 +167,7 @@ def test_smollm2_under_the_hermes_template_trains_on_the_tokens_a_fresh_render_g
     assert tokenizer.tokenizer.decode(trained, skip_special_tokens=False).count("<tool_response>") == 3
 
 
+@pytest.mark.processes
 def test_a_tiny_qwen3_trains_on_a_fresh_render_under_the_training_template_not_under_qwen3s_own(qwen3):
     own, training = ChatTokenizer(qwen3).offering(TOOLS), ChatTokenizer(qwen3, "qwen3_training").offering(TOOLS)
     parser = ToolCallParser(parser_name("auto", read_hf_config(qwen3)), qwen3, TOOLS)

@@ -20,6 +20,8 @@ from meshrl.configs import Config, from_dict
 from meshrl.configs.recipe import recipe_hash
 from meshrl.models.model import cache_dir
 
+pytestmark = pytest.mark.processes
+
 KEYS = {"step", "policy_version", "reward_mean", "reward_std", "accuracy", "format", "last_number", "copied", "loss",
         "updates", "tokens_generated", "tokens_trained", "tokens_processed", "step_time_s", "gen_time_s", "train_time_s",
         "publish_wait_s", "longest_load_s",

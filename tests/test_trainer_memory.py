@@ -198,6 +198,7 @@ def _two_ranks(rank: int, port: int, out: dict) -> None:
         out.update(results)
 
 
+@pytest.mark.processes
 def test_fsdp2_bf16_all_gathers_on_two_ranks_keep_fp32_masters_and_match_within_bf16():
     """2 ranks over gloo (FSDP2's MixedPrecisionPolicy works there): activation checkpointing and chunked
     logprobs on the sharded model give fp32's loss and gradients (sums in another order only); bf16

@@ -16,6 +16,8 @@ from meshrl.configs import LossConfig, ReferenceConfig, TrainerConfig, WeightSyn
 from meshrl.models.model import ChatTokenizer, load_hf_weights, resolve_checkpoint
 from meshrl.train_step import train_step
 
+pytestmark = pytest.mark.processes
+
 
 @pytest.fixture(scope="module")
 def shared_ranks():

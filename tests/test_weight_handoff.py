@@ -57,6 +57,7 @@ def load_in_the_worker_process(message: dict) -> tuple[dict, int]:
     return WORKER[0].loaded[-1], len(WORKER[0]._meshrl_regions)
 
 
+@pytest.mark.processes
 def test_a_worker_in_another_process_loads_exactly_what_the_reader_read_and_the_adapter_made():
     """A real ring read by a real reader, its tensors renamed and one made anew (as Llama's q/k rows are):
     the worker in another process gets every tensor bit for bit, the renamed ones straight from the reader's
@@ -202,6 +203,7 @@ def tensor_parallel_replica_loads() -> dict:
     return result
 
 
+@pytest.mark.processes
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two CPU workers need two cores")
 def test_a_tensor_parallel_replica_of_two_cpu_workers_loads_each_handoff():
     """Real vLLM with tensor parallel size 2 (two worker processes, vLLM's multiprocessing executor): a

@@ -123,6 +123,7 @@ def test_the_relay_knows_the_whole_model_from_the_ranks_rings_alone():
     assert full_layout([WeightRing(LAYOUT).handle(), None]) == LAYOUT  # one ring, another rank writing into it
 
 
+@pytest.mark.processes
 def test_each_version_leaves_the_trainers_rings_once_for_all_the_replicas_of_a_host():
     async def main():
         rings = trainer_rings()
@@ -156,6 +157,7 @@ def test_each_version_leaves_the_trainers_rings_once_for_all_the_replicas_of_a_h
     asyncio.run(main())
 
 
+@pytest.mark.processes
 def test_replicas_whose_relay_died_read_the_trainers_rings_themselves(monkeypatch):
     monkeypatch.setattr(monarch.actor, "unhandled_fault_hook", lambda failure: None)  # the relay's death is expected
 
@@ -206,6 +208,7 @@ class StallingRelay(WeightRelay):
         return reader
 
 
+@pytest.mark.processes
 def test_a_relays_pull_that_stalls_fails_within_the_timeout_and_the_next_ask_pulls_again():
     async def main():
         rings = trainer_rings()
@@ -232,6 +235,7 @@ class FakeHosts:
         return this_host()
 
 
+@pytest.mark.processes
 def test_the_run_starts_another_relay_for_a_replica_whose_relay_died(monkeypatch, tmp_path):
     monkeypatch.setattr(monarch.actor, "unhandled_fault_hook", lambda failure: None)
     config = load_config("smoke", ["--weight_sync.relay", "on", "--weight_sync.transport", "rdma",
@@ -289,6 +293,7 @@ THREE_HOSTS = ["--job.hosts", "trainer:1,generators:2", "--trainer.hosts", "trai
                "generators", "--generator.replicas", "4"]
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(bool(usable()), reason=usable())
 def test_three_hosts_send_each_version_once_per_generator_host(tmp_path):
     """The trainer on one host, two generator hosts with two replicas each (weight_sync.relay auto): the

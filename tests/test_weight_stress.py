@@ -22,6 +22,8 @@ from meshrl.models.model import ChatTokenizer
 from meshrl.types import Prompt, Sampling
 from support.weight_stress import stress_ring
 
+pytestmark = pytest.mark.processes
+
 SLOW_LOAD_S = 0.8  # longer than the tiny model's trainer takes to publish two versions here (~0.2-0.35 s each)
 
 

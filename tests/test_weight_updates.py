@@ -7,6 +7,7 @@ code for an adapter as for full weights, all but vLLM's reload, which this file 
 
 import asyncio
 
+import pytest
 from actor_helpers import episode, generate_whole
 from probe_actors import ScalingTrainer, SlowStepGenerator
 
@@ -15,6 +16,8 @@ from meshrl.actors.reference import ReferenceModel
 from meshrl.configs import GeneratorConfig, ReferenceConfig, TrainerConfig, WeightSyncConfig
 from meshrl.models.model import ChatTokenizer
 from meshrl.types import Completion, Prompt, Sampling, TrainBatch
+
+pytestmark = pytest.mark.processes
 
 FINAL_NORM = r"norm\.weight"  # changes the logits only: the KV cache of a prefix stays right
 VALUES = r"layers\.0\.attention\.qkv_linear\.wv\.weight"  # changes every later layer's keys and values
