@@ -39,9 +39,22 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from meshrl.actors import first, in_rank_order
 from meshrl.actors.timeouts import deadline
+from meshrl.checks import at_least
 
 DIR = "checkpoints"
 _STEP = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class CheckpointConfig:
+    """The `checkpoint` section: when checkpoints for exact resume are written and how many are kept
+    (`meshrl train --resume RUN_DIR`)."""
+
+    every: int = 10  # steps between checkpoints; one is also written after the last step and on Ctrl-C/SIGTERM (0: only those)
+    keep: int = 1  # the newest checkpoints kept (0: all); a new one is complete before an old one goes
+
+    def check(self) -> None:
+        at_least(self, "checkpoint", every=0, keep=0)
 
 
 @dataclass

@@ -32,7 +32,6 @@ from typing import Awaitable, Callable
 from monarch.actor import ActorError
 
 from meshrl.actors import first, in_rank_order
-from meshrl.actors.replay_buffer import fresh_groups, generation_ahead
 from meshrl.actors.replicas import ReplicaPool, RoleFailed
 from meshrl.actors.timeouts import Stopped, StopSignals, Timeouts, bounded, deadline
 from meshrl.actors.weight_updates import cache_figures, gather_reports, no_figures
@@ -77,11 +76,12 @@ class Controller:
         self.trainer, self.reference, self.buffer, self.signals = trainer, reference, buffer, signals
         self.routed = (0, 0)  # the generator pool's sticky calls kept and moved, at the last step's row
         self.generators, self.graders, self.checkpointer, self.rows = generators, graders, checkpointer, rows
-        cfg, fresh = config.controller, fresh_groups(config)
+        # `config` is resolved (meshrl.configs.resolve): generate_ahead is the run's, not -1
+        cfg, fresh = config.controller, config.replay_buffer.fresh_groups(config.controller.prompts_per_step)
         self.work = WorkBuffer(cfg.steps, fresh, cfg.max_policy_age, batch_builder(cfg, tracer.now, task.accuracy),
                                fresh * (cfg.max_sample_rounds if cfg.drop_equal_reward_groups else 1),
                                cfg.drop_equal_reward_groups, cfg.max_failed_fraction, self._keep,
-                               generation_ahead(config), self._discard)
+                               cfg.generate_ahead, self._discard)
         self.buffer_calls = BufferCalls(lambda: self.buffer, timeouts.buffer)  # kept groups' adds, discards
         self.rollouts: asyncio.Task | None = None  # the rollout loop, while it runs
         self.collector = RolloutCollector(config.controller, config.generator, task, tokenizer, generators, graders,

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Callable
 
 from meshrl.advantages import STEP_WISE, estimator, population_std, step_wise
-from meshrl.configs import ControllerConfig
 from meshrl.types import Completion, Episode, GroupEpisodes, ScoredCompletion, Trajectory, model_turns
 from meshrl.work_buffer import Batch, Filling
 
@@ -158,10 +157,11 @@ class Kept:
     versions: list[int]  # its episodes' policy versions
 
 
-def keep_group(group: list[ScoredCompletion], group_id: int, cfg: ControllerConfig, task,
+def keep_group(group: list[ScoredCompletion], group_id: int, cfg, task,
                temperature: float) -> tuple[GroupEpisodes, Kept]:
     """A kept group's episodes and records (for the replay buffer, which holds its sequences) and what the
-    controller keeps of it."""
+    controller keeps of it. `cfg`: the run's controller section (meshrl.configs.ControllerConfig, which
+    composes these rules with the loop's: this module stays below it)."""
     episodes = group_episodes(group, group_id, cfg.advantage, cfg.advantage_eps, cfg.divide_by_turns, temperature,
                               cfg.staleness)
     prompt = task.train_sample(group_id).prompt
@@ -173,9 +173,9 @@ def keep_group(group: list[ScoredCompletion], group_id: int, cfg: ControllerConf
         list(episodes.versions))
 
 
-def batch_builder(cfg: ControllerConfig, now: Callable[[], float], accuracy: str = "correct"):
+def batch_builder(cfg, now: Callable[[], float], accuracy: str = "correct"):
     """The work buffer's `build`: a complete Filling (its kept groups as `Kept`) -> its Batch. `now()`:
-    the tracer's clock."""
+    the tracer's clock; `cfg`: the controller section, as in keep_group."""
 
     def build(f: Filling) -> Batch:
         # in prompt order, not the order the groups finished in (timing): the trainer sums the same

@@ -11,13 +11,36 @@ Every loss is a sum over a micro-batch divided by a normaliser of the whole upda
 add up to the update's loss. Metrics are sums over loss tokens (the caller divides).
 """
 
+from dataclasses import dataclass
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from meshrl.actors import has_bf16_math
-from meshrl.configs import LossConfig
 from meshrl.models.memory import DEFAULT_CHUNK_TOKENS
 from meshrl.types import TrainBatch
+
+
+@dataclass
+class LossConfig:
+    """The policy loss (`trainer.loss`; the table in docs/training.md). Each loss clips the ratio to the
+    trainer's own pi_old and is weighted by pi_old / pi_behaviour, truncated at tis_cap."""
+
+    name: str = "ppo_clip"  # ppo_clip | dapo | gspo | cispo
+    clip_eps: float = 0.2  # ppo_clip: symmetric clip range of the ratio
+    clip_eps_low: float = 0.2  # dapo: lower clip range
+    clip_eps_high: float = 0.28  # dapo (clip-higher) and cispo (upper bound of the ratio)
+    gspo_clip_eps_low: float = 3e-4  # gspo clips the sequence ratio, which stays close to 1
+    gspo_clip_eps_high: float = 4e-4  # gspo: upper clip range of the sequence ratio
+    tis_cap: float = 2.0  # truncate the behaviour weight pi_old / pi_behaviour here (0: not truncated)
+    tis_level: str = "token"  # the behaviour weight per token | sequence (the product over its tokens)
+    aggregation: str = "token_mean"  # token_mean | seq_mean | constant (Dr. GRPO); gspo is always seq_mean
+    constant_norm: int = 0  # aggregation=constant: the tokens per sequence to divide by; 0: generator.max_tokens, the most a sequence has (filled in by meshrl.configs.resolve)
+    kl_coef: float = 0.0  # k3 KL penalty to the frozen reference model (starts a ReferenceModel actor)
+    entropy_coef: float = 0.0  # entropy bonus
+
+    def check(self) -> None:
+        check(self)
 
 
 def aggregate(per_token: torch.Tensor, batch: TrainBatch, how: str, constant_norm: int) -> torch.Tensor:
@@ -29,6 +52,9 @@ def aggregate(per_token: torch.Tensor, batch: TrainBatch, how: str, constant_nor
         lengths = mask.sum(-1).clamp(min=1)
         return ((per_token * mask).sum(-1) / lengths).sum() / batch.loss_sequences
     if how == "constant":  # Dr. GRPO: a constant normaliser, no length bias
+        if constant_norm < 1:
+            raise ValueError("trainer.loss.constant_norm is not filled in: meshrl.configs.resolve sets it to "
+                             "generator.max_tokens")
         return (per_token * mask).sum() / (batch.loss_sequences * constant_norm)
     raise ValueError(f"unknown loss aggregation {how!r}: token_mean, seq_mean or constant")
 
@@ -97,12 +123,14 @@ TIS_LEVELS = ("token", "sequence")
 
 
 def check(cfg: LossConfig) -> None:
-    """Unknown names fail before any actor starts."""
+    """Unknown names fail before any actor starts (the menus above are the only list of them)."""
     for what, value, known in (("trainer.loss.name", cfg.name, LOSSES),
                                ("trainer.loss.aggregation", cfg.aggregation, AGGREGATIONS),
                                ("trainer.loss.tis_level", cfg.tis_level, TIS_LEVELS)):
         if value not in known:
             raise ValueError(f"unknown {what} {value!r}; known: {', '.join(known)}")
+    if cfg.constant_norm < 0:
+        raise ValueError(f"trainer.loss.constant_norm must be at least 0 (0: generator.max_tokens), not {cfg.constant_norm}")
 
 
 def policy_loss(logprobs: torch.Tensor, batch: TrainBatch, cfg: LossConfig,

@@ -35,11 +35,12 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import ActorError
 from tqdm import tqdm
 
+from meshrl.actors.configs import GeneratorConfig
 from meshrl.actors.held import take_held
 from meshrl.actors.replicas import CallFailed, Replica, ReplicaPool
 from meshrl.actors.roles import TokensLost
 from meshrl.actors.timeouts import CallTimeout, Timeouts, deadline
-from meshrl.configs import ControllerConfig, GeneratorConfig
+from meshrl.configs import ControllerConfig
 from meshrl.episodes import check_rates
 from meshrl.tasks import Sample, is_environment, is_session
 from meshrl.tasks.conversation import SessionRoom, converse
@@ -69,8 +70,7 @@ class RolloutCollector:
         # the replay buffer failing a group's stage: (its error, that buffer), for the training loop to raise
         # (it has the buffer restarted, meshrl/restarts.py)
         self.buffer_error: tuple[BaseException, object] | None = None
-        self.sampling = Sampling(n=controller.group_size, temperature=generator.temperature, top_p=generator.top_p,
-                                 max_tokens=generator.max_tokens)
+        self.sampling = generator.sampling(n=controller.group_size)
         self.latest = 0  # the newest version the trainer published: a group's first tokens come from it or newer
         self.staleness = controller.staleness  # the token a sequence's staleness is counted from
         self.groups: dict[int, asyncio.Task] = {}  # prompt index -> its group, generating or grading

@@ -44,10 +44,13 @@ class Prompt:
 
 @dataclass
 class Sampling:
+    """How a call samples (training's is `generator.sampling()`: meshrl/actors/configs.py; eval's is the
+    controller's)."""
+
+    temperature: float
+    max_tokens: int
     n: int = 1  # completions per prompt
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 48
+    top_p: float = 1.0  # 1: the whole distribution, which the trainer's logprobs are of (eval may narrow it)
     stop: list[str] = field(default_factory=list)  # strings that end a turn (kept in its text), e.g. a tool call's end
 
 

@@ -24,7 +24,7 @@ from meshrl.actors import spawn
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.checkpoint import load_safely, rng_states, set_rng_states
 from meshrl.configs import TrainerConfig, WeightSyncConfig
-from meshrl.configs.lr_schedule import LrScheduleConfig
+from meshrl.lr_schedule import LrScheduleConfig
 from meshrl.train_step import train_step
 from meshrl.types import Episode
 from meshrl.weight_sync.disk import read_version

@@ -6,7 +6,8 @@ import typing
 
 import pytest
 
-from meshrl.configs import CONFIGS, Config, ConfigError, load_config, resumable_overrides
+from meshrl.configs import Config, ConfigError, resumable_overrides
+from meshrl.configs.named import CONFIGS, load_config
 
 
 def test_registry_has_the_demo_and_smoke_configs():
@@ -41,7 +42,6 @@ def test_bad_overrides_are_clear_errors(overrides, message):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["--generator.top_p", "0.9"], "generator.top_p 0.9: training samples must come from the whole distribution"),
     (["--controller.max_failed_fraction", "2"], "controller.max_failed_fraction must be between 0 and 1"),
     (["--weight_sync.dtype", "int8"], "unknown weight_sync.dtype 'int8'"),
     (["--trainer.max_restarts", "-1"], "trainer.max_restarts must be at least 0, not -1"),

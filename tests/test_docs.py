@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrl.configs import load_config
+from meshrl.configs.named import load_config
 from meshrl.tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,7 +5,7 @@ vLLM's multiprocessing executor, sleep mode only on a GPU, and the environment e
 import pytest
 
 from meshrl.actors.engine import engine_settings
-from meshrl.configs.engine import EngineConfig
+from meshrl.actors.engine import EngineConfig
 
 
 def test_a_gpu_engine_captures_cuda_graphs_and_takes_most_of_its_gpu():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from meshrl.actors.distributed import join
-from meshrl.configs import load_config
+from meshrl.configs.named import load_config
 from meshrl.runtime.gpu_plan import plan_gpus
 from meshrl.runtime.jobs import group_gpus, plan
 

@@ -14,7 +14,7 @@ import psutil
 import pytest
 from netns_hosts import namespace_hosts, usable
 
-from meshrl.configs import load_config
+from meshrl.configs.named import load_config
 from meshrl.runtime.jobs import RolePlacement, host_groups, plan
 from meshrl.weight_sync.ring import host_id, same_host
 
@@ -107,7 +107,7 @@ def test_workers_hosts_report_their_gpus_by_group(tmp_path):
         ask = textwrap.dedent(f"""
             import asyncio, json
             from pathlib import Path
-            from meshrl.configs import load_config
+            from meshrl.configs.named import load_config
             from meshrl.runtime.gpu_plan import plan_gpus
             from meshrl.runtime.jobs import Hosts, gpus_per_host, host_gpus, make_job, plan
 

@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from meshrl.configs import LossConfig
-from meshrl.losses import LOSSES, aggregate, check, policy_loss, token_entropy, token_logprobs
+from meshrl.losses import LOSSES, LossConfig, aggregate, check, policy_loss, token_entropy, token_logprobs
 from meshrl.types import TrainBatch
 
 

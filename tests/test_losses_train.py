@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from meshrl.actors import spawn
+from meshrl.actors.configs import TrainerConfig
 from meshrl.actors.trainer import TitanTrainer
-from meshrl.configs import LossConfig, TrainerConfig, WeightSyncConfig
-from meshrl.losses import LOSSES
+from meshrl.losses import LOSSES, LossConfig
 from meshrl.models.model import ChatTokenizer
 from meshrl.types import Episode, TrainBatch
+from meshrl.weight_sync import WeightSyncConfig
 
 pytestmark = pytest.mark.processes
 

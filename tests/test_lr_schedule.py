@@ -1,4 +1,4 @@
-"""The trainer's learning-rate schedule (meshrl/configs/lr_schedule.py): torchtitan's scheduler counted
+"""The trainer's learning-rate schedule (meshrl/lr_schedule.py): torchtitan's scheduler counted
 in optimizer updates, checked against factors computed by hand, and its length filled in from the run's
 steps."""
 
@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from meshrl.configs import load_config
-from meshrl.configs.lr_schedule import LrScheduleConfig, lr_scheduler
-from meshrl.runtime.launch import trainer_config
+from meshrl.configs import resolve
+from meshrl.configs.named import load_config
+from meshrl.lr_schedule import LrScheduleConfig, lr_scheduler
 
 
 def lrs(config: LrScheduleConfig, lr: float = 1.0) -> list[float]:
@@ -68,7 +68,7 @@ def test_a_schedule_that_cannot_work_is_refused_naming_its_field(field, value, m
 def test_the_schedule_spans_the_runs_optimizer_updates_unless_told_otherwise():
     config = load_config("smoke", ["--controller.steps", "7", "--trainer.mini_batches", "3",
                                    "--trainer.lr_schedule.decay", "cosine"])
-    assert trainer_config(config).lr_schedule.total_updates == 21
-    assert config.trainer.lr_schedule.total_updates == 0  # the run's own config keeps the default
+    assert resolve(config).trainer.lr_schedule.total_updates == 21
+    assert config.trainer.lr_schedule.total_updates == 0  # the run's own config (config.json) keeps the default
     config.trainer.lr_schedule.total_updates = 50
-    assert trainer_config(config).lr_schedule.total_updates == 50
+    assert resolve(config).trainer.lr_schedule.total_updates == 50

@@ -14,15 +14,17 @@ import pytest
 from assertions import assert_checks_are_the_means_of_the_records, assert_staleness_bound
 
 from meshrl.actors import spawn
+from meshrl.actors.configs import GeneratorConfig
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.grader import EnvReply, Grader
-from meshrl.configs import GeneratorConfig, WeightSyncConfig, load_config
+from meshrl.configs.named import load_config
 from meshrl.episodes import build_episodes
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
 from meshrl.rollout import converse
 from meshrl.runtime.launch import actor_classes
 from meshrl.tasks.zorplex import Zorplex, ZorplexConfig, calculate
 from meshrl.types import Completion, Generated, Prompt, Sampling, ScoredCompletion, Trajectory
+from meshrl.weight_sync import WeightSyncConfig
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +190,7 @@ def test_smollm2_looks_up_in_the_environment_and_only_its_own_tokens_are_trained
     samples = env.eval_samples()[:6]
 
     async def run():
-        gen_procs, generator = spawn("generator", VLLMGenerator, GeneratorConfig(num_threads=2), WeightSyncConfig(),
+        gen_procs, generator = spawn("generator", VLLMGenerator, GeneratorConfig(weight_update="drain", num_threads=2), WeightSyncConfig(),
                                      str(smollm2))
         grader_procs, grader = spawn("grader", Grader, "zorplex", ZorplexConfig())
         try:
@@ -295,7 +297,7 @@ def test_sticky_routing_serves_later_turns_from_the_prefix_cache_and_least_loade
     sampling = Sampling(n=1, temperature=0.0, max_tokens=120)
 
     async def run():
-        spawned = [spawn(f"generator{i}", VLLMGenerator, GeneratorConfig(num_threads=1), WeightSyncConfig(),
+        spawned = [spawn(f"generator{i}", VLLMGenerator, GeneratorConfig(weight_update="drain", num_threads=1), WeightSyncConfig(),
                          str(tiny_checkpoint)) for i in range(2)]
         grader_procs, grader = spawn("grader", Grader, "user_task:FakeTool", FakeTool.Config(turns=3))
         try:
@@ -373,7 +375,7 @@ def test_a_later_turn_sends_only_its_new_tokens_and_a_replica_that_did_not_make_
     opening = [{"role": "user", "content": "What is 2 + 3?"}]
 
     async def run():
-        spawned = [spawn(f"generator{i}", VLLMGenerator, GeneratorConfig(num_threads=1), WeightSyncConfig(),
+        spawned = [spawn(f"generator{i}", VLLMGenerator, GeneratorConfig(weight_update="drain", num_threads=1), WeightSyncConfig(),
                          str(tiny_checkpoint)) for i in range(2)]
         (_, a), (_, b) = spawned
         try:

@@ -94,7 +94,7 @@ def test_replies_parse_into_text_and_json_actions():
         OpenEnvConfig().check()
     with pytest.raises(ValueError, match="openenv.stop"):
         OpenEnvConfig(env="a:B", stop="]").check()
-    from meshrl.configs import load_config
+    from meshrl.configs.named import load_config
 
     with pytest.raises(ValueError, match="openenv.max_sessions 3 leaves no room for a group's sessions"):
         load_config("smoke", ["--task", "openenv", "--openenv.env", "a:B", "--openenv.max_sessions", "3"]).check()
@@ -171,7 +171,7 @@ def test_a_served_openenv_environment_trains_with_concurrent_sessions_each_close
 
 
 def test_a_grader_without_session_endpoints_cannot_serve_openenv():
-    from meshrl.configs import load_config
+    from meshrl.configs.named import load_config
     from meshrl.runtime.launch import actor_classes
 
     config = load_config("smoke", ["--task", "openenv", "--openenv.env", "openenv_envs:ZorplexLookupEnv",
@@ -284,7 +284,7 @@ def test_an_mcp_environments_tools_are_in_the_prompt_and_a_reply_in_the_template
     assert answers[0].reward == pytest.approx(0.1) and answers[0].metadata["rewards"] == [0.1]
     assert answers[0].checks["invalid_action"] == 0.0 and scored[0].reward == pytest.approx(0.1)
 
-    from meshrl.configs import load_config
+    from meshrl.configs.named import load_config
     from meshrl.runtime.run import Run
 
     flags = ["--task", "openenv", "--openenv.env", "openenv_envs:ZorplexToolEnv", "--openenv.action", "tool_call"]
@@ -295,7 +295,8 @@ def test_an_mcp_environments_tools_are_in_the_prompt_and_a_reply_in_the_template
 
 
 def test_a_resume_may_move_the_served_environment_but_not_change_the_environment():
-    from meshrl.configs import ConfigError, load_config, resumable_overrides
+    from meshrl.configs import ConfigError, resumable_overrides
+    from meshrl.configs.named import load_config
 
     served = ["--task", "openenv", "--openenv.url", "ws://127.0.0.1:8000"]
     saved = load_config("smoke", served)

@@ -88,7 +88,7 @@ def test_an_unknown_dataset_is_one_line_naming_the_closest(tmp_path, cli):
 
 
 def test_the_demo_config_builds_its_task_with_the_answer_line():
-    from meshrl.configs import load_config
+    from meshrl.configs.named import load_config
     from meshrl.tasks import make_task, task_config
 
     config = load_config("reasoning_gym_smollm2", [])

@@ -14,7 +14,7 @@ from monarch.actor import Actor, endpoint
 from meshrl.actors.replicas import CallFailed, Replica, ReplicaPool, RestartBudget, RoleFailed, monarch_replicas
 from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.timeouts import CallTimeout, Timeouts
-from meshrl.configs import load_config
+from meshrl.configs.named import load_config
 
 
 class Echo(Actor):

@@ -13,11 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from meshrl.actors.configs import TrainerConfig
 from meshrl.actors.grader import Grader, UserCodeFailed, failure, user_code
 from meshrl.actors.trainer import TitanTrainer
-from meshrl.configs import ControllerConfig, TrainerConfig
-from meshrl.configs.lr_schedule import LrScheduleConfig, lr_scheduler
+from meshrl.configs import ControllerConfig
 from meshrl.episodes import Kept, batch_builder
+from meshrl.lr_schedule import LrScheduleConfig, lr_scheduler
 from meshrl.tasks import Sample
 from meshrl.tasks.dataset import DatasetConfig
 from meshrl.train_step import train_updates

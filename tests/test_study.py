@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from meshrl.configs import load_config
+from meshrl.configs.named import load_config
 from meshrl.configs.recipe import recipe_hash
 from meshrl.tasks.zorplex import Zorplex, ZorplexConfig
 from meshrl.tools.cli import main
@@ -177,7 +177,7 @@ def test_the_replay_report_counts_tokens_per_point_of_accuracy_and_the_share_reu
 
 
 def test_seeded_requests_are_refused_for_multi_turn_tasks():
-    from meshrl.configs import load_config
+    from meshrl.configs.named import load_config
     from meshrl.runtime.launch import actor_classes
 
     with pytest.raises(ValueError, match="generator.request_seeds is for single-turn tasks"):
@@ -314,7 +314,7 @@ def test_the_zorplex_curriculum_moves_from_level_1_to_the_configured_level_by_pr
 
 
 def test_disk_and_verify_are_checked_before_anything_starts():
-    from meshrl.configs import load_config
+    from meshrl.configs.named import load_config
     for overrides, message in ((["--weight_sync.transport", "nfs"], "unknown weight_sync.transport 'nfs'"),
                                (["--weight_sync.transport", "disk", "--weight_sync.verify", "true"],
                                 "weight_sync.verify checks the ring's loads")):
@@ -324,7 +324,8 @@ def test_disk_and_verify_are_checked_before_anything_starts():
 
 
 def test_level2_steps_reads_only_the_runs_level_2_prompts_by_its_own_config(tmp_path):
-    from meshrl.configs import load_config, to_dict
+    from meshrl.configs import to_dict
+    from meshrl.configs.named import load_config
     from meshrl.tools.studies.difficulty import level2_steps
 
     config = load_config("zorplex_smollm2", ["--zorplex.level", "2", "--zorplex.curriculum", "2-3"])
@@ -340,7 +341,8 @@ def test_level2_steps_reads_only_the_runs_level_2_prompts_by_its_own_config(tmp_
 
 
 def test_the_curriculum_report_reads_level_2_alone_by_its_own_config_and_shows_a_right_conversation(tmp_path):
-    from meshrl.configs import load_config, to_dict
+    from meshrl.configs import to_dict
+    from meshrl.configs.named import load_config
     from meshrl.tools.studies import STUDIES
     from meshrl.tools.studies.curriculum import STEPS
 

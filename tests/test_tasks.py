@@ -9,7 +9,7 @@ import time
 import pytest
 from assertions import assert_checks_are_the_means_of_the_records
 
-from meshrl.configs import load_config
+from meshrl.configs.named import load_config
 from meshrl.configs.recipe import recipe_hash
 from meshrl.tasks import make_task, task_config
 from meshrl.tasks.dataset import DatasetConfig, DatasetTask, exact, math_answer, numeric

@@ -22,7 +22,7 @@ from netns_hosts import leftovers, namespace_hosts, usable
 
 from meshrl.actors import spawn
 from meshrl.actors.timeouts import Timeouts
-from meshrl.configs import load_config
+from meshrl.configs.named import load_config
 from meshrl.models.model import resolve_checkpoint
 from meshrl.runtime.jobs import RolePlacement
 from meshrl.runtime.relays import Relays

@@ -1,14 +1,14 @@
 """Monarch actors, one role each. The controller finds each by the "module:Class" its config names.
-torch is imported where it is used: a grader's process never loads it."""
+torch and Monarch are imported where they are used: a grader's process never loads torch, and the run's
+config (meshrl/configs, which reads each role's section from meshrl/actors/configs.py) loads neither, so
+`meshrl check gpu` can stand in for Monarch where it is not installed."""
 
 from __future__ import annotations
 
 import os
 from typing import TYPE_CHECKING
 
-from monarch.actor import this_host
-
-from meshrl.configs.plugins import load_object
+from meshrl.plugins import load_object
 
 if TYPE_CHECKING:
     import torch
@@ -21,6 +21,8 @@ def load_actor_class(impl: str):
 def spawn(name: str, cls, *args, host=None):
     """`cls` on a proc mesh of its own, one process on `host` (a host mesh of one host; default the
     controller's): (the mesh, to stop it; the actor)."""
+    from monarch.actor import this_host
+
     procs = (host or this_host()).spawn_procs(per_host={"procs": 1}, name=name)
     return procs, procs.spawn(name, cls, *args)
 
@@ -29,6 +31,8 @@ async def rank_procs(name: str, ranks: int, hosts=None):
     """A proc mesh of `ranks` processes spread evenly over `hosts` (a host mesh; default the controller's
     host), each a rank of one torch.distributed job (RANK, WORLD_SIZE, MASTER_ADDR... set before any actor
     starts on it)."""
+    from monarch.actor import this_host
+
     hosts = hosts or this_host()
     procs = hosts.spawn_procs(per_host={"procs": ranks // hosts.sizes.get("hosts", 1)}, name=name)
     if ranks > 1:

@@ -16,10 +16,23 @@ from dataclasses import dataclass
 
 from meshrl.actors import parse_cpus, pin_cpus, resolve_device
 from meshrl.actors.dtypes import bf16_choice
-from meshrl.configs.engine import EngineConfig
+from meshrl.checks import AUTO_ON_OFF, one_of
 
 GPU_MEMORY_FRACTION = 0.9  # of a GPU to itself (vLLM's own default is 0.92): the margin is the CUDA context's and NCCL's
 CPU_MEMORY_FRACTION = 0.2  # of host memory (vLLM's default fails on a machine it shares)
+
+
+@dataclass
+class EngineConfig:
+    """The `generator.engine` section: vLLM's engine options that differ between a GPU and the CPU, each
+    `auto` by default, resolved per device by `engine_settings` below (the GPU plan fills in the `auto`s
+    that depend on the placement: meshrl/runtime/gpu_plan.py)."""
+
+    cuda_graphs: str = "auto"  # capture CUDA graphs of the decoding steps (vLLM's enforce_eager off): auto (on a GPU; eager on the CPU) | on (GPU only) | off
+    sleep: str = "auto"  # vLLM's sleep mode: the engine frees its KV cache (and moves its weights to host memory) while a synchronous step trains on the GPU it shares; auto (on where the GPU plan puts the generator on a GPU with trainer or reference ranks and controller.max_policy_age is 0) | on (GPU only) | off
+
+    def check(self) -> None:
+        one_of(self, "generator.engine", cuda_graphs=AUTO_ON_OFF, sleep=AUTO_ON_OFF)
 
 
 @dataclass(frozen=True)

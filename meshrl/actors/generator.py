@@ -45,14 +45,14 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.actors.adapters import MergedAdapter, ServedAdapter, lora_options, serves_adapters
+from meshrl.actors.configs import WEIGHT_UPDATES, GeneratorConfig
 from meshrl.actors.engine import start_vllm
 from meshrl.actors.held import HeldCompletions, take_held
 from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.weight_updates import WeightUpdates
-from meshrl.configs import GeneratorConfig, WeightSyncConfig
 from meshrl.models.lora import LoraConfig
 from meshrl.types import Completion, Generated, Prompt, Sampling
-from meshrl.weight_sync import published_weights
+from meshrl.weight_sync import WeightSyncConfig, published_weights
 from meshrl.weight_sync.disk import DiskHandle, DiskReader
 from meshrl.weight_sync.handoff import Handoff
 from meshrl.weight_sync.relay import RelayedReader, RelayHandle, open_reader
@@ -61,7 +61,6 @@ from meshrl.weight_sync.shards import ShardedReader
 from meshrl.weight_sync.verify import Verifier
 
 logger = logging.getLogger(__name__)
-WEIGHT_UPDATES = ("drain", "in_flight", "recompute")
 HANDOFF_WORKER = "meshrl.weight_sync.handoff.SharedWeightsWorker"  # mixed into vLLM's workers: `hand_to_workers`
 
 
@@ -115,10 +114,9 @@ class VLLMGenerator(Actor):
         elif lora and lora.rank:
             self.adapter = MergedAdapter(lora, self.to_hf, checkpoint, self.layout.specs[0].dtype)
         self.transport, self.pull_timeout, self.poll_s = weight_sync.transport, weight_sync.timeout_s, weight_sync.poll_s
-        # a run resolves `auto` for its replicas (meshrl.runtime.launch.weight_update); on its own a replica drains
-        self.update = "drain" if config.weight_update == "auto" else config.weight_update
-        if self.update not in WEIGHT_UPDATES:
-            raise ValueError(f"unknown generator.weight_update {config.weight_update!r}; known: auto, "
+        self.update = config.weight_update
+        if self.update not in WEIGHT_UPDATES:  # `auto` is the run's to choose (meshrl.configs.resolve)
+            raise ValueError(f"generator.weight_update {self.update!r} is not resolved: a replica is given one of "
                              f"{', '.join(WEIGHT_UPDATES)}")
         self.ring: ShardedReader | RelayedReader | DiskReader | None = None
         # versions reach vLLM's workers in processes of their own through shared memory (tensor parallelism)
@@ -160,8 +158,7 @@ class VLLMGenerator(Actor):
             self._fail(ReplicaBroken(f"it was asked for policy version {min_version} or newer but its weight rings "
                                      f"hold {self.policy_version} at newest"))
             raise self.broken
-        s = sampling or Sampling(temperature=self.config.temperature, top_p=self.config.top_p,
-                                 max_tokens=self.config.max_tokens)
+        s = sampling or self.config.sampling()
         loop = asyncio.get_running_loop()
         requests = []
         self._wake()

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 from monarch.actor import Actor, endpoint
 
+from meshrl.actors.configs import GraderConfig
 from meshrl.actors.held import take_held
-from meshrl.configs import GraderConfig
 from meshrl.tasks import make_task
 from meshrl.types import Completion, Sample
 

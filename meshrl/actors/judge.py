@@ -14,9 +14,9 @@ runs; its failures (the engine raising, the replica dying) are handled like any 
 
 import math
 
+from meshrl.actors.configs import GraderConfig, check_rubric
 from meshrl.actors.engine import start_vllm
 from meshrl.actors.grader import Grader
-from meshrl.configs import GraderConfig
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
 from meshrl.types import Completion, Sample
 
@@ -30,16 +30,6 @@ Reply: {reply}
 
 Does the reply give the reference answer? Answer yes or no."""
 TOP = 20  # log-probabilities read for the verdict's token
-
-
-def check_rubric(rubric: str) -> None:
-    """A rubric must name the reply and only the fields a judge is given."""
-    try:
-        rubric.format(question="", reference="", reply="")
-    except (KeyError, IndexError, ValueError) as e:
-        raise ValueError(f"grader.judge.rubric may use only {{question}}, {{reference}} and {{reply}} ({e!r})") from None
-    if "{reply}" not in rubric:
-        raise ValueError("grader.judge.rubric must show the judge the {reply}")
 
 
 def p_yes(top: dict[str, float]) -> float | None:

@@ -46,11 +46,11 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.actors import pin_cpus
+from meshrl.actors.configs import ReplayBufferConfig, TrainerConfig
 from meshrl.actors.held import take_held
 from meshrl.actors.roles import TokensLost
 from meshrl.actors.trace import ActorClock
 from meshrl.advantages import population_std
-from meshrl.configs import ReplayBufferConfig, TrainerConfig
 from meshrl.episodes import RolloutRecorder, flatten
 from meshrl.train_step import micro_groups, padding_fraction, split
 from meshrl.types import BatchRef, Completion, Episode, GroupEpisodes, TrainBatch
@@ -287,21 +287,3 @@ IMPLEMENTATIONS = {"fifo": "meshrl.actors.replay_buffer:FifoBuffer", "replay": "
 def buffer_impl(impl: str) -> str:
     """The "module:Class" `replay_buffer.impl` names: fifo, replay, or the user's own."""
     return IMPLEMENTATIONS.get(impl, impl)
-
-
-def generation_ahead(config) -> int:
-    """Versions generation may run ahead of the trainer: `controller.generate_ahead`, or for -1 (auto) the
-    whole bound with fifo (or a buffer of one's own), and none with replay, whose groups trained again
-    need the bound's room (generation running ahead uses it up: docs/studies.md#replay)."""
-    cfg = config.controller
-    if cfg.generate_ahead >= 0:
-        return cfg.generate_ahead
-    return 0 if config.replay_buffer.impl == "replay" else cfg.max_policy_age
-
-
-def fresh_groups(config) -> int:
-    """Groups generated for each batch: prompts_per_step, or with `replay` its fresh share (at least one)."""
-    prompts = config.controller.prompts_per_step
-    if config.replay_buffer.impl != "replay":
-        return prompts
-    return max(1, round(prompts * config.replay_buffer.fresh_fraction))

@@ -192,23 +192,3 @@ def merged(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], scal
         w = base[f"{module}.weight"]
         out[f"{module}.weight"] = (w.float() + scaling * (b.float() @ a.float())).to(dtype or w.dtype)
     return out
-
-
-def merge_adapter(adapter_dir: Path, out: Path) -> Path:
-    """`meshrl merge`: the adapter's base (adapter_config.json's base_model_name_or_path) with the adapter
-    merged in, written as an HF checkpoint (the base's config and tokenizer files beside it)."""
-    from safetensors.torch import load_file
-
-    from meshrl.models.model import ModelError, load_hf_weights, save_checkpoint
-
-    adapter_dir = Path(adapter_dir)
-    if not (adapter_dir / "adapter_config.json").is_file() or not (adapter_dir / ADAPTER_FILE).is_file():
-        raise ModelError(f"{adapter_dir} is not a LoRA adapter (adapter_config.json and {ADAPTER_FILE}): a run "
-                         "trained with trainer.lora writes one to RUN_DIR/final")
-    config = json.loads((adapter_dir / "adapter_config.json").read_text())
-    base = Path(config["base_model_name_or_path"])
-    if not (base / "config.json").is_file():
-        raise ModelError(f"the adapter's base {base} is not an HF checkpoint directory here")
-    weights = merged(load_hf_weights(base), load_file(adapter_dir / ADAPTER_FILE), config["lora_alpha"] / config["r"])
-    save_checkpoint(weights, base, Path(out))
-    return Path(out)

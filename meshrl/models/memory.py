@@ -25,11 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from meshrl.checks import AUTO_ON_OFF
+
 if TYPE_CHECKING:  # torch is imported where it is used: the configs read this module's names
     import torch
 
 CHECKPOINTING = ("auto", "off", "full", "selective")  # torchtitan's FullAC and SelectiveAC, or none
-ON_OFF = ("auto", "on", "off")
 REFERENCE_DTYPES = ("auto", "bfloat16", "float32")
 DEFAULT_CHUNK_TOKENS = 1024  # positions whose [positions, vocabulary] logits exist at once (0: all of them)
 
@@ -55,7 +56,7 @@ def resolve(device_type: str, bf16_compute: bool, activation_checkpointing: str 
     """The switches' values on a device of `device_type` ("cuda", "cpu"), where the forward runs in bf16
     autocast or not (`bf16_compute`: asked for, and the device has bf16 math); "auto" chosen per device."""
     for name, value, known in (("activation_checkpointing", activation_checkpointing, CHECKPOINTING),
-                               ("bf16_all_gather", bf16_all_gather, ON_OFF),
+                               ("bf16_all_gather", bf16_all_gather, AUTO_ON_OFF),
                                ("dtype", reference_dtype, REFERENCE_DTYPES)):
         if value not in known:
             raise ValueError(f"unknown {name} {value!r}; known: {', '.join(known)}")

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from meshrl.models.families import UnsupportedModel, family_of, tiny_sources
-from meshrl.models.lora import LoraConfig, convert, init_adapters, is_adapter
+from meshrl.models.lora import ADAPTER_FILE, LoraConfig, convert, init_adapters, is_adapter, merged
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Files copied next to the weights so vLLM and transformers can load the checkpoint.
@@ -263,3 +263,21 @@ def _takes_tools(template: str) -> bool:
 
     parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
     return "tools" in meta.find_undeclared_variables(parsed)
+
+
+def merge_adapter(adapter_dir: Path, out: Path) -> Path:
+    """`meshrl merge`: the adapter's base (adapter_config.json's base_model_name_or_path) with the adapter
+    merged in, written as an HF checkpoint (the base's config and tokenizer files beside it)."""
+    from safetensors.torch import load_file
+
+    adapter_dir = Path(adapter_dir)
+    if not (adapter_dir / "adapter_config.json").is_file() or not (adapter_dir / ADAPTER_FILE).is_file():
+        raise ModelError(f"{adapter_dir} is not a LoRA adapter (adapter_config.json and {ADAPTER_FILE}): a run "
+                         "trained with trainer.lora writes one to RUN_DIR/final")
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    base = Path(config["base_model_name_or_path"])
+    if not (base / "config.json").is_file():
+        raise ModelError(f"the adapter's base {base} is not an HF checkpoint directory here")
+    weights = merged(load_hf_weights(base), load_file(adapter_dir / ADAPTER_FILE), config["lora_alpha"] / config["r"])
+    save_checkpoint(weights, base, Path(out))
+    return Path(out)

@@ -1,6 +1,7 @@
 """Starting a run's actors, all before a step runs: each role's implementation checked against its
-contract, its proc mesh spawned on the hosts its config names. (The config checks itself: meshrl/configs/,
-Config.check; the dtypes are decided before: meshrl/runtime/dtypes.py.)"""
+contract, its proc mesh spawned on the hosts its config names. The config they are given is resolved
+(meshrl.configs.resolve, then the GPU plan and the dtypes: meshrl/runtime/gpu_plan.py, dtypes.py): this
+module derives nothing from it but each replica's own cores, GPUs and seed."""
 
 import dataclasses
 import logging
@@ -75,19 +76,10 @@ async def spawn_ranked(role: str, config: Config, classes: dict[str, type], chec
     """The trainer's or the reference's proc mesh and actor mesh (`ranks` processes on its hosts), at the
     start or in a dead one's place."""
     if role == "trainer":
-        args = (trainer_config(config), config.weight_sync, str(checkpoint))
+        args = (config.trainer, config.weight_sync, str(checkpoint))
     else:
         args = (config.reference, str(checkpoint))
     return await spawn_ranks(role, classes[role], args[0].ranks, *args, hosts=hosts.of(role))
-
-
-def trainer_config(config: Config):
-    """`config.trainer` with its lr schedule's length filled in: by default the run's optimizer updates."""
-    schedule = config.trainer.lr_schedule
-    if schedule.total_updates:
-        return config.trainer
-    total = config.controller.steps * config.trainer.mini_batches
-    return dataclasses.replace(config.trainer, lr_schedule=dataclasses.replace(schedule, total_updates=total))
 
 
 def spawn_buffer(config: Config, classes: dict[str, type], hosts: Hosts, pad_id: int):
@@ -104,18 +96,9 @@ def generator_args(config: Config, index: int, checkpoint: Path) -> tuple:
     samples the same completions whichever replica serves it (and however many there are, after a resume)."""
     g = config.generator
     replica = dataclasses.replace(g, cpus=placement(g.cpus, index), devices=placement(g.devices, index),
-                                  seed=g.seed + (0 if g.request_seeds else index), weight_update=weight_update(config))
+                                  seed=g.seed + (0 if g.request_seeds else index))
     lora = (config.trainer.lora,) if config.trainer.lora.rank else ()  # serve the trainer's adapter on the base
     return replica, config.weight_sync, str(checkpoint), *lora
-
-
-def weight_update(config: Config) -> str:
-    """`generator.weight_update`, `auto` resolved: drain when training is synchronous (max_policy_age 0:
-    nothing may span two versions), else in flight."""
-    update = config.generator.weight_update
-    if update == "auto":
-        return "drain" if config.controller.max_policy_age == 0 else "in_flight"
-    return update
 
 
 def note_fault(failure) -> None:

@@ -32,7 +32,7 @@ from meshrl.actors.replicas import (ReplicaPool, RoleFailed, error_line, monarch
                                     sticky_slack)
 from meshrl.actors.timeouts import CallTimeout, StopSignals, Timeouts, bounded, deadline
 from meshrl.actors.trace import Tracer
-from meshrl.configs import Config, to_dict
+from meshrl.configs import Config, resolve, to_dict
 from meshrl.configs.recipe import recipe_hash
 from meshrl.controller import Controller
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
@@ -61,9 +61,11 @@ class Run:
         """Everything checked before anything starts: the config, the placement, the task, each role's
         implementation, the model. `resume_from`: a checkpoint of this run to go on from."""
         config.check()
-        self.recipe = recipe_hash(config)  # before the run's own paths are filled in
-        if (config.weight_sync.transport == "disk" or config.weight_sync.verify) and not config.weight_sync.disk_dir:
-            config.weight_sync.disk_dir = str((run_dir / "weights").absolute())
+        self.recipe = recipe_hash(config)  # of the settings as given, before anything is filled in
+        self.given = to_dict(config)  # config.json: what the run was asked for, which a resume starts from
+        # every value computed from others filled in once (meshrl.configs.resolve); the GPU plan and the dtypes
+        # are written into it at the start, before any role is spawned (_start). Everything below reads it.
+        config = resolve(config, run_dir)
         self.placement = plan(config)
         self.gpus = plan_gpus(config, self.placement, gpus_per_host(config.job))
         self.timeouts = Timeouts.of(config)
@@ -109,7 +111,7 @@ class Run:
         start = time.perf_counter()
         resumed = checkpoint.load(self.resume_from) if self.resume_from else None
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.config), indent=2))
+        (self.run_dir / "config.json").write_text(json.dumps(self.given, indent=2))
         rows = MetricRows(MetricLoggers(self.run_dir, self.config, name=self.run_dir.name,
                                         resumed_rows=resumed.rows if resumed else ()))
         self.rows = rows
@@ -157,7 +159,7 @@ class Run:
         """The run's model (a finished run's policy, `meshrl eval`) on the task's held-out `split`, with
         the rates the eval during training reports; nothing is trained, and no process is left behind."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.config), indent=2))
+        (self.run_dir / "config.json").write_text(json.dumps(self.given, indent=2))
         self.tracer = Tracer(self.run_dir, resume=False)
         monarch.actor.unhandled_fault_hook = note_fault
         self.signals.task = asyncio.current_task()  # a Ctrl-C ends it, its actors stopped below

@@ -323,7 +323,7 @@ async def serve_run(config, pool: ReplicaPool, timeouts, trainer_version: Callab
     written to serve.json in the run directory."""
     s, g = config.serve, config.generator
     server = GenerateServer(pool, s.model_name or config.model.source,
-                            Sampling(temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_tokens),
+                            g.sampling(),
                             SessionStore(s.max_sessions),
                             lambda: max(0, trainer_version() - config.controller.max_policy_age),
                             timeouts.generate, g.max_model_len, end_token_ids(checkpoint))

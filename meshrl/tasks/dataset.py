@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from meshrl.tasks import Sample
+from meshrl.plugins import load_object
 from meshrl.tasks.splits import check_split
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,6 @@ def reward_function(name: str):
         return REWARDS[name]
     if ":" not in name:
         raise ValueError(f"unknown dataset.reward {name!r}; built in: {', '.join(REWARDS)}, or module:function")
-    from meshrl.configs.plugins import load_object  # here: meshrl.configs imports DatasetConfig from this module
 
     user = load_object(name, "dataset.reward")
 

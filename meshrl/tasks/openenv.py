@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshrl.tasks import Sample
+from meshrl.plugins import load_object
 from meshrl.tasks.splits import SPLITS, check_split
 
 # Reset seeds of each split: train prompt i -> SEEDS["train"] + i, held-out prompt i -> its split's base + i.
@@ -252,7 +253,6 @@ class OpenEnvTask:
         if self.config.url:
             return RemoteSession(self.config.url)
         if self._env_class is None:
-            from meshrl.configs.plugins import load_object  # here: meshrl.configs imports this module's config
 
             self._env_class = load_object(self.config.env, "openenv.env")
             self._actions = action_class(self._env_class, self.config.action)

@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from meshrl.configs import CONFIGS, ConfigError, load_config
+from meshrl.configs import ConfigError
+from meshrl.configs.named import CONFIGS, load_config
 from meshrl.configs.overrides import help_text
 from meshrl.models.model import ModelError, resolve_checkpoint
 from meshrl.tools.checks import gpu as check_gpu
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             for path in make_certs(args.dir, hosts, args.days):
                 print(path)
         elif args.command == "merge":
-            from meshrl.models.lora import merge_adapter
+            from meshrl.models.model import merge_adapter
 
             print(merge_adapter(args.adapter, args.out))
         elif args.command == "worker":

@@ -18,7 +18,7 @@ from meshrl.tasks.splits import check_split
 
 def eval_run(run_dir: Path, split: str = "test", policy: Path | None = None):
     """The Run that evaluates `run_dir`'s policy (or `policy`) on `split`; ValueError for a bad input."""
-    from meshrl.models.lora import merge_adapter
+    from meshrl.models.model import merge_adapter
     from meshrl.runtime.run import Run
 
     check_split(split)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from meshrl.configs import load_config
+from meshrl.configs.named import load_config
 from meshrl.configs.recipe import recipe_hash
 
 

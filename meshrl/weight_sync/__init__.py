@@ -10,8 +10,40 @@ from pathlib import Path
 
 import torch
 
+from meshrl.checks import AUTO_ON_OFF, at_least, one_of
 from meshrl.models.lora import LoraConfig, PeftNames, base_of, is_adapter
 from meshrl.models.model import build_policy, read_hf_config
+
+RING_TRANSPORTS = ("auto", "rdma", "shm")  # how a reader reaches a ring (ring.py): auto picks shm on the ring's host
+STAGINGS = ("auto", "pinned", "pageable")  # how a trainer rank's shard reaches its ring (staging.py)
+
+
+@dataclass
+class WeightSyncConfig:
+    """The `weight_sync` section: the versioned weight ring from the trainer to the generators."""
+
+    slots: int = 2  # versions the trainer's ring holds; readers of the newest never race the writer
+    transport: str = "auto"  # auto (shared memory on the trainer's host, else rdma) | shm | rdma | disk (no ring: the plain path, each version saved as a file and loaded from it; a baseline)
+    chunk_mb: int = 16  # RDMA reads a slot in chunks of this size, concurrently
+    checksums: bool = False  # CRC32 every published version and verify the generator's copy before loading it (stress tests); forced on where the ring's seqlock cannot be ordered (no libatomic fence on a CPU other than x86: meshrl/weight_sync/ordering.py)
+    timeout_s: float = 300.0  # one generator's pull of a version (read and load): past it the replica is replaced
+    dtype: str = "auto"  # what versions are published in: auto (the dtype the generators serve) | bfloat16 | float32
+    poll_s: float = 0.05  # in_flight and recompute: how often a generating replica looks for a newer version
+    verify: bool = False  # also write each version to disk_dir and have every generator load it a second time from there and compare every tensor vLLM holds (meshrl/weight_sync/verify.py)
+    disk_dir: str = ""  # disk and verify: where the versions' files go, on a filesystem the trainer and the generators share; "": RUN_DIR/weights
+    relay: str = "auto"  # a relay on each generator host pulls each version once from the trainer's rings and its replicas read it there over shared memory (meshrl/weight_sync/relay.py): auto (on where a generator host runs 2+ replicas and the generators are not on the trainer's hosts) | on | off
+    staging: str = "auto"  # how a trainer rank's shard reaches its ring: auto (pinned on CUDA, pageable on the CPU) | pinned (device-to-host on a side CUDA stream into pinned memory, then a memcpy: the next forward and backward run meanwhile) | pageable (straight from the weights into the ring's memory, in the copy thread)
+
+    def check(self) -> None:
+        at_least(self, "weight_sync", slots=1, chunk_mb=1)
+        one_of(self, "weight_sync", transport=RING_TRANSPORTS + ("disk",),
+               dtype=("auto", "bfloat16", "float32", "float16"), staging=STAGINGS, relay=AUTO_ON_OFF)
+        if self.transport == "disk" and self.relay == "on":
+            raise ValueError("weight_sync.relay republishes the trainer's ring: it needs one (weight_sync.transport "
+                             "auto, shm or rdma)")
+        if self.transport == "disk" and self.verify:
+            raise ValueError("weight_sync.verify checks the ring's loads against the disk path: it needs a ring "
+                             "(weight_sync.transport auto, shm or rdma)")
 
 
 class LayoutError(ValueError):

@@ -29,13 +29,13 @@ from typing import Callable
 
 from monarch.actor import Actor, concurrent_endpoint
 
+from meshrl.checks import AUTO_ON_OFF
 from meshrl.weight_sync import WeightLayout
 from meshrl.weight_sync.disk import DiskHandle, DiskReader
 from meshrl.weight_sync.ring import RingHandle, WeightRing
 from meshrl.weight_sync.shards import ShardedReader, Weights
 
 logger = logging.getLogger(__name__)
-RELAY = ("auto", "on", "off")
 
 
 def relay_wanted(setting: str, replicas: int, generator_hosts: int, beside_trainer: bool, transport: str) -> bool:
@@ -44,8 +44,8 @@ def relay_wanted(setting: str, replicas: int, generator_hosts: int, beside_train
     generators are not on the trainer's hosts (there every replica reads the trainer's ring over shared
     memory already: nothing leaves the host, and a relay would only add a copy). Never with transport disk
     (no ring to relay)."""
-    if setting not in RELAY:
-        raise ValueError(f"weight_sync.relay must be one of {', '.join(RELAY)}, not {setting!r}")
+    if setting not in AUTO_ON_OFF:
+        raise ValueError(f"weight_sync.relay must be one of {', '.join(AUTO_ON_OFF)}, not {setting!r}")
     if transport == "disk" or setting == "off":
         return False
     return setting == "on" or (-(-replicas // max(generator_hosts, 1)) >= 2 and not beside_trainer)

@@ -39,11 +39,10 @@ from dataclasses import dataclass
 
 import torch
 
-from meshrl.weight_sync import WeightLayout
+from meshrl.weight_sync import RING_TRANSPORTS, WeightLayout
 from meshrl.weight_sync.ordering import fence, needs_checksums
 
 BEGIN, END, VERSION, CHECKSUM = range(4)
-TRANSPORTS = ("auto", "rdma", "shm")
 _PAGE = 4096
 _COPY_CHUNK = 16 << 20  # a shared-memory copy checks for abandonment and overtaking between chunks
 
@@ -222,8 +221,8 @@ class WeightRing:
 
 def choose_transport(handle: RingHandle, transport: str) -> str:
     """Shared memory when the reader is on the trainer's host and can map its ring, else RDMA."""
-    if transport not in TRANSPORTS:
-        raise ValueError(f"weight_sync.transport must be one of {TRANSPORTS}, not {transport!r}")
+    if transport not in RING_TRANSPORTS:
+        raise ValueError(f"weight_sync.transport must be one of {RING_TRANSPORTS}, not {transport!r}")
     if transport != "auto":
         return transport
     return "shm" if same_host(handle.host, handle.pid, handle.fd) else "rdma"

@@ -27,9 +27,8 @@ from typing import Callable
 
 import torch
 
-from meshrl.weight_sync import WeightLayout
+from meshrl.weight_sync import STAGINGS, WeightLayout
 
-STAGINGS = ("auto", "pinned", "pageable")
 
 
 def resolve_staging(staging: str, device: torch.device | str) -> str:

@@ -16,12 +16,13 @@ import time
 from monarch.actor import endpoint
 
 from meshrl.actors import parse_cpus
+from meshrl.actors.configs import GeneratorConfig
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.replicas import ReplicaPool, monarch_replicas
-from meshrl.configs import GeneratorConfig, WeightSyncConfig
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
 from meshrl.tasks.sum_digits import SumDigits, SumDigitsConfig
 from meshrl.types import Prompt, Sampling
+from meshrl.weight_sync import WeightSyncConfig
 
 
 class TimedVLLMGenerator(VLLMGenerator):
@@ -57,7 +58,7 @@ async def _run(model: str, num_prompts: int, group_size: int, max_tokens: int, r
               "cores": len(cores), "repeats": repeats}
 
     one = ReplicaPool("generator", monarch_replicas(lambda i: f"generator{i}", TimedVLLMGenerator, lambda i: (
-        GeneratorConfig(num_threads=len(cores), cpus=",".join(map(str, cores))), WeightSyncConfig(), str(checkpoint))),
+        GeneratorConfig(weight_update="drain", num_threads=len(cores), cpus=",".join(map(str, cores))), WeightSyncConfig(), str(checkpoint))),
         count=1, max_restarts=0)
     await one.start()
     try:
@@ -71,7 +72,7 @@ async def _run(model: str, num_prompts: int, group_size: int, max_tokens: int, r
 
     shares = [cores[i::replicas] for i in range(replicas)]  # cores dealt out in turn
     many = ReplicaPool("generator", monarch_replicas(lambda i: f"generator{i}", TimedVLLMGenerator, lambda i: (
-        GeneratorConfig(num_threads=len(shares[i]), cpus=",".join(map(str, shares[i])), seed=i), WeightSyncConfig(),
+        GeneratorConfig(weight_update="drain", num_threads=len(shares[i]), cpus=",".join(map(str, shares[i])), seed=i), WeightSyncConfig(),
         str(checkpoint))), count=replicas, max_restarts=0)
     await many.start()
     try:

@@ -8,7 +8,7 @@ import asyncio
 import statistics
 from pathlib import Path
 
-from meshrl.configs import load_config
+from meshrl.configs.named import load_config
 from meshrl.runtime.run import Run
 from meshrl.tools.report import read_rows
 

@@ -18,13 +18,13 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from meshrl.actors import first, in_rank_order, spawn, spawn_ranks
+from meshrl.actors.configs import GeneratorConfig, TrainerConfig
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.trainer import TitanTrainer
-from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
 from meshrl.models.lora import LoraConfig
 from meshrl.models.model import resolve_checkpoint
 from meshrl.tools.bench.checkout import from_checkout
-from meshrl.weight_sync import published_weights
+from meshrl.weight_sync import WeightSyncConfig, published_weights
 from meshrl.weight_sync.shards import ShardedReader
 
 STREAMS = (1, 2, 4, 8, 16)
@@ -137,7 +137,7 @@ async def _ring_figures(checkpoint: str, layout, to_hf, ranks: int, repeats: int
             figures[f"ring_{transport}_gbps"] = gbps(await _best_seconds(
                 repeats, lambda: reader.load_latest(lambda version, weights: None)))
 
-        generator_procs, generator = spawn("generator", FloorGenerator, GeneratorConfig(num_threads=1), sync,
+        generator_procs, generator = spawn("generator", FloorGenerator, GeneratorConfig(weight_update="drain", num_threads=1), sync,
                                            checkpoint)
         procs.append(generator_procs)
         figures["generator_transport"] = await generator.attach_weights.call_one(rings)  # once it is up
@@ -175,7 +175,7 @@ async def _adapter_figures(checkpoint: str, lora: LoraConfig, repeats: int) -> d
         trainer_procs, trainer = spawn("lora_trainer", TitanTrainer, TrainerConfig(num_threads=1, lora=lora), sync,
                                        checkpoint)
         procs.append(trainer_procs)
-        generator_procs, generator = spawn("lora_generator", VLLMGenerator, GeneratorConfig(num_threads=1), sync,
+        generator_procs, generator = spawn("lora_generator", VLLMGenerator, GeneratorConfig(weight_update="drain", num_threads=1), sync,
                                            checkpoint, lora)
         procs.append(generator_procs)
         transport = await generator.attach_weights.call_one([await trainer.weight_ring.call_one()])
@@ -199,7 +199,7 @@ async def _stress(stress_ring, checkpoint: str, ranks: int, seconds: float) -> d
         procs.append(trainer_procs)
         generators = []
         for i in range(2):
-            p, g = spawn(f"stress_generator{i}", VLLMGenerator, GeneratorConfig(num_threads=1), sync, checkpoint)
+            p, g = spawn(f"stress_generator{i}", VLLMGenerator, GeneratorConfig(weight_update="drain", num_threads=1), sync, checkpoint)
             procs.append(p)
             generators.append(g)
         rings = await in_rank_order(trainer.weight_ring.call())

@@ -13,6 +13,7 @@ request), and `install` says which were and why, so the check's output names the
 stand-ins.
 """
 
+import asyncio
 import functools
 import importlib.util
 import sys
@@ -28,8 +29,11 @@ def _standin_monarch() -> dict[str, types.ModuleType]:
     class ActorError(Exception):
         pass
 
-    def endpoint(method=None, **_options):
-        return method if method is not None else (lambda m: m)
+    def endpoint(method=None, **options):
+        def mark(m):
+            m.explicit_response_port = options.get("explicit_response_port", False)
+            return m
+        return mark(method) if method is not None else mark
 
     def concurrent_endpoint(method=None, **_options):
         def mark(m):
@@ -77,8 +81,8 @@ def install(force_monarch: bool = False) -> list[str]:
     why = "asked for (--stand-ins)" if force_monarch else monarch_fails()
     if why:
         if not getattr(sys.modules.get("monarch"), "STAND_IN", False):
-            if "meshrl.actors" in sys.modules:
-                raise RuntimeError("meshrl.actors was imported with the real Monarch before its stand-in")
+            if held := holding_monarch():
+                raise RuntimeError(f"{', '.join(held)} imported the real Monarch before its stand-in")
             for name in [n for n in sys.modules if n == "monarch" or n.startswith("monarch.")]:
                 del sys.modules[name]  # what a failed import left
             sys.modules.update(_standin_monarch())
@@ -90,6 +94,13 @@ def install(force_monarch: bool = False) -> list[str]:
         stood_in.append(f"torch.distributed.fsdp.DataParallelMeshDims (torch {torch_version()} lacks it; "
                         "torchtitan 0.3 imports it)")
     return stood_in
+
+
+def holding_monarch() -> list[str]:
+    """The loaded meshrl modules holding an object of the real Monarch (imported before its stand-in could be).
+    meshrl.actors itself and the run's config load no Monarch (tests/test_layout.py), the actor modules do."""
+    return sorted(name for name, module in list(sys.modules.items()) if name.startswith("meshrl.") and module
+                  and any(str(getattr(value, "__module__", "")).startswith("monarch") for value in vars(module).values()))
 
 
 def torch_version() -> str:
@@ -120,11 +131,37 @@ def available(module: str) -> bool:
 
 def call(actor, name: str, *args, **kwargs):
     """The coroutine of `actor`'s endpoint `name` called in this process: a real Monarch endpoint's own
-    method (a concurrent endpoint's, unwrapped from the task Monarch would start), or the stand-in's."""
+    method (a concurrent endpoint's, unwrapped from the task Monarch would start), or the stand-in's; one
+    that answers on an explicit response port (the trainer's publish_weights) is given a port here, and the
+    coroutine returns what it sends."""
     prop = getattr(type(actor), name)
     method = getattr(prop, "_method", None)
     if method is None:  # the stand-in: a plain method
-        return getattr(actor, name)(*args, **kwargs)
-    if getattr(method, "_monarch_concurrent_endpoint_wrapper", False):
-        method = method.__wrapped__
-    return functools.partial(method, actor)(*args, **kwargs)
+        explicit = getattr(prop, "explicit_response_port", False)
+        method = getattr(actor, name)
+    else:
+        explicit = prop._explicit_response_port
+        if getattr(method, "_monarch_concurrent_endpoint_wrapper", False):
+            method = method.__wrapped__
+        method = functools.partial(method, actor)
+    return _answered(method, *args, **kwargs) if explicit else method(*args, **kwargs)
+
+
+async def _answered(method, *args, **kwargs):
+    """What an endpoint with an explicit response port sends on it (raised, if it sends an error)."""
+    port = _Port()
+    await method(port, *args, **kwargs)
+    return await port.answer
+
+
+class _Port:
+    """A response port in this process: the answer (or the error) sent on it, as a future."""
+
+    def __init__(self):
+        self.answer = asyncio.get_running_loop().create_future()
+
+    def send(self, value) -> None:
+        self.answer.set_result(value)
+
+    def exception(self, error: BaseException) -> None:
+        self.answer.set_exception(error)
