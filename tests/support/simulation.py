@@ -30,10 +30,9 @@ from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.timeouts import StopSignals, Timeout, Timeouts
 from meshrl.actors.trace import ActorClock, Tracer
 from meshrl.actors.weight_updates import WeightUpdates
-from meshrl.configs import Config, ControllerConfig
+from meshrl.configs import Config, ControllerConfig, resolve
 from meshrl.controller import Controller
 from meshrl.restarts import Respawner
-from meshrl.runtime.launch import weight_update
 from meshrl.runtime.loggers import MetricLoggers
 from meshrl.runtime.metric_rows import MetricRows
 from meshrl.tasks import Sample
@@ -352,7 +351,9 @@ async def run_fake(config: Config, run_dir: Path, script: Script | None = None, 
                    progress: bool = True, restart: bool = True) -> FakeRun:
     """The real controller's loops over fake actors (`config.trainer.ranks` fake trainer ranks), from the
     newest checkpoint in `run_dir` with `resume`; generate and grade calls bounded by `call_timeout`; a
-    trainer or replay buffer that dies is restarted (`restart`), on fresh fakes."""
+    trainer or replay buffer that dies is restarted (`restart`), on fresh fakes. `config` is resolved first,
+    as a run's is (meshrl.configs.resolve)."""
+    config = resolve(config, run_dir)
     script = script or Script()
     run_dir.mkdir(parents=True, exist_ok=True)
     state_dir = checkpoint.latest(run_dir) if resume else None
@@ -391,7 +392,7 @@ async def run_fake(config: Config, run_dir: Path, script: Script | None = None, 
 
     async def generator(index: int) -> Replica:
         spawned.append(index)
-        generator = FakeGenerator(weights, script, costs, weight_update(config))
+        generator = FakeGenerator(weights, script, costs, config.generator.weight_update)
         return Replica(index, FakeProcs(), FakeMesh([generator], script), "fake", os.getpid())
 
     async def grader(index: int) -> Replica:
