@@ -102,11 +102,11 @@ def run_cli(*args):
     (["train", "--config", "smoke", "--controller.advantage", "step_wise_ppo"], "unknown controller.advantage 'step_wise_ppo'; known: grpo, dr_grpo, rloo, or step_wise_<one of them>"),
     (["train", "--config", "smoke", "--task", "zorplex", "--zorplex.level", "5"], "zorplex level must be one of"),
     (["train", "--config", "smoke", "--generator.impl", "no_module:Gen"], "cannot load actor implementation"),
-    (["train", "--config", "smoke", "--generator.impl", "meshrl.actors.grader:Grader"],
-     "meshrl.actors.grader:Grader cannot be the generator: it has no generate, completions, forget, attach_weights, "
+    (["train", "--config", "smoke", "--generator.impl", "meshrl.actors.grader:TaskGrader"],
+     "meshrl.actors.grader:TaskGrader cannot be the generator: it has no generate, completions, forget, attach_weights, "
      "pull_weights, weight_updates, weight_sync_stats endpoint (the contract is meshrl.actors.roles.Generator)"),
-    (["train", "--config", "smoke", "--replay_buffer.impl", "meshrl.actors.grader:Grader"],
-     "meshrl.actors.grader:Grader cannot be the replay_buffer: it has no stage, discard, add, record_rollouts, sample, "
+    (["train", "--config", "smoke", "--replay_buffer.impl", "meshrl.actors.grader:TaskGrader"],
+     "meshrl.actors.grader:TaskGrader cannot be the replay_buffer: it has no stage, discard, add, record_rollouts, sample, "
      "micro_batch, attach, trained, checkpointed, logged, save_state, load_state endpoint (the contract is "
      "meshrl.actors.roles.ReplayBuffer)"),
     (["train", "--config", "smoke", "--replay_buffer.impl", "replay"], "set controller.max_policy_age to 1 or more"),
@@ -127,11 +127,11 @@ def test_cli_bad_input_is_one_error_line_and_nonzero_exit(args, message, tmp_pat
 
 @pytest.mark.processes
 def test_a_bad_command_line_is_one_line_from_the_real_process_too(tmp_path):
-    result = run_cli("train", "--config", "smoke", "--generator.impl", "meshrl.actors.grader:Grader",
+    result = run_cli("train", "--config", "smoke", "--generator.impl", "meshrl.actors.grader:TaskGrader",
                      "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "meshrl: error: meshrl.actors.grader:Grader cannot be the generator: it has no generate, completions, forget, "
+        "meshrl: error: meshrl.actors.grader:TaskGrader cannot be the generator: it has no generate, completions, forget, "
         "attach_weights, pull_weights, weight_updates, weight_sync_stats endpoint (the contract is "
         "meshrl.actors.roles.Generator)"]
     assert not (tmp_path / "run").exists()

@@ -16,7 +16,7 @@ from rule_actors import Sleeper, sleep_timed
 
 from meshrl.actors import roles
 from meshrl.actors.generator import VLLMGenerator
-from meshrl.actors.grader import Grader
+from meshrl.actors.grader import TaskGrader
 from meshrl.actors.trainer import TitanTrainer
 from support.fake_monarch import FakeMesh, concurrent
 from support.simulation import FakeGenerator, FakeGrader, FakeTrainer
@@ -90,7 +90,7 @@ def concurrent_endpoints(real) -> set[str]:
 
 @pytest.mark.parametrize("fake, real, role", [(FakeGenerator, VLLMGenerator, roles.Generator),
                                               (FakeTrainer, TitanTrainer, roles.Trainer),
-                                              (FakeGrader, Grader, roles.Grader)])
+                                              (FakeGrader, TaskGrader, roles.Grader)])
 def test_each_fake_runs_concurrently_what_its_real_actor_does(fake, real, role):
     endpoints = {name for name, _ in inspect.getmembers(role, inspect.isfunction) if not name.startswith("_")}
     fakes = {name for name in endpoints if getattr(getattr(fake, name, None), "concurrent", False)}

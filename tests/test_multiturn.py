@@ -16,7 +16,7 @@ from assertions import assert_checks_are_the_means_of_the_records, assert_stalen
 from meshrl.actors import spawn
 from meshrl.actors.configs import GeneratorConfig
 from meshrl.actors.generator import VLLMGenerator
-from meshrl.actors.grader import EnvReply, Grader
+from meshrl.actors.grader import EnvReply, TaskGrader
 from meshrl.configs.named import load_config
 from meshrl.episodes import build_episodes
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
@@ -192,7 +192,7 @@ def test_smollm2_looks_up_in_the_environment_and_only_its_own_tokens_are_trained
     async def run():
         gen_procs, generator = spawn("generator", VLLMGenerator, GeneratorConfig(weight_update="drain", num_threads=2), WeightSyncConfig(),
                                      str(smollm2))
-        grader_procs, grader = spawn("grader", Grader, "zorplex", ZorplexConfig())
+        grader_procs, grader = spawn("grader", TaskGrader, "zorplex", ZorplexConfig())
         try:
             async def generate(prompts, sampling):
                 return await generator.generate.call_one(prompts, sampling=sampling, text=True)
@@ -299,7 +299,7 @@ def test_sticky_routing_serves_later_turns_from_the_prefix_cache_and_least_loade
     async def run():
         spawned = [spawn(f"generator{i}", VLLMGenerator, GeneratorConfig(weight_update="drain", num_threads=1), WeightSyncConfig(),
                          str(tiny_checkpoint)) for i in range(2)]
-        grader_procs, grader = spawn("grader", Grader, "user_task:FakeTool", FakeTool.Config(turns=3))
+        grader_procs, grader = spawn("grader", TaskGrader, "user_task:FakeTool", FakeTool.Config(turns=3))
         try:
             found = [(await processes(procs, f"generator{i}"))[0] for i, (procs, _) in enumerate(spawned)]
 

@@ -242,11 +242,11 @@ def test_an_mcp_environments_tools_are_in_the_prompt_and_a_reply_in_the_template
     reply written in that template's tool-call format is read by vLLM's hermes parser into the CallToolAction the
     environment answers (the word's value, a step reward); SmolLM2's own template, which ignores tools, stops
     the run before it starts, and a run's graders get the parser resolved."""
-    from meshrl.actors.grader import Grader
+    from meshrl.actors.grader import TaskGrader
 
-    grader = Grader("openenv", OpenEnvConfig(env="openenv_envs:ZorplexToolEnv", action="tool_call", role="tool")
+    grader = TaskGrader("openenv", OpenEnvConfig(env="openenv_envs:ZorplexToolEnv", action="tool_call", role="tool")
                     .launched("auto", smollm2))
-    endpoint = lambda name: getattr(Grader, name)._method  # noqa: E731 (the function under Monarch's @endpoint)
+    endpoint = lambda name: getattr(TaskGrader, name)._method  # noqa: E731 (the function under Monarch's @endpoint)
     sample = grader.task.train_sample(2)
     [(word, value)] = Zorplex(NATIVE).train_sample(2).info["values"].items()
     opened = asyncio.run(endpoint("open_sessions")(grader, sample, ["t"]))

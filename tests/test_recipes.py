@@ -32,8 +32,9 @@ RECIPES = {
 }
 # 2026-11-27 (issue 56): generator.top_p went (it could only be 1) and trainer.loss.constant_norm's default became
 # 0, filled in with generator.max_tokens by meshrl.configs.resolve (48, as before, wherever max_tokens is 48: no named
-# config uses the constant aggregation). Nothing else changed (compared field by field with the defaults before).
-DEFAULTS = "f132090ee2b1a0b1"
+# config uses the constant aggregation); grader.impl's class is named TaskGrader (roles.Grader is the contract). Nothing
+# else changed (compared field by field with the defaults before).
+DEFAULTS = "b9bd79f01e0e2e6b"
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from meshrl.actors.configs import TrainerConfig
-from meshrl.actors.grader import Grader, UserCodeFailed, failure, user_code
+from meshrl.actors.grader import TaskGrader, UserCodeFailed, failure, user_code
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.configs import ControllerConfig
 from meshrl.episodes import Kept, batch_builder
@@ -88,7 +88,7 @@ def test_the_grader_leaves_out_a_few_failures_and_fails_a_group_where_most_raise
     (tmp_path / "silent_reward.py").write_text(REWARD_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}", "answer": "1"}) + "\n" for i in range(6)))
-    grader = Grader("dataset", DatasetConfig(path=str(tmp_path / "d.jsonl"), eval_size=1, test_size=0,
+    grader = TaskGrader("dataset", DatasetConfig(path=str(tmp_path / "d.jsonl"), eval_size=1, test_size=0,
                                              reward="silent_reward:reward"))
     sample = Sample("q0", "1")
     with caplog.at_level("ERROR"):

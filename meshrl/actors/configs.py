@@ -106,7 +106,7 @@ class JudgeConfig:
 class GraderConfig:
     """Scores completions with the task's reward function (or a judge model, with JudgeGrader)."""
 
-    impl: str = "meshrl.actors.grader:Grader"  # the actor class, module:Class
+    impl: str = "meshrl.actors.grader:TaskGrader"  # the actor class, module:Class
     replicas: int = 1  # grader actors; groups go to the least loaded
     max_restarts: int = 3  # a replica failing more than this many times in a row, each within controller.restart_window_s of its start, stops the run (a crash loop)
     hosts: str = ""  # the job.hosts group the replicas go on, round-robin over its hosts; "": the controller's host

@@ -72,7 +72,7 @@ def failure(who: str, errors: list[BaseException], total: int, what: str) -> str
     return f"{who} raised on {len(errors)} of {total} {what}; the first: {type(first).__name__}: {first}"
 
 
-class Grader(Actor):
+class TaskGrader(Actor):
     """Scores with the task's own reward function (roles.Grader)."""
 
     def __init__(self, task: str, task_config, config: GraderConfig | None = None):

@@ -16,7 +16,7 @@ import math
 
 from meshrl.actors.configs import GraderConfig, check_rubric
 from meshrl.actors.engine import start_vllm
-from meshrl.actors.grader import Grader
+from meshrl.actors.grader import TaskGrader
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
 from meshrl.types import Completion, Sample
 
@@ -40,7 +40,7 @@ def p_yes(top: dict[str, float]) -> float | None:
     return yes / (yes + no) if yes + no > 0 else None
 
 
-class JudgeGrader(Grader):
+class JudgeGrader(TaskGrader):
     """roles.Grader: scores by a judge model (GraderConfig.judge), with the task's reward mixed in by
     `rule_weight`."""
 
