@@ -111,7 +111,8 @@ def test_conversations_end_at_max_turns_when_out_of_context_or_when_the_environm
             replies.append(EnvReply(failed=fails) if fails or last else EnvReply([{"role": "tool", "content": "x"}]))
         return replies
 
-    scored, failed = asyncio.run(converse(0, opening, Sampling(n=3, max_tokens=4), 3, 512, tokenizer, generate, step))
+    sampling = Sampling(n=3, temperature=1.0, max_tokens=4)
+    scored, failed = asyncio.run(converse(0, opening, sampling, 3, 512, tokenizer, generate, step))
     assert failed == 1 and [len(s.completion.turns) for s in scored] == [3, 3]
     assert calls == [(1, 3), (3, 1), (2, 1)]  # the group's first turn, then one call per turn for those going on
     assert [s.completion.policy_version for s in scored] == [1, 1]  # as old as their first turn
@@ -120,7 +121,7 @@ def test_conversations_end_at_max_turns_when_out_of_context_or_when_the_environm
     between = tokenizer.continuation([*opening, {"role": "assistant", "content": ""}], hi,
                                      [{"role": "tool", "content": "x"}])
     second_prompt = len(tokenizer.encode_messages(opening)) + len(hi) + len(between)
-    scored, failed = asyncio.run(converse(0, opening, Sampling(n=1, max_tokens=4), 3, second_prompt + 4, tokenizer,
+    scored, failed = asyncio.run(converse(0, opening, Sampling(n=1, temperature=1.0, max_tokens=4), 3, second_prompt + 4, tokenizer,
                                           generate, step))
     assert failed == 0 and len(scored[0].completion.turns) == 2  # a third turn would not fit
 

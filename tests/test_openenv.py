@@ -271,7 +271,7 @@ def test_an_mcp_environments_tools_are_in_the_prompt_and_a_reply_in_the_template
         answers.extend(replies)
         return replies
 
-    scored, failed = asyncio.run(converse(0, opening, Sampling(n=1), 1, 4096, tokenizer.offering(tools), generate,
+    scored, failed = asyncio.run(converse(0, opening, Sampling(n=1, temperature=1.0, max_tokens=48), 1, 4096, tokenizer.offering(tools), generate,
                                           step, sessions=["t"]))
     assert failed == 0 and len(scored) == 1 and not grader.task.episodes  # ended: closed
     shown = tokenizer.tokenizer.decode(prompts[0].token_ids, skip_special_tokens=False)

@@ -87,7 +87,7 @@ def play(tokenizer: ChatTokenizer, parser: ToolCallParser, opening: list[dict], 
             return [EnvReply([{"role": "tool", "content": RESULTS[c.name, json.dumps(c.arguments)]} for c in found])]
         return [EnvReply([{"role": "user", "content": users.pop(0)}])] if users else [EnvReply(reward=1.0)]
 
-    scored, failed = asyncio.run(converse(0, opening, Sampling(n=1, max_tokens=64), len(turns) + 1, 4096,
+    scored, failed = asyncio.run(converse(0, opening, Sampling(n=1, temperature=1.0, max_tokens=64), len(turns) + 1, 4096,
                                           tokenizer, generate, step))
     assert failed == 0 and len(scored[0].completion.turns) == len(turns)
     messages = final[0]

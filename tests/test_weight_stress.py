@@ -14,12 +14,13 @@ import pytest
 from monarch.actor import ActorError, endpoint
 
 from meshrl.actors import in_rank_order, spawn, spawn_ranks
+from meshrl.actors.configs import GeneratorConfig, TrainerConfig
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.trainer import TitanTrainer
-from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
 from meshrl.models.model import ChatTokenizer
 from meshrl.types import Prompt, Sampling
+from meshrl.weight_sync import WeightSyncConfig
 from support.weight_stress import stress_ring
 
 pytestmark = pytest.mark.processes
@@ -81,7 +82,8 @@ def test_generators_load_only_whole_versions_while_the_trainer_publishes_flat_ou
         sync = WeightSyncConfig(checksums=True)  # every load is checked against the trainer's CRC32
         procs, generators = [], []
         for i, cls in enumerate([TearingGenerator, SlowLoadGenerator]):
-            p, g = spawn(f"generator{i}", cls, GeneratorConfig(num_threads=1), sync, str(tiny_checkpoint))
+            p, g = spawn(f"generator{i}", cls, GeneratorConfig(weight_update="drain", num_threads=1), sync,
+                         str(tiny_checkpoint))
             procs.append(p)
             generators.append(g)
         # fp32: bf16 matmuls are ~8x slower on CPUs without bf16 instructions, and the ring wants many versions
@@ -112,7 +114,7 @@ def test_generators_load_only_whole_versions_while_the_trainer_publishes_flat_ou
             prompt = Prompt(0, ChatTokenizer(tiny_checkpoint).encode_chat("What is 2 + 2?"))
             for g in generators:
                 assert await g.pull_weights.call_one() == published
-                completion = (await g.generate.call_one([prompt], sampling=Sampling(max_tokens=8)))[0]
+                completion = (await g.generate.call_one([prompt], sampling=Sampling(temperature=1.0, max_tokens=8)))[0]
                 assert completion.policy_version == published
             # a call for a version the rings do not hold fails as a replica fault (the pool replaces the replica)
             with pytest.raises(ActorError) as failed:
