@@ -1,5 +1,8 @@
 """One training step: the episodes of one batch become optimizer updates on the trainer.
 
+The replay buffer (meshrl/actors/replay_buffer.py) composes the batch and cuts it with the rules here;
+the controller (and a restart that trains logged batches again) drives the trainer through it with
+`train_updates`, naming each micro-batch by a `BatchRef`, and every rank takes its own from the buffer.
 The step's episodes are split into `trainer.mini_batches` mini-batches, each one optimizer update,
 each fed to the trainer in micro-batches whose losses add up to the mini-batch's: of
 `trainer.micro_batch_size` sequences in order, or with `trainer.micro_batch_tokens` as many sequences
@@ -19,12 +22,10 @@ import math
 import weakref
 from collections import defaultdict
 
-import torch
-
 from meshrl.actors import first
+from meshrl.actors.configs import TrainerConfig
 from meshrl.actors.timeouts import Timeouts
 from meshrl.actors.trace import no_span
-from meshrl.configs import TrainerConfig
 from meshrl.types import BatchRef, Episode, TrainBatch
 
 
@@ -77,21 +78,17 @@ def padding_fraction(episodes: list[Episode], micro: list[list[Episode]]) -> flo
     return 1 - sum(len(e.tokens) - 1 for e in episodes) / max(positions, 1)
 
 
-def rounds(batches: list[TrainBatch | BatchRef], ranks: int) -> list[list[TrainBatch | BatchRef]]:
-    """`batches` in rounds of `ranks`, the last filled up with copies that carry no loss token (of a
-    `BatchRef`: the same micro-batch, `idle`)."""
-    out = [batches[i:i + ranks] for i in range(0, len(batches), ranks)]
+def rounds(refs: list[BatchRef], ranks: int) -> list[list[BatchRef]]:
+    """`refs` in rounds of `ranks`, the last filled up with the same micro-batch `idle` (no loss token)."""
+    out = [refs[i:i + ranks] for i in range(0, len(refs), ranks)]
     if out and len(out[-1]) < ranks:
-        last = out[-1][0]
-        idle = (dataclasses.replace(last, idle=True) if isinstance(last, BatchRef)
-                else dataclasses.replace(last, loss_mask=torch.zeros_like(last.loss_mask)))
-        out[-1] += [idle] * (ranks - len(out[-1]))
+        out[-1] += [dataclasses.replace(out[-1][0], idle=True)] * (ranks - len(out[-1]))
     return out
 
 
-async def each_rank(trainer, endpoint: str, batches: list[TrainBatch]) -> list:
-    """`endpoint(batches[r])` on rank r of the trainer's mesh, all ranks at once."""
-    return await asyncio.gather(*(getattr(rank, endpoint).call_one(b) for rank, b in zip(ranks_of(trainer), batches)))
+async def each_rank(trainer, endpoint: str, refs: list[BatchRef]) -> list:
+    """`endpoint(refs[r])` on rank r of the trainer's mesh, all ranks at once."""
+    return await asyncio.gather(*(getattr(rank, endpoint).call_one(r) for rank, r in zip(ranks_of(trainer), refs)))
 
 
 _RANKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -106,38 +103,22 @@ def ranks_of(mesh) -> list:
     return ranks
 
 
-async def train_step(trainer, reference, episodes: list[Episode], config: TrainerConfig, pad_id: int,
-                     span=no_span, version: int | None = None, reference_ranks: int = 1,
-                     timeouts: Timeouts = Timeouts()) -> dict:
-    """Train on `episodes`, collated here and sent to the trainer (the controller's step takes them from
-    the replay buffer instead: `train_updates` with `BatchRef`s): see `train_updates`."""
-    updates = [micro_batches(chunk, config.micro_batch_size, pad_id, config.micro_batch_tokens)
-               for chunk in split(episodes, config.mini_batches)]
-    metrics = await train_updates(trainer, reference, updates, config, span, version, reference_ranks, timeouts)
-    micro = [g for chunk in split(episodes, config.mini_batches)
-             for g in micro_groups(chunk, config.micro_batch_size, config.micro_batch_tokens)]
-    return {**metrics, "tokens_trained": int(sum(len(e.tokens) for e in episodes)),
-            "padding_fraction": padding_fraction(episodes, micro)}
+def with_into(ref: BatchRef, into: str) -> BatchRef:
+    """`ref`, its actor to put what it computes into its micro-batch's field `into`."""
+    return dataclasses.replace(ref, into=into)
 
 
-def with_into(batch: TrainBatch | BatchRef, into: str) -> TrainBatch | BatchRef:
-    """A `BatchRef` that has its actor put what it computes into its micro-batch's field `into`."""
-    return dataclasses.replace(batch, into=into) if isinstance(batch, BatchRef) else batch
+async def computed(actor, group: list[BatchRef], into: str, endpoint: str = "logprobs") -> None:
+    """Each rank's logprobs (its `endpoint`'s) of its micro-batch of `group`, put into the replay buffer by
+    the rank itself as the micro-batch's field `into`."""
+    await each_rank(actor, endpoint, [with_into(ref, into) for ref in group])
 
 
-async def computed(actor, group: list, into: str, endpoint: str = "logprobs") -> None:
-    """Each rank's logprobs (its `endpoint`'s) of its micro-batch of `group`, as the micro-batch's field
-    `into`: set here for a TrainBatch, put into the replay buffer by the rank itself for a `BatchRef`."""
-    for batch, values in zip(group, await each_rank(actor, endpoint, [with_into(b, into) for b in group])):
-        if isinstance(batch, TrainBatch):
-            setattr(batch, into, values)
-
-
-async def train_updates(trainer, reference, updates: list[list[TrainBatch | BatchRef]], config: TrainerConfig,
+async def train_updates(trainer, reference, updates: list[list[BatchRef]], config: TrainerConfig,
                         span=no_span, version: int | None = None, reference_ranks: int = 1,
                         timeouts: Timeouts = Timeouts(), applied: dict | None = None) -> dict:
-    """One optimizer update per list of micro-batches (TrainBatches, or `BatchRef`s the ranks take from
-    the replay buffer) on the trainer's `config.ranks` ranks (the reference, if any, on its
+    """One optimizer update per list of micro-batches (`BatchRef`s: the ranks take them from the replay
+    buffer, meshrl/actors/replay_buffer.py) on the trainer's `config.ranks` ranks (the reference, if any, on its
     `reference_ranks`); return the step's metrics.
 
     Ratio, clip, behaviour-weight and KL figures are means over all loss tokens of the step;

@@ -1,11 +1,20 @@
 """Shared by the tests that run real actors."""
 
+import dataclasses
+import itertools
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
+import torch
+
+from meshrl.actors.configs import ReplayBufferConfig, TrainerConfig
+from meshrl.actors.replay_buffer import FifoBuffer
 from meshrl.episodes import episode as flat_episode
-from meshrl.types import Completion, Episode, TrainBatch
+from meshrl.train_step import train_updates
+from meshrl.types import BatchRef, Completion, Episode
 
 
 def episode(completion: Completion, advantage: float, temperature: float = 1.0) -> Episode:
@@ -19,12 +28,66 @@ async def generate_whole(generator, prompts, **kwargs) -> list[Completion]:
     return await generator.completions.call_one([g.key for g in made], forget=True)
 
 
-async def mismatch(trainer, completion: Completion, temperature: float = 1.0) -> float:
+async def mismatch(trainer, buffer, completion: Completion, temperature: float = 1.0) -> float:
     """Mean |trainer logprob - generator logprob| over the completion's tokens (zero advantage: no update),
-    the trainer's taken at `temperature`."""
-    e = episode(completion, 0.0, temperature)
-    metrics = await trainer.forward_backward.call_one(TrainBatch.collate([e], e.num_response_tokens, 1))
+    the trainer's taken at `temperature` (its micro-batch taken from `buffer`)."""
+    metrics = await forward_backward(trainer, buffer, [episode(completion, 0.0, temperature)])
     return metrics["logprob_mismatch"] / metrics["tokens"]
+
+
+BUFFERS = itertools.count()  # each buffer spawned in a process has a name of its own
+ANY_AGE = 1 << 30  # the tests' buffers hand out episodes of any policy version
+
+
+def replay_buffer_on(procs, config: TrainerConfig = TrainerConfig(), pad_id: int = 0):
+    """A real replay buffer actor (fifo) on `procs` (a proc mesh of one process: a trainer's own, or any),
+    cutting batches into micro-batches as `config` says; trainers and references take their micro-batches
+    from it by BatchRef, as in a run (`staged` attaches it to them)."""
+    return procs.spawn(f"replay_buffer{next(BUFFERS)}", FifoBuffer, ReplayBufferConfig(), config, 1, ANY_AGE, pad_id)
+
+
+async def staged(buffer, episodes: list[Episode], *actors) -> tuple[dict, list[list[BatchRef]]]:
+    """`episodes` in the replay buffer `buffer` as one group (restored by its `load_state`, as a resumed
+    run's groups are, from a state in the layout its `save_state` writes), composed into a batch there
+    (`sample`, as the controller asks), and the buffer attached to `actors`: the batch's plan and its
+    micro-batches' BatchRefs by optimizer update."""
+    batch = max(e.policy_version for e in episodes)  # as old as any of them: within the buffer's bound
+    with tempfile.TemporaryDirectory() as state:
+        group = [batch, episodes, min(e.policy_version for e in episodes), 0.0, 0, []]
+        torch.save({"groups": {0: group}}, Path(state) / "state.pt")
+        await buffer.load_state.call_one(state)
+    plan = await buffer.sample.call_one(batch, [0])
+    for actor in actors:
+        await actor.attach_buffer.call(buffer)
+    return plan, [[BatchRef(batch, u, m) for m in range(count)] for u, count in enumerate(plan.pop("micro_batches"))]
+
+
+async def train_through_buffer(trainer, buffer, episodes: list[Episode], config: TrainerConfig, reference=None,
+                               reference_ranks: int = 1) -> dict:
+    """One step on `episodes` as a run trains it: staged in `buffer` (built with `config`'s micro-batching),
+    the trainer's ranks (and the reference's) fetching their micro-batches from it by reference, driven by
+    the controller's own `train_updates`; the step's metrics with the buffer's plan, as the controller logs
+    them."""
+    plan, updates = await staged(buffer, episodes, trainer, *([reference] if reference else []))
+    return plan | await train_updates(trainer, reference, updates, config, reference_ranks=reference_ranks)
+
+
+async def forward_backward(trainer, buffer, episodes: list[Episode]) -> dict:
+    """The trainer's forward_backward on `episodes`, one micro-batch (no optimizer step: the gradients
+    accumulate), taken from `buffer` by reference."""
+    _, updates = await staged(buffer, episodes, trainer)
+    assert [len(u) for u in updates] == [1], "one micro-batch: the buffer's micro_batch_size holds them all"
+    return await trainer.forward_backward.call_one(updates[0][0])
+
+
+async def logprobs(actor, buffer, episodes: list[Episode]) -> torch.Tensor:
+    """`actor`'s (a trainer's or the reference's) logprobs of `episodes`' loss tokens (flat), one micro-batch
+    taken from `buffer` by reference, as the actor put them back there."""
+    _, updates = await staged(buffer, episodes, actor)
+    ref = dataclasses.replace(updates[0][0], into="old_logprobs")
+    await actor.logprobs.call_one(ref)
+    micro = await buffer.micro_batch.call_one(ref)
+    return micro.old_logprobs[micro.loss_mask]
 
 
 def vllm_generates(*checkpoints) -> str:

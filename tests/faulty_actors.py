@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 from monarch.actor import endpoint
 
-from meshrl.actors.distributed import from_buffer
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.trainer import TitanTrainer
 
@@ -47,13 +46,11 @@ class StallingTrainer(TitanTrainer):
 class NaNTrainer(TitanTrainer):
     """From its second micro-batch on, every advantage is NaN (bad data), so the loss and the gradients are."""
 
-    @endpoint
-    async def forward_backward(self, batch) -> dict:
+    def _train_on(self, batch) -> dict:
         self.batches = getattr(self, "batches", 0) + 1
-        batch = await from_buffer(self.buffer, batch)
         if self.batches >= 2:
             batch.advantages = torch.full_like(batch.advantages, float("nan"))
-        return await TitanTrainer.forward_backward._method(self, batch)
+        return super()._train_on(batch)
 
 
 class SlowSaveTrainer(TitanTrainer):

@@ -3,6 +3,7 @@ model's would, so that requests are still running when new weights arrive), and 
 changes chosen weights by a factor and publishes them (a policy visibly different from the last).
 Imported by the actor processes (conftest puts tests/ on their PYTHONPATH)."""
 
+import asyncio
 import re
 import time
 
@@ -45,7 +46,13 @@ class WorkerHandoffGenerator(VLLMGenerator):
 
 
 class SlowPublishTrainer(TitanTrainer):
-    """Each publish's copy into the ring takes a second longer (as a large model's device-to-host copy would)."""
+    """Each publish starts half a second late (its first part waits first, as one queued behind other work
+    would: the next call must still come after it), and its copy into the ring takes a second longer (as a
+    large model's device-to-host copy would)."""
+
+    async def _start_publish(self) -> int:
+        await asyncio.sleep(0.5)
+        return await super()._start_publish()
 
     def _write_ring(self, weights: dict, version: int) -> None:
         time.sleep(1.0)

@@ -1,21 +1,23 @@
 """Real Monarch actors with real vLLM and the real torchtitan model (tiny random Llama, real tokenizer)."""
 
 import asyncio
+import dataclasses
 
 import pytest
-from actor_helpers import episode, generate_whole, mismatch
+from actor_helpers import episode, forward_backward, generate_whole, mismatch, replay_buffer_on, staged
 from fake_holder import FakeHolder
 from probe_actors import SlowPublishTrainer, WorkerHandoffGenerator
 
 from meshrl.actors import spawn
+from meshrl.actors.configs import GeneratorConfig, GraderConfig, TrainerConfig
 from meshrl.actors.generator import VLLMGenerator
-from meshrl.actors.grader import Grader
+from meshrl.actors.grader import TaskGrader
 from meshrl.actors.trainer import TitanTrainer
-from meshrl.configs import GeneratorConfig, GraderConfig, TrainerConfig, WeightSyncConfig
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
 from meshrl.tasks import Sample
 from meshrl.tasks.sum_digits import SumDigitsConfig
-from meshrl.types import Completion, Prompt, Sampling, TrainBatch
+from meshrl.types import Completion, Prompt, Sampling
+from meshrl.weight_sync import WeightSyncConfig
 
 pytestmark = pytest.mark.processes
 
@@ -39,10 +41,11 @@ def test_trainer_weights_reach_vllm_and_change_its_output(source, generator_clas
 
     async def run():
         sync = WeightSyncConfig(transport="rdma")  # the transport between hosts (its TCP fallback here)
-        gen_procs, generator = spawn("generator", generator_class, GeneratorConfig(num_threads=1), sync,
+        gen_procs, generator = spawn("generator", generator_class, GeneratorConfig(weight_update="drain", num_threads=1), sync,
                                      str(tiny_checkpoint))
         trn_procs, trainer = spawn("trainer", TitanTrainer, TrainerConfig(lr=1e-2, num_threads=1), sync,
                                    str(tiny_checkpoint))
+        buffer = replay_buffer_on(trn_procs)
         try:
             assert await generator.attach_weights.call_one([await trainer.weight_ring.call_one()]) == "rdma"
             assert await generator.pull_weights.call_one() == 0  # nothing published yet
@@ -51,18 +54,17 @@ def test_trainer_weights_reach_vllm_and_change_its_output(source, generator_clas
             before = (await generate_whole(generator, [prompt], sampling=greedy))[0]
             assert before.policy_version == 0 and before.prompt_index == 5 and len(before.token_ids) == 8
             # vLLM and the trainer start from the same weights: their logprobs agree
-            gaps.append(await mismatch(trainer, before))
+            gaps.append(await mismatch(trainer, buffer, before))
             sampled = await generate_whole(generator, [prompt], sampling=Sampling(n=4, temperature=0.8,
                                                                                      max_tokens=16))
-            gaps.extend([await mismatch(trainer, c, 0.8) for c in sampled])  # the distribution sampled from
+            gaps.extend([await mismatch(trainer, buffer, c, 0.8) for c in sampled])  # the distribution sampled from
             assert max(gaps) < PARITY[source], gaps
 
             # one large step pushing down the tokens vLLM chose
-            e = episode(before, -1.0)
-            await trainer.forward_backward.call_one(TrainBatch.collate([e], e.num_response_tokens, 1))
+            await forward_backward(trainer, buffer, [episode(before, -1.0)])
             assert (await trainer.optim_step.call_one())["updates"] == 1
             assert await trainer.publish_weights.call_one() == 1  # versions count publishes
-            stale = await mismatch(trainer, before)
+            stale = await mismatch(trainer, buffer, before)
             assert stale > 0.5  # the new policy scores the old tokens very differently
 
             assert await generator.pull_weights.call_one() == 1
@@ -71,7 +73,7 @@ def test_trainer_weights_reach_vllm_and_change_its_output(source, generator_clas
             assert after.policy_version == 1
             assert after.token_ids != before.token_ids
             # vLLM now serves exactly the trainer's new weights (tied embedding and head included)
-            gaps.append(await mismatch(trainer, after))
+            gaps.append(await mismatch(trainer, buffer, after))
             assert max(gaps) < PARITY[source], gaps
             print(f"PARITY {source}: {gaps}")
         finally:
@@ -90,7 +92,7 @@ def test_grader_scores_a_group_skips_malformed_completions_and_zeroes_truncated_
     held = [c("Answer: 7"), c(None), c("8"), c("Answer: 3"), c("Answer: 7 and so on", "length")]
 
     async def run():
-        procs, grader = spawn("grader", Grader, "sum_digits", SumDigitsConfig(format_weight=0.1),
+        procs, grader = spawn("grader", TaskGrader, "sum_digits", SumDigitsConfig(format_weight=0.1),
                               GraderConfig(zero_truncated=True))
         holder_procs, holder = spawn("holder", FakeHolder, held)
         try:
@@ -124,17 +126,18 @@ def test_the_trainer_scores_sampled_tokens_as_vllm_sampled_them_at_any_temperatu
 
     async def run():
         sync = WeightSyncConfig()
-        gen_procs, generator = spawn("generator", VLLMGenerator, GeneratorConfig(num_threads=1), sync, str(smollm2))
+        gen_procs, generator = spawn("generator", VLLMGenerator, GeneratorConfig(weight_update="drain", num_threads=1), sync, str(smollm2))
         trn_procs, trainer = spawn("trainer", TitanTrainer, TrainerConfig(num_threads=1), sync, str(smollm2))
+        buffer = replay_buffer_on(trn_procs)
         try:
             prompt = Prompt(0, ChatTokenizer(smollm2).encode_chat("Write one sentence about the sea."))
             gap = {}
             for temperature in (1.0, 0.7):
                 sampled = await generate_whole(generator, [prompt], sampling=Sampling(n=4, temperature=temperature,
                                                                                          max_tokens=24))
-                gap[temperature] = [await mismatch(trainer, c, temperature) for c in sampled]
+                gap[temperature] = [await mismatch(trainer, buffer, c, temperature) for c in sampled]
                 if temperature != 1.0:
-                    gap["ignored"] = [await mismatch(trainer, c, 1.0) for c in sampled]
+                    gap["ignored"] = [await mismatch(trainer, buffer, c, 1.0) for c in sampled]
             return gap
         finally:
             await gen_procs.stop()
@@ -146,24 +149,27 @@ def test_the_trainer_scores_sampled_tokens_as_vllm_sampled_them_at_any_temperatu
     assert min(gap["ignored"]) > 2 * tolerance, gap
 
 
-def test_the_trainer_trains_while_a_publish_copies(tiny_checkpoint):
-    """publish_weights is a concurrent endpoint: with its copy slowed to over a second, the next
-    forward_backward and logprobs calls run and end on the actor before the publish does, and the
-    optimizer update waits for the copy of the weights it changes (the actor's own times)."""
+def test_a_call_after_a_publish_runs_after_its_first_part_and_while_it_copies(tiny_checkpoint):
+    """publish_weights takes its first part (the version, the copy started) in its message's turn, even when
+    that part waits before it starts (SlowPublishTrainer's, half a second): the forward_backward and logprobs
+    sent right after it run at the new version (on every rank this keeps a publish's gather ahead of the next
+    call's collectives). They run and end on the actor while the copy, slowed to over a second, goes on, and
+    the optimizer update waits for the copy of the weights it changes (the actor's own times and versions)."""
     completion = Completion(0, [1, 2, 3], [4, 5, 6, 7], [-1.0] * 4, "", 0, "stop")
-    e = episode(completion, 1.0)
-    batch = TrainBatch.collate([e], e.num_response_tokens, 1)
 
     async def run():
         procs, trainer = spawn("trainer", SlowPublishTrainer, TrainerConfig(num_threads=1), WeightSyncConfig(),
                                str(tiny_checkpoint))
+        buffer = replay_buffer_on(procs)
         try:
-            await trainer.forward_backward.call_one(batch)  # warm
+            _, updates = await staged(buffer, [episode(completion, 1.0)], trainer)
+            ref = updates[0][0]
+            await trainer.forward_backward.call_one(ref)  # warm
             await trainer.optim_step.call_one()
             await trainer.spans.call_one()
             publish = asyncio.ensure_future(trainer.publish_weights.call_one())
-            await trainer.forward_backward.call_one(batch)
-            await trainer.logprobs.call_one(batch)
+            await trainer.forward_backward.call_one(ref)
+            await trainer.logprobs.call_one(dataclasses.replace(ref, into="old_logprobs"))
             await trainer.optim_step.call_one()
             assert await publish == 1
             return {s["what"]: s for s in await trainer.spans.call_one()}
@@ -173,6 +179,7 @@ def test_the_trainer_trains_while_a_publish_copies(tiny_checkpoint):
     spans = asyncio.run(run())
     copy = spans["publish"]
     assert copy["end"] - copy["start"] >= 1.0 and copy["policy_version"] == 1
+    assert spans["train"]["policy_version"] == spans["logprobs"]["policy_version"] == 1  # after the first part
     assert copy["start"] < spans["train"]["start"] and spans["train"]["end"] < copy["end"]
     assert spans["logprobs"]["end"] < copy["end"]
     assert spans["optim_step"]["start"] < copy["end"] <= spans["optim_step"]["end"]

@@ -16,17 +16,17 @@ from collections import defaultdict
 import psutil
 import pytest
 import torch
-from actor_helpers import kill_role_after_steps
+from actor_helpers import kill_role_after_steps, replay_buffer_on, train_through_buffer
 from assertions import assert_each_prompt_trained_once, read_jsonl
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from meshrl.actors import spawn
+from meshrl.actors.configs import TrainerConfig
 from meshrl.actors.trainer import TitanTrainer
 from meshrl.checkpoint import load_safely, rng_states, set_rng_states
-from meshrl.configs import TrainerConfig, WeightSyncConfig
 from meshrl.lr_schedule import LrScheduleConfig
-from meshrl.train_step import train_step
 from meshrl.types import Episode
+from meshrl.weight_sync import WeightSyncConfig
 from meshrl.weight_sync.disk import read_version
 
 
@@ -75,23 +75,24 @@ def test_restored_trainer_and_its_next_step_equal_the_uninterrupted_trainer_bit_
                            lr_schedule=LrScheduleConfig(warmup_updates=1, decay="cosine", total_updates=6))
     batches = [batch_of_episodes(seed) for seed in range(3)]
 
-    async def step(trainer, episodes) -> dict:
-        metrics = await train_step(trainer, None, episodes, config, pad_id=0)
+    async def step(trainer, buffer, episodes) -> dict:
+        metrics = await train_through_buffer(trainer, buffer, episodes, config)
         await trainer.publish_weights.call_one()
         return metrics
 
     async def run():
         spawned = [spawn(name, TitanTrainer, config, WeightSyncConfig(), str(tiny_checkpoint)) for name in "ab"]
+        buffer = replay_buffer_on(spawned[0][0], config)  # both trainers take their micro-batches from it
         try:
             (_, a), (_, b) = spawned
             for episodes in batches[:2]:
-                assert (await step(a, episodes))["updates_skipped"] == 0
+                assert (await step(a, buffer, episodes))["updates_skipped"] == 0
             await a.save_state.call_one(str(tmp_path / "a2"))
-            a3 = await step(a, batches[2])
+            a3 = await step(a, buffer, batches[2])
             await a.save_state.call_one(str(tmp_path / "a3"))
             assert await b.load_state.call_one(str(tmp_path / "a2")) == 2  # restored, and published as version 2
             await b.save_state.call_one(str(tmp_path / "b2"))
-            b3 = await step(b, batches[2])
+            b3 = await step(b, buffer, batches[2])
             await b.save_state.call_one(str(tmp_path / "b3"))
             return a3, b3
         finally:

@@ -353,14 +353,16 @@ def test_a_stop_while_the_last_publish_outlives_stop_timeout_checkpoints_its_ver
 def test_the_fake_trainer_answers_with_the_real_loss_metrics():
     import torch
 
-    from meshrl.configs import LossConfig
-    from meshrl.losses import policy_loss
+    from meshrl.losses import LossConfig, policy_loss
     from support.simulation import FakeWeights
+    from meshrl.tools.checks.workloads import HeldBatches
     from meshrl.types import Episode, TrainBatch
 
     batch = TrainBatch.collate([Episode([1, 2, 3], [False, True, True], [0.0, -1.0, -2.0], 1.0, 0, 0)], 2, 1)
     real = policy_loss(batch.behaviour_logprobs.clone(), batch, LossConfig(), torch.zeros(1, 2))[1]
-    fake = asyncio.run(FakeTrainer(FakeWeights()).forward_backward(batch))
+    trainer, held = FakeTrainer(FakeWeights()), HeldBatches()  # it takes the micro-batch by reference, as in a run
+    trainer.buffer = held
+    fake = asyncio.run(trainer.forward_backward(held.hold(batch)))
     assert fake.keys() == real.keys() and fake["tokens"] == real["tokens"] == 2
     assert fake["behaviour_weight"] == real["behaviour_weight"] and fake["ratio"] == real["ratio"]
 

@@ -1,5 +1,6 @@
 """The decoupled ratio on real parts: vLLM's behaviour logprobs, the torchtitan trainer (tiny model),
-every loss, through `train_step` as the controller calls it.
+every loss, each batch staged in a real replay buffer and trained through `train_updates` as the
+controller has it trained (the trainer's ranks taking their micro-batches from the buffer).
 
 With one update per step the clip sees pi_theta / pi_old = 1 exactly, so nothing clips, however far
 the generator's logprobs are from the trainer's (numerics, or staleness); that distance shows up in
@@ -10,17 +11,18 @@ import asyncio
 import dataclasses
 
 import pytest
-from actor_helpers import generate_whole
+
+from actor_helpers import generate_whole, replay_buffer_on, train_through_buffer
 
 from meshrl.actors import spawn
+from meshrl.actors.configs import GeneratorConfig, TrainerConfig
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.trainer import TitanTrainer
-from meshrl.configs import GeneratorConfig, LossConfig, TrainerConfig, WeightSyncConfig
 from meshrl.episodes import build_episodes
-from meshrl.losses import LOSSES
+from meshrl.losses import LOSSES, LossConfig
 from meshrl.models.model import ChatTokenizer
-from meshrl.train_step import train_step
 from meshrl.types import Prompt, Sampling, ScoredCompletion
+from meshrl.weight_sync import WeightSyncConfig
 
 pytestmark = pytest.mark.processes
 
@@ -41,19 +43,22 @@ def test_one_update_clips_nothing_even_on_stale_episodes_and_a_second_update_cli
         sync = WeightSyncConfig()
         configs = {name: TrainerConfig(lr=1e-2, num_threads=1, micro_batch_size=4, loss=LossConfig(name=name))
                    for name in LOSSES}
-        spawned = [spawn("generator", VLLMGenerator, GeneratorConfig(num_threads=1), sync, str(tiny_checkpoint))]
+        spawned = [spawn("generator", VLLMGenerator, GeneratorConfig(weight_update="drain", num_threads=1), sync, str(tiny_checkpoint))]
         try:
             spawned += [spawn(f"trainer-{name}", TitanTrainer, config, sync, str(tiny_checkpoint))
                         for name, config in configs.items()]
             generator = spawned[0][1]
             fresh, stale = await episodes(generator), await episodes(generator)  # both from version 0
+            # the buffers cut a batch as the configs say (alike for every loss): in 1 update, or in 2
+            configs_two = {name: dataclasses.replace(config, mini_batches=2) for name, config in configs.items()}
+            one_update, two_updates = (replay_buffer_on(spawned[0][0], TrainerConfig(micro_batch_size=4, mini_batches=n),
+                                                        tokenizer.pad_id) for n in (1, 2))
             results = {}
             for (name, config), (_, trainer) in zip(configs.items(), spawned[1:]):
-                on_policy = await train_step(trainer, None, fresh, config, tokenizer.pad_id)
+                on_policy = await train_through_buffer(trainer, one_update, fresh, config)
                 # the trainer has moved a large step: episodes from version 0 are now one step stale
-                behind = await train_step(trainer, None, stale, config, tokenizer.pad_id)
-                two = await train_step(trainer, None, fresh, dataclasses.replace(config, mini_batches=2),
-                                       tokenizer.pad_id)
+                behind = await train_through_buffer(trainer, one_update, stale, config)
+                two = await train_through_buffer(trainer, two_updates, fresh, configs_two[name])
                 results[name] = on_policy, behind, two
             return results
         finally:

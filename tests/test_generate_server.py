@@ -10,15 +10,17 @@ import time
 
 import httpx
 import pytest
+from actor_helpers import forward_backward, replay_buffer_on
 
 from meshrl.actors import spawn
+from meshrl.actors.configs import GeneratorConfig, TrainerConfig
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.replicas import ReplicaPool, monarch_replicas
 from meshrl.actors.trainer import TitanTrainer
-from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
 from meshrl.models.model import ChatTokenizer
 from meshrl.runtime.serve import GENERATE, MODELS, SESSIONS, GenerateServer, end_token_ids, token_versions
-from meshrl.types import Sampling, TrainBatch
+from meshrl.types import Sampling
+from meshrl.weight_sync import WeightSyncConfig
 
 
 def per_token(spans: list[dict]) -> list[int]:
@@ -40,9 +42,10 @@ def test_a_scripted_client_runs_a_two_turn_session_recorded_with_its_exact_token
         sync = WeightSyncConfig()
         pool = ReplicaPool("generator", monarch_replicas(
             lambda i: "generator", VLLMGenerator,
-            lambda i: (GeneratorConfig(num_threads=1), sync, str(tiny_checkpoint))), 1, 0)
+            lambda i: (GeneratorConfig(weight_update="drain", num_threads=1), sync, str(tiny_checkpoint))), 1, 0)
         trn_procs, trainer = spawn("trainer", TitanTrainer, TrainerConfig(lr=1e-2, num_threads=1), sync,
                                    str(tiny_checkpoint))
+        buffer = replay_buffer_on(trn_procs)
         await pool.start()
         server = None
         try:
@@ -69,7 +72,7 @@ def test_a_scripted_client_runs_a_two_turn_session_recorded_with_its_exact_token
                                    stop_token_ids=sorted(end_token_ids(tiny_checkpoint)))
                 # the trainer takes the session's record so far and publishes version 1
                 e = server.store.sessions["s1"].episode(advantage=-1.0, group_id=0)
-                await trainer.forward_backward.call_one(TrainBatch.collate([e], e.num_response_tokens, 1))
+                await forward_backward(trainer, buffer, [e])
                 await trainer.optim_step.call_one()
                 published[0] = await trainer.publish_weights.call_one()
                 # the harness's next turn: the conversation so far, then its own tokens

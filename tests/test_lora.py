@@ -13,19 +13,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from actor_helpers import episode, fixed_episodes, generate_whole, mismatch
+from actor_helpers import (episode, fixed_episodes, forward_backward, generate_whole, mismatch, replay_buffer_on,
+                           train_through_buffer)
 from assertions import assert_staleness_bound, read_jsonl
 from safetensors.torch import load_file
 
 from meshrl.actors import spawn
+from meshrl.actors.configs import GeneratorConfig, TrainerConfig
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.trainer import TitanTrainer
-from meshrl.configs import GeneratorConfig, TrainerConfig, WeightSyncConfig
 from meshrl.models.lora import ADAPTER_FILE, PEFT_PREFIX, LoraConfig, is_adapter, merged
 from meshrl.models.model import ChatTokenizer, load_hf_weights, load_policy, resolve_checkpoint
-from meshrl.train_step import train_step
-from meshrl.types import Prompt, Sampling, TrainBatch
-from meshrl.weight_sync import published_weights
+from meshrl.types import Prompt, Sampling
+from meshrl.weight_sync import WeightSyncConfig, published_weights
 
 LORA = LoraConfig(rank=8)
 
@@ -107,12 +107,13 @@ def test_vllm_serves_the_base_at_step_0_then_the_trainers_adapter_as_an_adapter_
         sync = WeightSyncConfig(transport="shm")
         procs, generators = [], {}
         for name in ("adapter", "merged"):
-            p, generators[name] = spawn(name, VLLMGenerator, GeneratorConfig(num_threads=1), sync, str(checkpoint),
+            p, generators[name] = spawn(name, VLLMGenerator, GeneratorConfig(weight_update="drain", num_threads=1), sync, str(checkpoint),
                                         dataclasses.replace(LORA, serving=name))
             procs.append(p)
         p, trainer = spawn("trainer", TitanTrainer, TrainerConfig(lr=1e-2, num_threads=1, lora=LORA), sync,
                            str(checkpoint))
         procs.append(p)
+        buffer = replay_buffer_on(p)
         served = [generators["adapter"], generators["merged"]]
         try:
             ring = [await trainer.weight_ring.call_one()]
@@ -124,19 +125,19 @@ def test_vllm_serves_the_base_at_step_0_then_the_trainers_adapter_as_an_adapter_
             base = (await generate_whole(generators["merged"], [prompt], sampling=greedy))[0]
             before = (await generate_whole(generators["adapter"], [prompt], sampling=greedy))[0]
             assert (before.token_ids, before.logprobs) == (base.token_ids, base.logprobs)  # the base, exactly
-            gaps.append(await mismatch(trainer, base))
+            gaps.append(await mismatch(trainer, buffer, base))
 
-            e = episode(base, -1.0)  # one large step pushing down the tokens vLLM chose
-            await trainer.forward_backward.call_one(TrainBatch.collate([e], e.num_response_tokens, 1))
+            # one large step pushing down the tokens vLLM chose
+            await forward_backward(trainer, buffer, [episode(base, -1.0)])
             assert (await trainer.optim_step.call_one())["updates"] == 1
             assert await trainer.publish_weights.call_one() == 1
-            assert await mismatch(trainer, base) > 0.5
+            assert await mismatch(trainer, buffer, base) > 0.5
             afters = []
             for g in served:
                 assert await g.pull_weights.call_one() == 1
                 afters.append((await generate_whole(g, [prompt], sampling=greedy))[0])
                 sampled = await generate_whole(g, [prompt], sampling=Sampling(n=4, temperature=0.8, max_tokens=16))
-                gaps.extend([await mismatch(trainer, afters[-1])] + [await mismatch(trainer, c, 0.8) for c in sampled])
+                gaps.extend([await mismatch(trainer, buffer, afters[-1])] + [await mismatch(trainer, buffer, c, 0.8) for c in sampled])
             assert afters[0].policy_version == afters[1].policy_version == 1
             assert afters[0].token_ids == afters[1].token_ids != base.token_ids
             assert max(gaps) < 0.02, gaps  # test_actors.py's bound for full weights of this model
@@ -154,10 +155,10 @@ def test_a_lora_checkpoint_resumes_exactly(tmp_path):
     the same sums). The second step's loss depends on the first's update, so on the optimizer state."""
     checkpoint, tokenizer = resolve_checkpoint("tiny"), ChatTokenizer(resolve_checkpoint("tiny"))
 
-    async def steps(trainer, config) -> list[tuple[float, float]]:
+    async def steps(trainer, buffer, config) -> list[tuple[float, float]]:
         out = []
         for batch in (1, 2):
-            metrics = await train_step(trainer, None, fixed_episodes(tokenizer, batch), config, tokenizer.pad_id)
+            metrics = await train_through_buffer(trainer, buffer, fixed_episodes(tokenizer, batch), config)
             out.append((metrics["loss"], metrics["grad_norm"]))
         return out
 
@@ -165,13 +166,14 @@ def test_a_lora_checkpoint_resumes_exactly(tmp_path):
         configs = [TrainerConfig(lr=1e-2, num_threads=1, micro_batch_size=2, lora=LORA, seed=seed) for seed in (0, 1)]
         spawned = [spawn(f"trainer{i}", TitanTrainer, c, WeightSyncConfig(), str(checkpoint))
                    for i, c in enumerate(configs)]
+        buffer = replay_buffer_on(spawned[0][0], configs[0], tokenizer.pad_id)  # both take their micro-batches from it
         try:
             (_, saver), (_, restored) = spawned
-            await train_step(saver, None, fixed_episodes(tokenizer), configs[0], tokenizer.pad_id)
+            await train_through_buffer(saver, buffer, fixed_episodes(tokenizer), configs[0])
             await saver.save_state.call_one(str(tmp_path / "saved"))
-            going_on = await steps(saver, configs[0])
+            going_on = await steps(saver, buffer, configs[0])
             assert await restored.load_state.call_one(str(tmp_path / "saved")) == 0
-            return going_on, await steps(restored, configs[1])
+            return going_on, await steps(restored, buffer, configs[1])
         finally:
             for procs, _ in spawned:
                 await procs.stop()

@@ -7,14 +7,15 @@ import itertools
 
 import pytest
 import torch
-from actor_helpers import fixed_episodes
+from actor_helpers import fixed_episodes, replay_buffer_on, train_through_buffer
 
 from meshrl.actors import first, rank_procs, spawn_ranks
+from meshrl.actors.configs import ReferenceConfig, TrainerConfig
 from meshrl.actors.reference import ReferenceModel
 from meshrl.actors.trainer import TitanTrainer
-from meshrl.configs import LossConfig, ReferenceConfig, TrainerConfig, WeightSyncConfig
+from meshrl.losses import LossConfig
 from meshrl.models.model import ChatTokenizer, load_hf_weights, resolve_checkpoint
-from meshrl.train_step import train_step
+from meshrl.weight_sync import WeightSyncConfig
 
 pytestmark = pytest.mark.processes
 
@@ -40,9 +41,9 @@ def trainer_on(procs, config: TrainerConfig, checkpoint):
     return procs.spawn(f"trainer{next(NAMES)}", TitanTrainer, config, WeightSyncConfig(), str(checkpoint))
 
 
-def one_step(procs, checkpoint, ranks: int, out_dir, kl: bool) -> dict:
-    """One step, the trainer on `ranks` ranks (`procs`); with the KL penalty (`kl`), the reference on as many
-    (processes of its own)."""
+def one_step(procs, buffer_procs, checkpoint, ranks: int, out_dir, kl: bool) -> dict:
+    """One step, the trainer on `ranks` ranks (`procs`) taking its micro-batches from a replay buffer (on
+    `buffer_procs`); with the KL penalty (`kl`), the reference on as many (processes of its own)."""
     async def run():
         # fp32 (no bf16 autocast), so the two runs differ only in the order of their sums
         config = TrainerConfig(lr=1e-3, num_threads=1, ranks=ranks, micro_batch_size=2, bf16_autocast=False,
@@ -55,8 +56,9 @@ def one_step(procs, checkpoint, ranks: int, out_dir, kl: bool) -> dict:
             meshes.append(ref_procs)
         try:
             tokenizer = ChatTokenizer(checkpoint)
-            metrics = await train_step(trainer, reference, fixed_episodes(tokenizer), config, tokenizer.pad_id,
-                                       reference_ranks=ranks)
+            buffer = replay_buffer_on(buffer_procs, config, tokenizer.pad_id)
+            metrics = await train_through_buffer(trainer, buffer, fixed_episodes(tokenizer), config, reference,
+                                                 reference_ranks=ranks)
             await trainer.save.call(str(out_dir))
             return metrics
         finally:
@@ -74,8 +76,8 @@ def test_one_step_on_two_ranks_matches_one_rank(source, tmp_path, request, share
     tiny_checkpoint = (request.getfixturevalue(source) if source == "qwen2_checkpoint"
                        else resolve_checkpoint(source))
     kl = source == "tiny"
-    one = one_step(shared_ranks[1], tiny_checkpoint, 1, tmp_path / "one", kl)
-    two = one_step(shared_ranks[2], tiny_checkpoint, 2, tmp_path / "two", kl)
+    one = one_step(shared_ranks[1], shared_ranks[1], tiny_checkpoint, 1, tmp_path / "one", kl)
+    two = one_step(shared_ranks[2], shared_ranks[1], tiny_checkpoint, 2, tmp_path / "two", kl)
     # Gradients are summed over ranks (each rank's loss carries the whole step's normalisers): an average
     # would halve the gradient norm. AdamW's first update hardly depends on the gradient's scale, so the
     # norm and the loss are what tell a sum from a mean.
@@ -108,10 +110,10 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_and_one_of_one_rank_on_two(tmp
     by 1 and loaded on 2: the next two steps' losses and gradient norms are those of the trainer that
     saved it, going on (within the sums' order: fp32). The second step's loss depends on the first's
     update, so on the optimizer state restored too."""
-    async def steps(trainer, config, tokenizer) -> list[tuple[float, float]]:
+    async def steps(trainer, buffer, config, tokenizer) -> list[tuple[float, float]]:
         out = []
         for batch in (1, 2):
-            metrics = await train_step(trainer, None, fixed_episodes(tokenizer, batch), config, tokenizer.pad_id)
+            metrics = await train_through_buffer(trainer, buffer, fixed_episodes(tokenizer, batch), config)
             assert metrics["updates_skipped"] == 0
             out.append((metrics["loss"], metrics["grad_norm"]))
         return out
@@ -122,15 +124,16 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_and_one_of_one_rank_on_two(tmp
                    for ranks in (1, 2)}
         spawned = {ranks: trainer_on(shared_ranks[ranks], configs[ranks], resolve_checkpoint("tiny"))
                    for ranks in (1, 2)}
+        buffers = {ranks: replay_buffer_on(shared_ranks[1], configs[ranks], tokenizer.pad_id) for ranks in (1, 2)}
         going_on, resumed = {}, {}
         for ranks, trainer in spawned.items():
-            await train_step(trainer, None, fixed_episodes(tokenizer), configs[ranks], tokenizer.pad_id)
+            await train_through_buffer(trainer, buffers[ranks], fixed_episodes(tokenizer), configs[ranks])
             assert await first(trainer.publish_weights.call()) == 1
             await trainer.save_state.call(str(tmp_path / f"saved_by_{ranks}"))
-            going_on[ranks] = await steps(trainer, configs[ranks], tokenizer)
+            going_on[ranks] = await steps(trainer, buffers[ranks], configs[ranks], tokenizer)
         for ranks, trainer in spawned.items():  # each loads what the other rank count saved
             assert await first(trainer.load_state.call(str(tmp_path / f"saved_by_{3 - ranks}"))) == 1
-            resumed[ranks] = await steps(trainer, configs[ranks], tokenizer)
+            resumed[ranks] = await steps(trainer, buffers[ranks], configs[ranks], tokenizer)
         return going_on, resumed
 
     # measured: the losses agree to 1e-7 and the norms to 2e-6 of their value (their sums' order differs

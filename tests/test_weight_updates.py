@@ -8,14 +8,16 @@ code for an adapter as for full weights, all but vLLM's reload, which this file 
 import asyncio
 
 import pytest
-from actor_helpers import episode, generate_whole
+
+from actor_helpers import episode, generate_whole, logprobs, replay_buffer_on
 from probe_actors import ScalingTrainer, SlowStepGenerator
 
 from meshrl.actors import spawn
+from meshrl.actors.configs import GeneratorConfig, ReferenceConfig, TrainerConfig
 from meshrl.actors.reference import ReferenceModel
-from meshrl.configs import GeneratorConfig, ReferenceConfig, TrainerConfig, WeightSyncConfig
 from meshrl.models.model import ChatTokenizer
-from meshrl.types import Completion, Prompt, Sampling, TrainBatch
+from meshrl.types import Completion, Prompt, Sampling
+from meshrl.weight_sync import WeightSyncConfig
 
 pytestmark = pytest.mark.processes
 
@@ -23,11 +25,10 @@ FINAL_NORM = r"norm\.weight"  # changes the logits only: the KV cache of a prefi
 VALUES = r"layers\.0\.attention\.qkv_linear\.wv\.weight"  # changes every later layer's keys and values
 
 
-async def scored(actor, completion: Completion) -> list[float]:
-    """`actor`'s logprob of each of the completion's tokens (a trainer's or the reference's policy)."""
-    e = episode(completion, 0.0)
-    batch = TrainBatch.collate([e], e.num_response_tokens, 1)
-    return (await actor.logprobs.call_one(batch))[batch.loss_mask].tolist()
+async def scored(actor, buffer, completion: Completion) -> list[float]:
+    """`actor`'s logprob of each of the completion's tokens (a trainer's or the reference's policy), its
+    micro-batch taken from `buffer`."""
+    return (await logprobs(actor, buffer, [episode(completion, 0.0)])).tolist()
 
 
 def gap(a: list[float], b: list[float]) -> float:
@@ -45,6 +46,7 @@ def test_weights_loaded_mid_request_in_flight_and_recomputed(tiny_checkpoint):
             return actor
 
         trainer = start("trainer", ScalingTrainer, TrainerConfig(num_threads=1), sync, str(tiny_checkpoint))
+        buffer = replay_buffer_on(procs[-1])  # the trainer's and the reference's micro-batches
         old = start("reference", ReferenceModel, ReferenceConfig(num_threads=1), str(tiny_checkpoint))
         generators = {mode: start(f"generator_{mode}", SlowStepGenerator,
                                   GeneratorConfig(num_threads=1, weight_update=mode), sync, str(tiny_checkpoint))
@@ -75,11 +77,11 @@ def test_weights_loaded_mid_request_in_flight_and_recomputed(tiny_checkpoint):
             for c in (kept, recomputed):
                 swap = c.versions[-1][0]
                 assert c.policy_version == 0 and c.versions == [[0, 0], [swap, 1]] and 5 <= swap <= 245, c.versions
-                assert gap(c.logprobs[:swap], (await scored(old, c))[:swap]) < 0.02  # the old policy's tokens
+                assert gap(c.logprobs[:swap], (await scored(old, buffer, c))[:swap]) < 0.02  # the old policy's tokens
             swap = recomputed.versions[1][0]
-            exact = gap(recomputed.logprobs[swap:], (await scored(trainer, recomputed))[swap:])
+            exact = gap(recomputed.logprobs[swap:], (await scored(trainer, buffer, recomputed))[swap:])
             swap = kept.versions[1][0]
-            stale_kv = gap(kept.logprobs[swap:], (await scored(trainer, kept))[swap:])
+            stale_kv = gap(kept.logprobs[swap:], (await scored(trainer, buffer, kept))[swap:])
             assert exact < 0.02 and stale_kv > max(0.03, 5 * exact), (exact, stale_kv)
             for generator in generators.values():
                 updates = await generator.weight_updates.call_one()
@@ -91,9 +93,9 @@ def test_weights_loaded_mid_request_in_flight_and_recomputed(tiny_checkpoint):
             version, [c] = await mid_request([generators["in_flight"]], FINAL_NORM, 4.0)
             swap = c.versions[-1][0]
             assert version == 2 and c.versions == [[0, 1], [swap, 2]] and 5 <= swap <= 245, c.versions
-            new_lp = await scored(trainer, c)
+            new_lp = await scored(trainer, buffer, c)
             await trainer.scale_and_publish.call_one(FINAL_NORM, 0.25)  # back to version 1's weights, exactly
-            old_lp = await scored(trainer, c)
+            old_lp = await scored(trainer, buffer, c)
             before, after = c.logprobs[:swap], c.logprobs[swap:]
             assert gap(before, old_lp[:swap]) < 0.02 and gap(after, new_lp[swap:]) < 0.02
             assert gap(after, old_lp[swap:]) > 0.5 and gap(before, new_lp[:swap]) > 0.5  # visibly different

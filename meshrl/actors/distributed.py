@@ -4,8 +4,8 @@
 `spawn_ranks` (meshrl/actors/__init__.py) sets RANK, WORLD_SIZE, MASTER_ADDR... in every process of
 the mesh before the actors start; `join` reads them, pins the rank to its cores, picks its device and
 initialises the process group (gloo on the CPU, NCCL on CUDA); `shard` applies the model family's
-FSDP2 plan. Both take their micro-batches from the replay buffer when given a BatchRef (`from_buffer`)
-and put back what they compute for it (`to_buffer`).
+FSDP2 plan. Both take their micro-batches from the replay buffer by BatchRef (`from_buffer`) and put
+back what they compute for them (`to_buffer`).
 """
 
 import contextlib
@@ -194,20 +194,15 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-async def from_buffer(buffer, batch: TrainBatch | BatchRef, clock=None, version: int | None = None) -> TrainBatch:
-    """The micro-batch itself: a BatchRef's taken from the replay buffer (an actor mesh), actor to actor
-    (timed as a `from_buffer` span of `clock`, an ActorClock, if given)."""
-    if not isinstance(batch, BatchRef):
-        return batch
+async def from_buffer(buffer, ref: BatchRef, clock=None, version: int | None = None) -> TrainBatch:
+    """The micro-batch `ref` names, taken from the replay buffer (an actor mesh), actor to actor (timed as a
+    `from_buffer` span of `clock`, an ActorClock, if given)."""
     if clock is None:
-        return await buffer.micro_batch.call_one(batch)
+        return await buffer.micro_batch.call_one(ref)
     with clock.span("from_buffer", version):
-        return await buffer.micro_batch.call_one(batch)
+        return await buffer.micro_batch.call_one(ref)
 
 
-async def to_buffer(buffer, batch: TrainBatch | BatchRef, values: torch.Tensor) -> torch.Tensor | None:
-    """`values` computed for `batch`: put into the replay buffer (a BatchRef's, as its `into`), or returned."""
-    if isinstance(batch, BatchRef):
-        await buffer.attach.call_one(batch, values)
-        return None
-    return values
+async def to_buffer(buffer, ref: BatchRef, values: torch.Tensor) -> None:
+    """`values` computed for `ref`'s micro-batch, put into the replay buffer as its field `ref.into`."""
+    await buffer.attach.call_one(ref, values)

@@ -6,13 +6,12 @@ for its own micro-batch of each round. Frozen, it holds its weights in `referenc
 the memory of fp32) where its forward runs in bf16 autocast anyway (meshrl/models/memory.py).
 """
 
-import torch
 from monarch.actor import Actor, endpoint
 
+from meshrl.actors.configs import ReferenceConfig
 from meshrl.actors.distributed import from_buffer, join, load_on_ranks, memory_of, to_buffer
-from meshrl.configs import ReferenceConfig
 from meshrl.losses import policy_logprobs
-from meshrl.types import BatchRef, TrainBatch
+from meshrl.types import BatchRef
 
 
 class ReferenceModel(Actor):
@@ -34,9 +33,9 @@ class ReferenceModel(Actor):
         """Answer, changing nothing: whether this actor is still there (a restart's probe, meshrl/restarts.py)."""
 
     @endpoint
-    async def logprobs(self, batch: TrainBatch | BatchRef) -> torch.Tensor | None:
-        """log p_ref of every target token [B, T] (on the host, for the caller; of a BatchRef's micro-batch,
-        put back into the replay buffer as its `into`)."""
-        micro = await from_buffer(self.buffer, batch)
+    async def logprobs(self, ref: BatchRef) -> None:
+        """log p_ref of every target token [B, T] of the micro-batch `ref` names, put back into the replay
+        buffer as its field `ref.into`."""
+        micro = await from_buffer(self.buffer, ref)
         values = policy_logprobs(self.model, micro.to(self.device), self.config.bf16_autocast).cpu()
-        return await to_buffer(self.buffer, batch, values)
+        await to_buffer(self.buffer, ref, values)

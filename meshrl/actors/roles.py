@@ -102,7 +102,8 @@ class Grader(Protocol):
 
 
 class Trainer(Protocol):
-    """Trains on TrainBatches and publishes weights; computes no advantages.
+    """Trains on micro-batches it takes from the replay buffer by `BatchRef` and publishes weights; computes
+    no advantages.
     Constructed with (TrainerConfig, WeightSyncConfig, checkpoint path)."""
 
     async def attach_buffer(self, buffer) -> None:
@@ -111,16 +112,16 @@ class Trainer(Protocol):
     async def ping(self) -> None:
         """Answer at once, changing nothing: a restart's probe of whether it is still there (meshrl/restarts.py)."""
 
-    async def forward_backward(self, batch: TrainBatch | BatchRef) -> dict:
-        """Accumulate the loss's gradient over one micro-batch (a `BatchRef`: taken from the replay buffer);
+    async def forward_backward(self, ref: BatchRef) -> dict:
+        """Accumulate the loss's gradient over the micro-batch `ref` names (taken from the replay buffer);
         returns its metric sums (meshrl/losses.py). Logprobs are taken from logits / `batch.temperature`:
         the distribution the tokens were sampled from."""
 
-    async def logprobs(self, batch: TrainBatch | BatchRef) -> torch.Tensor | None:
-        """The current policy's logprob of every target token [B, T], without training; for a `BatchRef`,
-        attached to its micro-batch in the replay buffer (as `ref.into`) instead of returned."""
+    async def logprobs(self, ref: BatchRef) -> None:
+        """The current policy's logprob of every target token [B, T] of `ref`'s micro-batch, without training,
+        attached to it in the replay buffer (as `ref.into`)."""
 
-    async def base_logprobs(self, batch: TrainBatch | BatchRef) -> torch.Tensor | None:
+    async def base_logprobs(self, ref: BatchRef) -> None:
         """Needed only for a KL penalty with LoRA (no reference process then): as `logprobs`, of the frozen
         base with the adapter switched off, the initial policy."""
 
@@ -141,8 +142,10 @@ class Trainer(Protocol):
 
     async def publish_weights(self) -> int:
         """Publish the current weights as the next policy version; returns it once generators can read it.
-        A `concurrent_endpoint`: forward_backward and logprobs calls may come and run while it copies; an optim_step or save_state that
-        comes meanwhile waits for the copy to end before it changes or saves the weights."""
+        Its first part (the version, a gather) runs in its message's turn, before the next call; it answers
+        later (an explicit response port): forward_backward and logprobs calls may come and run while it
+        copies; an optim_step or save_state that comes meanwhile waits for the copy to end before it changes
+        or saves the weights."""
 
     async def spans(self) -> list[dict]:
         """What this rank did since the last call, timed on the actor (meshrl/actors/trace.py's ActorClock):
@@ -167,8 +170,8 @@ class Reference(Protocol):
     async def ping(self) -> None:
         """As the trainer's: answer, changing nothing."""
 
-    async def logprobs(self, batch: TrainBatch | BatchRef) -> torch.Tensor | None:
-        """log p_ref of every target token [B, T]; for a `BatchRef`, attached in the replay buffer instead."""
+    async def logprobs(self, ref: BatchRef) -> None:
+        """log p_ref of every target token [B, T] of `ref`'s micro-batch, attached to it in the replay buffer."""
 
 
 class ReplayBuffer(Protocol):

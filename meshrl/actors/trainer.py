@@ -9,13 +9,17 @@ rank reading only its own shards of the checkpoint. Each rank computes its micro
 the normalisers of the whole update, so the ranks' gradients are summed, not averaged; one optimizer
 step follows. Each rank publishes its own rows into its host's weight ring (meshrl/weight_sync/shards.py).
 
-A publish copies the weights into the ring in a thread of its own, and `publish_weights` is a
-concurrent endpoint: Monarch runs an actor's plain endpoints one at a time, so the next step's
-`logprobs` and `forward_backward` calls (plain, they leave the weights as they are) run on the actor
-while the copy goes on. What changes or reads the weights as a whole waits for the copy: an
-optimizer update, a checkpoint, a restore. From CUDA the copy is device-to-host into pinned staging on
-a side stream, ordered after the update that made the weights (`weight_sync.staging`,
-meshrl/weight_sync/staging.py), so the passes queued on the default stream meanwhile run alongside it.
+A publish copies the weights into the ring in a thread of its own. Monarch runs an actor's plain
+endpoints one at a time, in the order their messages came; `publish_weights` is one of them that
+answers later, from a task of its own (an explicit response port): its first part (the version, the
+weights it copies, the disk path's gather) runs in its message's turn, so the next call finds the
+version taken on every rank and, with several ranks, every rank runs the gather's collectives before
+the next call's; then the next step's `logprobs` and `forward_backward` calls (they leave the weights
+as they are) run on the actor while the copy goes on. What changes or reads the weights as a whole
+waits for the copy: an optimizer update, a checkpoint, a restore. From CUDA the copy is device-to-host
+into pinned staging on a side stream, ordered after the update that made the weights
+(`weight_sync.staging`, meshrl/weight_sync/staging.py), so the passes queued on the default stream
+meanwhile run alongside it.
 Each endpoint times itself (`spans`, meshrl/actors/trace.py), so the trace shows what overlapped on the
 actor.
 """
@@ -27,34 +31,25 @@ import warnings
 from pathlib import Path
 
 import torch
-from monarch.actor import Actor, concurrent_endpoint, endpoint
+from monarch.actor import Actor, ActorError, endpoint
 from torch.distributed.tensor import DTensor
 
 from meshrl.actors import resident_gb, return_free_memory
 from meshrl.actors.distributed import (all_gather, from_buffer, head_kept_gathered, join, load_on_ranks, local, memory_of,
                                       to_buffer)
+from meshrl.actors.configs import TrainerConfig
 from meshrl.actors.trace import ActorClock
 from meshrl.checkpoint import SafeReader, load_safely
-from meshrl.configs import TrainerConfig, WeightSyncConfig
-from meshrl.configs.lr_schedule import lr_scheduler
 from meshrl.losses import check, policy_logprobs, policy_loss, policy_terms
+from meshrl.lr_schedule import lr_scheduler
 from meshrl.models.lora import adapter_config, adapter_off, is_adapter, save_adapter
 from meshrl.models.model import save_checkpoint
 from meshrl.types import BatchRef, TrainBatch
-from meshrl.weight_sync import published_weights
+from meshrl.weight_sync import WeightSyncConfig, published_weights
 from meshrl.weight_sync.disk import DiskHandle, write_version
 from meshrl.weight_sync.ring import RingHandle
 from meshrl.weight_sync.shards import host_ring, shard_layout
 from meshrl.weight_sync.staging import staging_for
-
-
-async def publishes_started() -> None:
-    """Let a publish whose message came before this call take its first part (its version, the weights
-    it copies, the disk path's gather) before a plain endpoint goes on. Monarch may start the next
-    message before a concurrent endpoint's body has begun (its task is only scheduled); asyncio runs
-    scheduled tasks in order, so one turn of the loop is enough, and every rank then runs the gather
-    and the next call's collectives in the same order."""
-    await asyncio.sleep(0)
 
 
 class TitanTrainer(Actor):
@@ -89,6 +84,7 @@ class TitanTrainer(Actor):
         self.policy_version = 0  # versions published
         self.updates = 0  # optimizer updates taken
         self.publishing: asyncio.Future | None = None  # the copy into the ring of the newest version
+        self.answering: set[asyncio.Task] = set()  # publishes answering once their copy ends
         self.clock = ActorClock()  # when each endpoint ran, here
         self.buffer = None  # the replay buffer BatchRefs name micro-batches of
 
@@ -102,12 +98,15 @@ class TitanTrainer(Actor):
         """Answer, changing nothing: whether this actor is still there (a restart's probe, meshrl/restarts.py)."""
 
     @endpoint
-    async def forward_backward(self, batch: TrainBatch | BatchRef) -> dict:
-        """Accumulate the loss's gradient over one micro-batch (a BatchRef: taken from the replay buffer);
+    async def forward_backward(self, ref: BatchRef) -> dict:
+        """Accumulate the loss's gradient over the micro-batch `ref` names (taken from the replay buffer);
         returns the loss's metric sums. Logprobs are taken from logits / the batch's sampling temperature:
         the distribution its tokens came from, `trainer.logprob_chunk_tokens` positions at a time."""
-        await publishes_started()
-        batch = await from_buffer(self.buffer, batch, self.clock, self.policy_version)
+        batch = await from_buffer(self.buffer, ref, self.clock, self.policy_version)
+        return self._train_on(batch)
+
+    def _train_on(self, batch: TrainBatch) -> dict:
+        """forward_backward's work on the micro-batch it took (a test's trainer may spoil it first)."""
         with self.clock.span("train", self.policy_version):
             batch = batch.to(self.device)
             bonus = self.config.loss.entropy_coef > 0  # else the entropy is a metric only
@@ -120,28 +119,26 @@ class TitanTrainer(Actor):
         return metrics
 
     @endpoint
-    async def logprobs(self, batch: TrainBatch | BatchRef) -> torch.Tensor | None:
-        """The current policy's logprob of every target token [B, T], without training (on the host); of
-        a BatchRef's micro-batch, put back into the replay buffer as its `into` instead."""
-        await publishes_started()
-        micro = await from_buffer(self.buffer, batch, self.clock, self.policy_version)
+    async def logprobs(self, ref: BatchRef) -> None:
+        """The current policy's logprob of every target token [B, T] of the micro-batch `ref` names, without
+        training: put back into the replay buffer as its field `ref.into`."""
+        micro = await from_buffer(self.buffer, ref, self.clock, self.policy_version)
         with self.clock.span("logprobs", self.policy_version):
             values = policy_logprobs(self.model, micro.to(self.device), self.config.bf16_autocast,
                                      self.config.logprob_chunk_tokens).cpu()
-        return await to_buffer(self.buffer, batch, values)
+        await to_buffer(self.buffer, ref, values)
 
     @endpoint
-    async def base_logprobs(self, batch: TrainBatch | BatchRef) -> torch.Tensor | None:
+    async def base_logprobs(self, ref: BatchRef) -> None:
         """With LoRA, the KL penalty's reference for free: as `logprobs`, of the frozen base with the adapter
         switched off (the initial policy, exactly)."""
         if not self.lora:
             raise ValueError("base_logprobs is the reference of a LoRA trainer: this one trains full weights")
-        await publishes_started()
-        micro = await from_buffer(self.buffer, batch, self.clock, self.policy_version)
+        micro = await from_buffer(self.buffer, ref, self.clock, self.policy_version)
         with self.clock.span("reference", self.policy_version), adapter_off(self.model):
             values = policy_logprobs(self.model, micro.to(self.device), self.config.bf16_autocast,
                                      self.config.logprob_chunk_tokens).cpu()
-        return await to_buffer(self.buffer, batch, values)
+        await to_buffer(self.buffer, ref, values)
 
     @endpoint
     async def optim_step(self, skip: bool = False) -> dict:
@@ -190,16 +187,43 @@ class TitanTrainer(Actor):
             return DiskHandle(str(self.disk)) if self.rank == 0 else None
         return self.ring.handle()
 
-    @concurrent_endpoint
-    async def publish_weights(self) -> int:
+    @endpoint(explicit_response_port=True)
+    async def publish_weights(self, port) -> None:
         """Put this rank's shard of the current policy into its weight ring as the next version (no
-        waiting for readers, nothing gathered); return that version once it is readable. Calls that
+        waiting for readers, nothing gathered); answer that version once it is readable. Its first part
+        runs here, in its message's turn among the plain endpoints (the order the next call's collectives
+        rely on); the answer waits for the copy in a task of its own, so the calls that come meanwhile and
         leave the weights unchanged (forward_backward, logprobs) run while it copies."""
-        return await self._publish()
+        try:
+            version = await self._start_publish()
+        except Exception as e:  # the caller gets the error, as from any endpoint; the actor goes on
+            port.exception(ActorError(e, "Actor call publish_weights failed."))
+            return
+        answer = asyncio.ensure_future(self._answer(port, version))
+        self.answering.add(answer)
+        answer.add_done_callback(self.answering.discard)
+
+    async def _answer(self, port, version: int) -> None:
+        try:
+            await self._published()
+        except Exception as e:  # the copy failed: the caller gets its error, as from any endpoint
+            port.exception(ActorError(e, "Actor call publish_weights failed."))
+            return
+        port.send(version)
 
     async def _publish(self) -> int:
+        """A whole publish, for an endpoint that publishes as its last act (load_state): the version, once
+        readable."""
+        version = await self._start_publish()
+        await self._published()
+        return version
+
+    async def _start_publish(self) -> int:
+        """The publish's first part: the next version, the disk path's gather and save (every rank, its
+        collectives before the next call's), the copy into the ring started. Awaited in publish_weights's
+        turn, so a start that waits (a test's) still comes before the next call."""
         self.policy_version = version = self.policy_version + 1
-        if self.disk is not None:  # gathers: before any await, so that every rank does it before the next call
+        if self.disk is not None:
             self._write_version(version)
         if self.ring is not None:
             state = self.model.state_dict()
@@ -207,7 +231,6 @@ class TitanTrainer(Actor):
             # on CUDA: marks the weights this step made on the current stream, before the next pass is queued
             staged = self.staging.start(weights)
             self.publishing = self._copy(staged, version, self.publishing)
-            await self._published()
         return version
 
     def _copy(self, weights, version: int, previous: asyncio.Future | None) -> asyncio.Future:
@@ -248,7 +271,6 @@ class TitanTrainer(Actor):
 
     async def _published(self) -> None:
         """Wait for the publish in progress, if any (shielded: a cancelled caller leaves it to finish)."""
-        await publishes_started()
         if self.publishing is not None:
             await asyncio.shield(self.publishing)
 
@@ -323,7 +345,6 @@ class TitanTrainer(Actor):
         """Write the current policy as an HF checkpoint (loadable by vLLM and transformers), with LoRA as
         an adapter in PEFT's layout on the base (vLLM and `peft` load it); with several ranks every rank
         takes part in the gather and rank 0 writes."""
-        await publishes_started()
         state = self._gathered()
         if self.rank == 0:
             with torch.no_grad():

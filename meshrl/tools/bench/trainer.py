@@ -4,12 +4,11 @@ of the same model on the same batch, in the same process placement, for each ran
 - plain: each rank builds the model, shards it with torch's own `fully_shard` (several ranks), and
   runs forward (the LM head on the loss positions), a REINFORCE loss, backward, clipping and an
   AdamW step on a batch it already holds, timed inside the process;
-- trainer: the real trainer actor on the same ranks, driven through `train_step` (the batch collated
-  by the caller and sent over Monarch, the decoupled loss, the metrics), timed by the caller;
-- from buffer: the same trainer taking its micro-batches from a replay buffer actor on a process of
-  its own, as the controller has it do (the batch's completions staged there from a generator standing
-  in (`BatchHolder`) and added, untimed; `sample` composes the batch there, each rank fetches its
-  micro-batch by reference), timed by the caller from `sample` to the last update.
+- trainer: the real trainer actor on the same ranks, taking its micro-batches from a replay buffer actor
+  on a process of its own, driven as the controller drives it (`train_updates`: the decoupled loss, the
+  metrics; the batch's completions staged in the buffer from a generator standing in (`BatchHolder`) and
+  added, untimed; `sample` composes the batch there, each rank fetches its micro-batch by reference),
+  timed by the caller from `sample` to the last update.
 
 Each figure is the best of `repeats` timed steps, after one warm-up step. With them, each trainer
 rank's resident memory added while loading the model as the trainer does (several ranks read only their
@@ -26,16 +25,17 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.actors import in_rank_order, parse_cpus, spawn, spawn_ranks
+from meshrl.actors.configs import ReplayBufferConfig, TrainerConfig
 from meshrl.actors.distributed import join, load_on_ranks
 from meshrl.actors.held import HeldCompletions
 from meshrl.actors.replay_buffer import FifoBuffer
 from meshrl.actors.trainer import TitanTrainer
-from meshrl.configs import ReplayBufferConfig, TrainerConfig, WeightSyncConfig
 from meshrl.losses import autocast, response_logits, token_logprobs
 from meshrl.models.lora import LoraConfig
 from meshrl.models.model import build_policy, load_policy, read_hf_config, resolve_checkpoint
-from meshrl.train_step import train_step, train_updates
+from meshrl.train_step import train_updates
 from meshrl.types import BatchRef, Completion, Episode, GroupEpisodes, TrainBatch
+from meshrl.weight_sync import WeightSyncConfig
 
 
 def episodes(batch: int, prompt: int, response: int) -> list[Episode]:
@@ -164,21 +164,7 @@ async def _run(model: str, rank_counts: list[int], batch: int, prompt: int, resp
             loads = await in_rank_order(probe.load.call())
         finally:
             await procs.stop()
-        procs, trainer = await spawn_ranks("trainer", MeasuredTrainer, ranks, config, WeightSyncConfig(), checkpoint)
-        buffer_procs, buffer = spawn("replay_buffer", FifoBuffer, ReplayBufferConfig(), config, batch, 0, 0)
-        holder_procs, holder = spawn("holder", BatchHolder)
-        try:
-            await trainer.attach_buffer.call(buffer)
-            times, from_buffer = [], []
-            for i in range(repeats + 1):  # the first is the warm-up; each way in turn
-                start = time.perf_counter()
-                await train_step(trainer, None, data, config, pad_id=0)
-                times.append(time.perf_counter() - start)
-                from_buffer.append(await _step_from_buffer(trainer, buffer, holder, data, config, i))
-            trainer_s, buffer_s = min(times[1:]), min(from_buffer[1:])
-            peak = max(await in_rank_order(trainer.peak_rss_mb.call()))
-        finally:
-            await asyncio.gather(procs.stop(), buffer_procs.stop(), holder_procs.stop())
+        trainer_s, peak = await _trainer_step_s(checkpoint, config, data, repeats)
         if ranks == rank_counts[0] and lora_rank:
             lora = dataclasses.replace(config, lora=LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank), lr=1e-5)
             lora_s, lora_peak = await _trainer_step_s(checkpoint, lora, data, repeats)
@@ -187,7 +173,6 @@ async def _run(model: str, rank_counts: list[int], batch: int, prompt: int, resp
                               "peak_vs_full": lora_peak / peak}
         result[f"ranks_{ranks}"] = {"plain_tokens_per_s": tokens / plain_s, "trainer_tokens_per_s": tokens / trainer_s,
                                     "trainer_vs_plain": plain_s / trainer_s,
-                                    "from_buffer_tokens_per_s": tokens / buffer_s, "from_buffer_vs_plain": plain_s / buffer_s,
                                     "trainer_peak_rss_mb": peak,
                                     "load_mb_per_rank": max(r["peak_mb"] - r["before_mb"] for r in loads),
                                     "load_peak_rss_mb_per_rank": max(r["peak_mb"] for r in loads)}
@@ -195,18 +180,17 @@ async def _run(model: str, rank_counts: list[int], batch: int, prompt: int, resp
 
 
 async def _trainer_step_s(checkpoint: str, config: TrainerConfig, data: list[Episode], repeats: int):
-    """The best of `repeats` steps of the trainer actor (after a warm-up), and its ranks' peak memory."""
-    procs, trainer = await spawn_ranks("lora_trainer", MeasuredTrainer, config.ranks, config, WeightSyncConfig(),
-                                       checkpoint)
+    """The best of `repeats` steps of the trainer actor from the replay buffer (after a warm-up), and its
+    ranks' peak memory."""
+    procs, trainer = await spawn_ranks("trainer", MeasuredTrainer, config.ranks, config, WeightSyncConfig(), checkpoint)
+    buffer_procs, buffer = spawn("replay_buffer", FifoBuffer, ReplayBufferConfig(), config, len(data), 0, 0)
+    holder_procs, holder = spawn("holder", BatchHolder)
     try:
-        times = []
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            await train_step(trainer, None, data, config, pad_id=0)
-            times.append(time.perf_counter() - start)
+        await trainer.attach_buffer.call(buffer)
+        times = [await _step_from_buffer(trainer, buffer, holder, data, config, i) for i in range(repeats + 1)]
         return min(times[1:]), max(await in_rank_order(trainer.peak_rss_mb.call()))
     finally:
-        await procs.stop()
+        await asyncio.gather(procs.stop(), buffer_procs.stop(), holder_procs.stop())
 
 
 async def _step_from_buffer(trainer, buffer, holder, data: list[Episode], config: TrainerConfig, index: int) -> float:
@@ -239,9 +223,8 @@ def report(result: dict) -> str:
     for key in (k for k in result if k.startswith("ranks_")):
         r = result[key]
         lines.append(f"  {key.replace('_', ' '):8s} plain loop {r['plain_tokens_per_s']:7.1f} tokens/s   trainer actor "
-                     f"{r['trainer_tokens_per_s']:7.1f} tokens/s   ({r['trainer_vs_plain']:.2f} x plain), from the "
-                     f"replay buffer {r['from_buffer_tokens_per_s']:7.1f} tokens/s ({r['from_buffer_vs_plain']:.2f} x "
-                     "plain)   "
+                     f"{r['trainer_tokens_per_s']:7.1f} tokens/s   ({r['trainer_vs_plain']:.2f} x plain, from the "
+                     "replay buffer)   "
                      f"loading: +{r['load_mb_per_rank']:.0f} MB per rank (peak {r['load_peak_rss_mb_per_rank']:.0f} MB), "
                      f"training: peak {r['trainer_peak_rss_mb']:.0f} MB per rank")
     if "lora" in result:

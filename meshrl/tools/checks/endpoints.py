@@ -29,13 +29,13 @@ def run(check) -> dict:
            "published_dtype": str(trainer.dtype).removeprefix("torch."), "endpoint_s": {"load": time.perf_counter() - began}}
     batch = workloads.batch(TOKENS // 4 if check.dry else TOKENS, read_hf_config(checkpoint)["vocab_size"], seed=2,
                             sequence=SEQUENCE // 4 if check.dry else SEQUENCE)
-    before, out["endpoint_s"]["logprobs"] = check.timed(standins.call(trainer, "logprobs", batch))
+    before, out["endpoint_s"]["logprobs"] = check.timed(workloads.on_batch(trainer, "logprobs", batch))
     problems = []
     if not bool(torch.isfinite(before).all()) or not bool((before[batch.loss_mask] < 0).all()):
         problems.append("logprobs: not all finite and negative on the loss positions")
     reads = []
     for round_ in (1, 2):
-        metrics, fb_s = check.timed(standins.call(trainer, "forward_backward", batch))
+        metrics, fb_s = check.timed(workloads.on_batch(trainer, "forward_backward", batch))
         step, step_s = check.timed(standins.call(trainer, "optim_step"))
         version, publish_s = check.timed(standins.call(trainer, "publish_weights"))
         if round_ == 1:
@@ -44,7 +44,7 @@ def run(check) -> dict:
         if step["skipped"] or step["updates"] != round_ or not torch.isfinite(torch.tensor(step["grad_norm"])):
             problems.append(f"optim_step {round_}: {step}")
         reads.append(read_back(check, trainer, version))
-    after = check.run(standins.call(trainer, "logprobs", batch))
+    after = check.run(workloads.on_batch(trainer, "logprobs", batch))
     out["logprob_change"] = float((after - before)[batch.loss_mask].abs().max())
     if out["logprob_change"] == 0:
         problems.append("two optimizer steps left the logprobs as they were")

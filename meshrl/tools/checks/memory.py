@@ -35,7 +35,8 @@ def run(check) -> dict:
         trainer = workloads.trainer(checkpoint, config, ring=False)
         cells = {}
         for n, batch in batches.items():
-            cells[n] = workloads.peak_memory(check, lambda b=batch: check.run(standins.call(trainer, "forward_backward", b)))
+            cells[n] = workloads.peak_memory(check, lambda b=batch: check.run(
+                workloads.on_batch(trainer, "forward_backward", b)))
             if "seconds" in cells[n]:
                 cells[n]["tflops"] = mfu.step_flops(hf, batch) / cells[n]["seconds"] / 1e12
             check.run(standins.call(trainer, "drop_gradients"))
@@ -45,7 +46,7 @@ def run(check) -> dict:
         reference, lacking = workloads.reference(checkpoint, check.device, **values["reference"])
         missing.update(lacking)
         out["reference"][setting] = {n: workloads.peak_memory(check, lambda b=batch: check.run(
-            standins.call(reference, "logprobs", b))) for n, batch in batches.items()}
+            workloads.on_batch(reference, "logprobs", b))) for n, batch in batches.items()}
         del reference
         workloads.free(check.device)
     out["not_available"] = sorted(missing)  # switches this checkout's configs lack: measured without them

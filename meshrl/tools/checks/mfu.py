@@ -69,11 +69,11 @@ def run(check) -> dict:
     check.cache["big_trainer"] = trainer  # the publish section's too
     batch = workloads.batch(DRY_TOKENS if check.dry else TOKENS, hf["vocab_size"], seed=3,
                             sequence=DRY_TOKENS // 4 if check.dry else workloads.SEQUENCE)
-    check.run(standins.call(trainer, "forward_backward", batch))  # warm: kernels, the allocator, AdamW's states
+    check.run(workloads.on_batch(trainer, "forward_backward", batch))  # warm: kernels, the allocator, AdamW's states
     check.run(standins.call(trainer, "optim_step"))
     fb, step = [], []
     for _ in range(2 if check.dry else REPEATS):
-        fb.append(check.timed(standins.call(trainer, "forward_backward", batch))[1])
+        fb.append(check.timed(workloads.on_batch(trainer, "forward_backward", batch))[1])
         step.append(check.timed(standins.call(trainer, "optim_step"))[1])
     flops = step_flops(hf, batch)
     from meshrl.losses import bf16_compute

@@ -61,7 +61,7 @@ def one_pass(check, trainer, bf16: bool, batch) -> dict:
     from meshrl.losses import autocast
 
     trainer.config = dataclasses.replace(trainer.config, bf16_autocast=bf16)
-    metrics = check.run(standins.call(trainer, "forward_backward", batch))
+    metrics = check.run(workloads.on_batch(trainer, "forward_backward", batch))
     with autocast(trainer.device, bf16):
         in_autocast = torch.is_autocast_enabled(trainer.device.type)
     # under names without activation checkpointing's wrapper (on by default on CUDA, off on the CPU reference)

@@ -38,7 +38,7 @@ def run(check) -> dict:
     if check.device.type == "cuda":
         state = trainer.model.state_dict()
         weights = {name: local(state[name]).detach() for name in trainer.published}
-        step = lambda: check.run(standins.call(trainer, "forward_backward", batch))  # noqa: E731
+        step = lambda: check.run(workloads.on_batch(trainer, "forward_backward", batch))  # noqa: E731
         try:
             from meshrl.weight_sync.staging import measure_publish
         except ImportError:
@@ -51,11 +51,12 @@ def run(check) -> dict:
         out["rates"] = None
         out["reason"] = "device-to-host rates: no CUDA (the trainer's publish beside its step still runs)"
     repeats = 2 if check.dry else REPEATS
-    fb = min(check.timed(standins.call(trainer, "forward_backward", batch))[1] for _ in range(repeats))
+    fb = min(check.timed(workloads.on_batch(trainer, "forward_backward", batch))[1] for _ in range(repeats))
     publish = min(check.timed(standins.call(trainer, "publish_weights"))[1] for _ in range(repeats))
 
     async def both():  # a publish, and the next forward_backward while it copies, as Monarch runs them
-        await asyncio.gather(standins.call(trainer, "publish_weights"), standins.call(trainer, "forward_backward", batch))
+        await asyncio.gather(standins.call(trainer, "publish_weights"),
+                             workloads.on_batch(trainer, "forward_backward", batch))
 
     together = [check.timed(both())[1] for _ in range(repeats)]
     check.run(standins.call(trainer, "drop_gradients"))

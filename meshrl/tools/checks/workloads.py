@@ -1,6 +1,7 @@
 """What `meshrl check gpu` trains: the tiny random models of the tests, a random ~1B Llama of the same
 family and vocabulary (the tiny config with Llama-3.2-1B's dims), real trainer actors built in this
-process on them, and micro-batches of a given number of tokens.
+process on them, and micro-batches of a given number of tokens, which the actors take by BatchRef as in
+a run (`on_batch`: from `HeldBatches`, the replay buffer's side of the fetch, in this process).
 
 The trainer's memory switches (`SWITCHES`) are set by name where the config has them; one it lacks is
 reported as not available instead of failing the check.
@@ -13,8 +14,10 @@ from pathlib import Path
 
 import torch
 
-from meshrl.configs import ReferenceConfig, TrainerConfig, WeightSyncConfig
-from meshrl.types import TrainBatch
+from meshrl.actors.configs import ReferenceConfig, TrainerConfig
+from meshrl.tools.checks import standins
+from meshrl.types import BatchRef, TrainBatch
+from meshrl.weight_sync import WeightSyncConfig
 
 # Llama-3.2-1B's shape over the tiny model's 49,152-token vocabulary (tied embeddings): 1.07B parameters
 LLAMA_1B = {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -63,7 +66,7 @@ def switches(on: bool) -> dict[str, dict]:
 def trainer_config(device: torch.device, bf16: bool, lora_rank: int = 0, **fields) -> tuple[TrainerConfig, list]:
     """A trainer's config on `device` (its loss depends on the model everywhere: no truncation of the behaviour
     weight, an entropy bonus), with `fields` (switches) where the config has them."""
-    from meshrl.configs import LossConfig
+    from meshrl.losses import LossConfig
     from meshrl.models.lora import LoraConfig
 
     config = TrainerConfig(device=str(device), num_threads=threads(), bf16_autocast=bf16, lr=1e-4,
@@ -103,6 +106,44 @@ def batch(tokens: int, vocab: int, seed: int = 0, sequence: int = SEQUENCE) -> T
     advantages = torch.tensor([1.0 if i % 2 == 0 else -0.5 for i in range(rows)])
     return TrainBatch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), mask, behaviour, advantages,
                       loss_tokens=int(mask.sum()), loss_sequences=rows, temperature=torch.ones(rows))
+
+
+class HeldBatches:
+    """The replay buffer's side of an actor's fetches (its `micro_batch` and `attach` calls), in this process:
+    the micro-batches the check made, each under a BatchRef, and what the actor put back for them."""
+
+    def __init__(self):
+        self.batches: list[TrainBatch] = []
+        self.values: dict[int, torch.Tensor] = {}
+        self.micro_batch, self.attach = _Calls(self._micro_batch), _Calls(self._attach)
+
+    def hold(self, batch: TrainBatch) -> BatchRef:
+        self.batches.append(batch)
+        return BatchRef(len(self.batches) - 1, 0, 0, into="old_logprobs")
+
+    async def _micro_batch(self, ref: BatchRef) -> TrainBatch:
+        return self.batches[ref.batch]
+
+    async def _attach(self, ref: BatchRef, values: torch.Tensor) -> None:
+        self.values[ref.batch] = values
+
+
+class _Calls:
+    """An endpoint of an in-process stand-in, called as an actor mesh's is (`call_one`)."""
+
+    def __init__(self, call_one):
+        self.call_one = call_one
+
+
+async def on_batch(actor, endpoint: str, batch: TrainBatch):
+    """`actor`'s `endpoint` (forward_backward, logprobs) on `batch`, called in this process as a run calls it:
+    by a BatchRef, the actor taking the micro-batch from its buffer (here `HeldBatches`); what forward_backward
+    returns, or the logprobs [B, T] the actor put back."""
+    if not isinstance(actor.buffer, HeldBatches):
+        actor.buffer = HeldBatches()
+    ref = actor.buffer.hold(batch)
+    result = await standins.call(actor, endpoint, ref)
+    return result if endpoint == "forward_backward" else actor.buffer.values.pop(ref.batch)
 
 
 def free(device: torch.device) -> None:
