@@ -55,8 +55,7 @@ def test_token_budget_micro_batches_group_neighbours_in_length_and_pad_less():
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
 def test_token_budget_micro_batches_give_the_same_loss_and_gradient_as_fixed_counts(aggregation):
     """The real model and loss (as the trainer's forward_backward computes them), in process."""
-    from meshrl.configs import LossConfig
-    from meshrl.losses import on_positions, policy_loss, response_logits, token_entropy, token_logprobs
+    from meshrl.losses import LossConfig, on_positions, policy_loss, response_logits, token_entropy, token_logprobs
     from meshrl.models.model import load_policy, resolve_checkpoint
 
     model, _ = load_policy(resolve_checkpoint("tiny"))

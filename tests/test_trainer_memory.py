@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from meshrl.actors.distributed import Rank, load_on_ranks, local
-from meshrl.configs import LossConfig
+from meshrl.losses import LossConfig
 from meshrl.losses import (on_positions, policy_logprobs, policy_loss, policy_terms, response_logits, token_entropy,
                            token_logprobs)
 from meshrl.models.lora import LoraConfig

@@ -135,8 +135,7 @@ def _train_step(model, tokens: int, chunk: int, where) -> tuple[dict, object]:
     dropped first), its seconds and loss, and the gradients (flat, float32, on the host)."""
     import torch
 
-    from meshrl.configs import LossConfig
-    from meshrl.losses import policy_loss, policy_terms
+    from meshrl.losses import LossConfig, policy_loss, policy_terms
 
     model.zero_grad(set_to_none=True)
     batch = _batch(tokens).to(where)
