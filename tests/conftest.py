@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from process_guard import process_guard
+import process_guard
 
 # Each actor pins its own threads; keep the test process from competing with them.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -104,12 +104,6 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: each file's order kept
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """A test that is not marked `processes` (by `pytestmark` in its file or on itself) may start no process,
-    in its body or in any fixture it sets up, module and session fixtures included (a fixture an autouse
-    one would miss: they are set up first): process_guard makes each way of starting one raise."""
-    if item.get_closest_marker("processes"):
-        return (yield)
-    with process_guard(item.nodeid):
-        return (yield)
+# The fast tier's guard around each test not marked `processes`: its setup and its call (tests/process_guard.py)
+pytest_runtest_setup = process_guard.pytest_runtest_setup
+pytest_runtest_call = process_guard.pytest_runtest_call

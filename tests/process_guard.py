@@ -7,7 +7,10 @@ os.fork / os.system / os.posix_spawn, multiprocessing's Process.start (and so it
 HostMesh._spawn_nonblocking (what `this_host().spawn_procs` and every proc mesh start call: Monarch starts
 its processes from Rust, out of Python's reach) and vLLM's engine (`vllm.LLM` and the EngineCore every
 engine builds, in this process or another). Monarch and vLLM are patched when a test imports them, not
-before: importing vLLM takes seconds, which a fast test that never uses it should not pay."""
+before: importing vLLM takes seconds, which a fast test that never uses it should not pay.
+
+The hooks at the end put each test that is not marked `processes` inside the guard; conftest.py takes them."""
+import contextlib
 import importlib.abc
 import importlib.machinery
 import multiprocessing.process
@@ -82,3 +85,23 @@ def process_guard(test: str = "this test"):
         finally:
             for finder in finders:
                 sys.meta_path.remove(finder)
+
+
+def _guarded(item):
+    """A test that is not marked `processes` (by `pytestmark` in its file or on itself) may start no process,
+    in its body or in any fixture it sets up, module and session fixtures included (which an autouse fixture
+    would miss: they are set up before it). Teardown is left out: a module fixture that a marked test started
+    is torn down in whichever test of the file ends last."""
+    return contextlib.nullcontext() if item.get_closest_marker("processes") else process_guard(item.nodeid)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with _guarded(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _guarded(item):
+        return (yield)
