@@ -84,8 +84,12 @@ def test_the_fakes_run_calls_as_monarch_does(scenario):
 
 
 def concurrent_endpoints(real) -> set[str]:
-    return {name for name, value in inspect.getmembers(real) if getattr(getattr(value, "_method", None),
-                                                                        "_monarch_concurrent_endpoint_wrapper", False)}
+    """The endpoints of a real actor class whose calls overlap the messages after them: Monarch's concurrent
+    endpoints, and plain ones that answer later on an explicit response port (the trainer's publish_weights:
+    its first part in its turn, the answer from a task). The fake's `concurrent` stands for both."""
+    return {name for name, value in inspect.getmembers(real)
+            if getattr(getattr(value, "_method", None), "_monarch_concurrent_endpoint_wrapper", False)
+            or getattr(value, "_explicit_response_port", False)}
 
 
 @pytest.mark.parametrize("fake, real, role", [(FakeGenerator, VLLMGenerator, roles.Generator),
