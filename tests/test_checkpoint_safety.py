@@ -98,7 +98,6 @@ def test_resume_falls_back_past_a_damaged_checkpoint_but_not_past_one_that_would
         resumable(tmp_path / "only")
 
 
-@pytest.mark.processes
 def test_resume_of_a_tampered_run_is_one_line_and_starts_nothing(tmp_path, cli):
     run_dir = tmp_path / "run"
     checkpoint = write_checkpoint(run_dir, 2)

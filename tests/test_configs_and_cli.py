@@ -88,7 +88,6 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "meshrl", *args], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.processes
 @pytest.mark.parametrize("args, message", [
     (["train", "--config", "nope"], "unknown config 'nope'"),
     (["train", "--config", "smoke", "--controller.steps", "x"], "Error parsing --controller.steps"),

@@ -28,9 +28,14 @@ TSO_MACHINES = ("x86_64", "amd64", "i386", "i686", "x86")
 _SEQ_CST = 5  # memory_order_seq_cst in C11's <stdatomic.h>
 
 
+def _libatomic_names():
+    yield "libatomic.so.1"
+    yield ctypes.util.find_library("atomic")  # runs ldconfig (a process): only where the usual name did not load
+
+
 def _load_fence():
     """libatomic's atomic_thread_fence, or None where it cannot be loaded."""
-    for name in ("libatomic.so.1", ctypes.util.find_library("atomic")):
+    for name in _libatomic_names():
         if not name:
             continue
         try:
