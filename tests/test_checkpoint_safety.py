@@ -11,9 +11,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from meshrl.actors.configs import ReplayBufferConfig, TrainerConfig
 from meshrl.actors.replay_buffer import FifoBuffer
 from meshrl.checkpoint import CheckpointError, RunState, UnsafeCheckpoint, resumable, verify
-from meshrl.configs import ReplayBufferConfig, TrainerConfig, load_config, to_dict
+from meshrl.configs import to_dict
+from meshrl.configs.named import load_config
 from meshrl.types import Completion, GroupEpisodes
 from meshrl.work_buffer import Filling
 from support.fake_monarch import endpoint_of

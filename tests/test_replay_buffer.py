@@ -14,8 +14,8 @@ from assertions import assert_staleness_bound, read_jsonl
 from fake_holder import FakeHolder
 
 from meshrl.actors import spawn
+from meshrl.actors.configs import ReplayBufferConfig, TrainerConfig
 from meshrl.actors.replay_buffer import FifoBuffer, ReuseBuffer
-from meshrl.configs import ReplayBufferConfig, TrainerConfig
 from meshrl.types import BatchRef, Completion, GroupEpisodes
 from support.fake_monarch import FakeMesh
 from support.simulation import Script, fake_config, run_fake
