@@ -235,6 +235,7 @@ def test_tool_calls_step_an_mcp_environment_and_its_results_are_the_tool_turns(s
     asyncio.run(unlaunched.close("u"))
 
 
+@pytest.mark.processes
 def test_an_mcp_environments_tools_are_in_the_prompt_and_a_reply_in_the_templates_format_steps_it(smollm2, tmp_path):
     """A session group as a run carries it: the grader (its endpoints' bodies, called in this process) opens the
     session and answers an Opening with the session's tools (its ListToolsAction answer); `converse` renders with
