@@ -15,27 +15,26 @@ from meshrl.types import Completion, Episode, GroupEpisodes, ScoredCompletion, T
 from meshrl.work_buffer import Batch, Filling
 
 
-def build_episodes(group: list[ScoredCompletion], group_id: int, advantage: str = "grpo", eps: float = 1e-6,
-                   divide_by_turns: bool = False, temperature: float = 1.0, staleness: str = "oldest_token",
+def build_episodes(group: list[ScoredCompletion], group_id: int, cfg, temperature: float,
                    sequences: list[list[Completion]] | None = None) -> list[Episode]:
-    """One prompt's scored completions (or trajectories) -> flat Episodes carrying the group advantage:
-    one per completion, trained on all its model turns; with a `step_wise_` estimator one per model turn
-    (everything before the turn as its prompt), each with its trajectory's advantage, divided by the
-    trajectory's number of turns with `divide_by_turns`. `temperature`: the one they were sampled at; an
-    episode's policy version is its sequence's, by the `staleness` rule (a step-wise episode's, its
-    whole trajectory's). `sequences`: each one's model turns as whole Completions (the replay buffer's,
-    taken from the generators); by default the scored ones' own, when they are whole Completions."""
+    """One prompt's scored completions (or trajectories) -> flat Episodes carrying the group advantage
+    (`cfg.advantage`, with `cfg.advantage_eps`): one per completion, trained on all its model turns; with a
+    `step_wise_` estimator one per model turn (everything before the turn as its prompt), each with its
+    trajectory's advantage, divided by the trajectory's number of turns with `cfg.divide_by_turns`.
+    `temperature`: the one they were sampled at; an episode's policy version is its sequence's, by the
+    `cfg.staleness` rule (a step-wise episode's, its whole trajectory's). `cfg`: the run's controller
+    section (meshrl.configs.ControllerConfig, whose defaults are the only ones). `sequences`: each one's
+    model turns as whole Completions (the replay buffer's, taken from the generators); by default the scored
+    ones' own, when they are whole Completions."""
     if sequences is None:
         sequences = [model_turns(s.completion) for s in group]
-    return flatten(group_episodes(group, group_id, advantage, eps, divide_by_turns, temperature, staleness),
-                   sequences)
+    return flatten(group_episodes(group, group_id, cfg, temperature), sequences)
 
 
-def group_episodes(group: list[ScoredCompletion], group_id: int, advantage: str = "grpo", eps: float = 1e-6,
-                   divide_by_turns: bool = False, temperature: float = 1.0,
-                   staleness: str = "oldest_token") -> GroupEpisodes:
+def group_episodes(group: list[ScoredCompletion], group_id: int, cfg, temperature: float) -> GroupEpisodes:
     """`build_episodes`'s Episodes before they are flattened: the sequence and turns, advantage and version
     of each (no token list: the controller has none)."""
+    advantage, eps, divide_by_turns, staleness = cfg.advantage, cfg.advantage_eps, cfg.divide_by_turns, cfg.staleness
     rewards = [s.reward for s in group]
     counts = [len(model_turns(s.completion)) for s in group]
     versions = [s.completion.sampled_version(staleness) for s in group]
@@ -89,7 +88,7 @@ def check_rates(checks: list[dict[str, float]], total: int, prefix: str,
     return rates
 
 
-def rollout_record(scored: ScoredCompletion, group_id: int, prompt: str, staleness: str = "oldest_token") -> dict:
+def rollout_record(scored: ScoredCompletion, group_id: int, prompt: str, staleness: str) -> dict:
     """One completion as rollouts.jsonl keeps it (the recorder adds the step and the staleness, counted
     from `counted_version`: its oldest or newest token's by the `staleness` rule, as the bound and the
     step's metrics count it): with `versions`, [token offset, version] of each model turn's tokens where
@@ -162,8 +161,7 @@ def keep_group(group: list[ScoredCompletion], group_id: int, cfg, task,
     """A kept group's episodes and records (for the replay buffer, which holds its sequences) and what the
     controller keeps of it. `cfg`: the run's controller section (meshrl.configs.ControllerConfig, which
     composes these rules with the loop's: this module stays below it)."""
-    episodes = group_episodes(group, group_id, cfg.advantage, cfg.advantage_eps, cfg.divide_by_turns, temperature,
-                              cfg.staleness)
+    episodes = group_episodes(group, group_id, cfg, temperature)
     prompt = task.train_sample(group_id).prompt
     episodes.records = [rollout_record(s, group_id, prompt, cfg.staleness) for s in group]
     return episodes, Kept(

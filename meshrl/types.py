@@ -70,7 +70,7 @@ class Completion:
     versions: list[list[int]] = field(default_factory=list)
     logprob_sum: float | None = None  # the sum of `logprobs`, summed by the generator (None: not given)
 
-    def sampled_version(self, rule: str = "oldest_token") -> int:
+    def sampled_version(self, rule: str) -> int:
         """The version its staleness is counted from: its oldest token's, or (`newest_token`) its newest's."""
         return self.versions[-1][1] if rule == "newest_token" and self.versions else self.policy_version
 
@@ -93,7 +93,7 @@ class Generated:
     tail: list[int] = field(default_factory=list)
     text: str | None = None
 
-    def sampled_version(self, rule: str = "oldest_token") -> int:
+    def sampled_version(self, rule: str) -> int:
         return self.versions[-1][1] if rule == "newest_token" and self.versions else self.policy_version
 
     @staticmethod
@@ -126,7 +126,7 @@ class Trajectory:
     def finish_reason(self) -> str:
         return self.turns[-1].finish_reason
 
-    def sampled_version(self, rule: str = "oldest_token") -> int:
+    def sampled_version(self, rule: str) -> int:
         return self.turns[-1].sampled_version(rule) if rule == "newest_token" else self.policy_version
 
     @property

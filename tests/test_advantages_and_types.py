@@ -2,6 +2,7 @@
 
 import torch
 
+from meshrl.configs import ControllerConfig
 from meshrl.episodes import build_episodes
 from meshrl.tasks import Sample
 from meshrl.types import Completion, Generated, ScoredCompletion, TrainBatch
@@ -26,7 +27,7 @@ def two_scored() -> tuple[list[ScoredCompletion], list[list[Completion]]]:
 
 def test_build_episodes_masks_prompt_and_aligns_logprobs():
     group, sequences = two_scored()
-    episodes = build_episodes(group, group_id=7, eps=0.0, sequences=sequences)
+    episodes = build_episodes(group, 7, ControllerConfig(advantage_eps=0.0), 1.0, sequences=sequences)
     first, second = episodes
     assert first.tokens == [1, 2, 3, 4]
     assert first.loss_mask == [False, False, True, True]
@@ -39,7 +40,6 @@ def test_build_episodes_masks_prompt_and_aligns_logprobs():
 def test_a_batch_trains_its_groups_in_prompt_order_whatever_order_they_finished_in():
     """Groups finish in an order timing decides; the trainer sums their gradients in the batch's order, so
     a rerun or a resume computes the same weights only if that order is the prompts'."""
-    from meshrl.configs import ControllerConfig
     from meshrl.episodes import batch_builder, keep_group
     from meshrl.work_buffer import Filling, Group
 
@@ -67,7 +67,7 @@ def test_a_batch_trains_its_groups_in_prompt_order_whatever_order_they_finished_
 
 def test_collate_shifts_targets_and_pads():
     group, sequences = two_scored()
-    episodes = build_episodes(group, group_id=0, eps=0.0, sequences=sequences)
+    episodes = build_episodes(group, 0, ControllerConfig(advantage_eps=0.0), 1.0, sequences=sequences)
     batch = TrainBatch.collate(episodes, loss_tokens=3, loss_sequences=2, pad_id=9)
     assert batch.input_ids.tolist() == [[1, 2, 3], [1, 2, 9]]
     assert batch.target_ids.tolist() == [[2, 3, 4], [2, 5, 9]]

@@ -18,6 +18,7 @@ from meshrl.actors import spawn
 from meshrl.actors.configs import GeneratorConfig, TrainerConfig
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.trainer import TitanTrainer
+from meshrl.configs import ControllerConfig
 from meshrl.episodes import build_episodes
 from meshrl.losses import LOSSES, LossConfig
 from meshrl.models.model import ChatTokenizer
@@ -37,7 +38,7 @@ def test_one_update_clips_nothing_even_on_stale_episodes_and_a_second_update_cli
         completions = await generate_whole(generator, prompts, sampling=sampling)
         groups = [[ScoredCompletion(c, float(j % 2)) for j, c in enumerate(completions[i:i + 4])]
                   for i in range(0, len(completions), 4)]
-        return [e for gid, group in enumerate(groups) for e in build_episodes(group, gid)]
+        return [e for gid, group in enumerate(groups) for e in build_episodes(group, gid, ControllerConfig(), 1.0)]
 
     async def run():
         sync = WeightSyncConfig()

@@ -17,6 +17,7 @@ from meshrl.actors import spawn
 from meshrl.actors.configs import GeneratorConfig
 from meshrl.actors.generator import VLLMGenerator
 from meshrl.actors.grader import EnvReply, TaskGrader
+from meshrl.configs import ControllerConfig
 from meshrl.configs.named import load_config
 from meshrl.episodes import build_episodes
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
@@ -62,22 +63,23 @@ def test_episodes_of_trajectories_and_step_wise_advantages_by_hand():
     group = [ScoredCompletion(Trajectory([Generated.of(0, a1), Generated.of(1, a2)], ""), 1.0),
              ScoredCompletion(Trajectory([Generated.of(2, b1)], ""), 0.0)]
 
-    whole = build_episodes(group, group_id=9, advantage="rloo", sequences=held)  # rloo: 1 - 0 = 1 and 0 - 1 = -1
+    whole = build_episodes(group, 9, ControllerConfig(advantage="rloo"), 1.0, sequences=held)  # rloo: 1 - 0 = 1 and 0 - 1 = -1
     assert [e.tokens for e in whole] == [[1, 2, 3, 4, 5, 6], [1, 2, 7, 8]]
     assert whole[0].loss_mask == [False, False, True, False, True, True]
     assert whole[0].behaviour_logprobs == [0.0, 0.0, -3.0, 0.0, -5.0, -6.0]
     assert [e.advantage for e in whole] == [1.0, -1.0]
     assert [e.policy_version for e in whole] == [2, 3]  # a trajectory is as old as its oldest turn
 
-    steps = build_episodes(group, group_id=9, advantage="step_wise_rloo", sequences=held)
+    steps = build_episodes(group, 9, ControllerConfig(advantage="step_wise_rloo"), 1.0, sequences=held)
     assert [e.tokens for e in steps] == [[1, 2, 3], [1, 2, 3, 4, 5, 6], [1, 2, 7, 8]]
     assert [e.loss_mask for e in steps] == [[False, False, True], [False, False, False, False, True, True],
                                             [False, False, True, True]]
     assert [e.advantage for e in steps] == [1.0, 1.0, -1.0]  # the trajectory's advantage on each of its turns
     assert [e.policy_version for e in steps] == [2, 2, 3]
-    divided = build_episodes(group, group_id=9, advantage="step_wise_rloo", divide_by_turns=True, sequences=held)
+    divided = build_episodes(group, 9, ControllerConfig(advantage="step_wise_rloo", divide_by_turns=True), 1.0,
+                             sequences=held)
     assert [e.advantage for e in divided] == [0.5, 0.5, -1.0]
-    grpo = build_episodes(group, group_id=9, advantage="step_wise_grpo", sequences=held)  # mean 0.5, std 0.5: +-1
+    grpo = build_episodes(group, 9, ControllerConfig(advantage="step_wise_grpo"), 1.0, sequences=held)  # mean 0.5, std 0.5: +-1
     assert [round(e.advantage, 4) for e in grpo] == [1.0, 1.0, -1.0]
 
 
@@ -218,7 +220,7 @@ def test_smollm2_looks_up_in_the_environment_and_only_its_own_tokens_are_trained
     for sample, (scored, failed, held) in zip(samples, results):
         assert failed == 0 and len(scored) == 1
         opening = tokenizer.encode_messages(env.opening(sample))
-        for s, turns, whole in zip(scored, held, build_episodes(scored, 0, sequences=held)):
+        for s, turns, whole in zip(scored, held, build_episodes(scored, 0, ControllerConfig(), 1.0, sequences=held)):
             assert whole.tokens[:len(opening)] == opening and not any(whole.loss_mask[:len(opening)])
             trained = [t for t, m in zip(whole.tokens, whole.loss_mask) if m]
             assert decode(trained) == "".join(decode(t.token_ids) for t in turns)  # the model's tokens, all of them
@@ -231,7 +233,7 @@ def test_smollm2_looks_up_in_the_environment_and_only_its_own_tokens_are_trained
                                                   "unknown word")
                 assert decode(between) == f"<|im_end|>\n<|im_start|>tool\n{value}<|im_end|>\n<|im_start|>assistant\n"
                 assert f"tool\n{value}" in s.completion.text
-            step_wise = build_episodes([s], 0, "step_wise_grpo", sequences=[turns])
+            step_wise = build_episodes([s], 0, ControllerConfig(advantage="step_wise_grpo"), 1.0, sequences=[turns])
             assert [decode([t for t, m in zip(e.tokens, e.loss_mask) if m]) for e in step_wise] == [
                 decode(t.token_ids) for t in turns]
     assert looked_up >= 2  # greedy SmolLM2 looks up most words after the worked example
