@@ -35,9 +35,11 @@ test: $(INSTALLED)
 	$(BIN)/python -m pytest -v -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # The fast tier: every test not marked `processes` (no Monarch proc mesh, vLLM engine or subprocess; such a
-# test fails here: tests/conftest.py), under 90 s on 2 cores. For a change to pure logic; `make test` before a commit.
+# test fails here: tests/conftest.py), under 90 s on 2 cores. Its tests are CPU-bound in one process, so two
+# workers (each collecting the suite again: about 10 s of CPU) finish sooner than one: 59 s against 2 min 9 s
+# here (docs/performance.md); worksteal evens out the few long tests (the controller's stop-at-every-await runs).
 test-fast: $(INSTALLED)
-	$(BIN)/python -m pytest -q -m "not processes" tests
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not processes" tests
 
 install: $(STAMP)
 
