@@ -1,5 +1,5 @@
 """One-line checks of a config section's fields, shared by every section's `check()`: each section
-(beside its owner: meshrl/actors/configs.py, meshrl/losses.py, meshrl/weight_sync/__init__.py, ...)
+(beside its owner: meshrl/actors/generator_config.py, meshrl/losses.py, meshrl/weight_sync/__init__.py, ...)
 names its own minimums and choices with these, so a bad value gets the same kind of line wherever it is."""
 
 AUTO_ON_OFF = ("auto", "on", "off")  # a switch whose default is chosen per device or placement

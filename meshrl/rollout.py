@@ -35,7 +35,7 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import ActorError
 from tqdm import tqdm
 
-from meshrl.actors.configs import GeneratorConfig
+from meshrl.actors.generator_config import GeneratorConfig
 from meshrl.actors.held import take_held
 from meshrl.actors.replicas import CallFailed, Replica, ReplicaPool
 from meshrl.actors.roles import TokensLost

@@ -23,10 +23,10 @@ import weakref
 from collections import defaultdict
 
 from meshrl.actors import first
-from meshrl.actors.configs import TrainerConfig
 from meshrl.actors.timeouts import Timeouts
 from meshrl.actors.trace import no_span
-from meshrl.types import BatchRef, Episode, TrainBatch
+from meshrl.actors.trainer_config import TrainerConfig
+from meshrl.types import BatchRef, Episode
 
 
 def split(episodes: list, parts: int) -> list[list]:
@@ -42,12 +42,12 @@ def split(episodes: list, parts: int) -> list[list]:
     return chunks
 
 
-def micro_batches(episodes: list[Episode], size: int, pad_id: int, max_tokens: int = 0) -> list[TrainBatch]:
-    """One mini-batch's micro-batches (`micro_groups`), collated; their normalisers count the whole
-    mini-batch."""
+def micro_batches(episodes: list[Episode], size: int, max_tokens: int = 0) -> list[tuple[list[Episode], int, int]]:
+    """One mini-batch's micro-batches (`micro_groups`), each with the normalisers of the whole mini-batch, as
+    the replay buffer keeps them until a rank asks (then `TrainBatch.collate(*micro, pad_id)`): (its episodes,
+    the mini-batch's loss tokens, its sequences)."""
     loss_tokens = sum(e.num_response_tokens for e in episodes)
-    return [TrainBatch.collate(group, loss_tokens, len(episodes), pad_id)
-            for group in micro_groups(episodes, size, max_tokens)]
+    return [(group, loss_tokens, len(episodes)) for group in micro_groups(episodes, size, max_tokens)]
 
 
 def micro_groups(episodes: list[Episode], size: int, max_tokens: int = 0) -> list[list[Episode]]:

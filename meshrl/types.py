@@ -44,7 +44,7 @@ class Prompt:
 
 @dataclass
 class Sampling:
-    """How a call samples (training's is `generator.sampling()`: meshrl/actors/configs.py; eval's is the
+    """How a call samples (training's is `generator.sampling()`: meshrl/actors/generator_config.py; eval's is the
     controller's)."""
 
     temperature: float
@@ -160,7 +160,7 @@ class GroupEpisodes:
     advantages: list[float]
     versions: list[int]
     rewards: list[float]  # the group's rewards (the replay buffer's priority)
-    temperature: float = 1.0  # the one its tokens were sampled at
+    temperature: float  # the one its tokens were sampled at
     records: list[dict] = field(default_factory=list)  # one per sequence, for rollouts.jsonl
 
 

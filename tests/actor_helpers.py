@@ -10,14 +10,17 @@ from pathlib import Path
 
 import torch
 
-from meshrl.actors.configs import ReplayBufferConfig, TrainerConfig
 from meshrl.actors.replay_buffer import FifoBuffer
+from meshrl.actors.replay_buffer_config import ReplayBufferConfig
+from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.episodes import episode as flat_episode
 from meshrl.train_step import train_updates
 from meshrl.types import BatchRef, Completion, Episode
 
 
 def episode(completion: Completion, advantage: float, temperature: float = 1.0) -> Episode:
+    """A generated completion as a trainer-ready Episode of group 0 (sampled at `temperature`, the tests' 1.0
+    unless they say)."""
     return flat_episode([completion], advantage, group_id=0, temperature=temperature)
 
 

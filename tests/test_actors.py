@@ -9,10 +9,12 @@ from fake_holder import FakeHolder
 from probe_actors import SlowPublishTrainer, WorkerHandoffGenerator
 
 from meshrl.actors import spawn
-from meshrl.actors.configs import GeneratorConfig, GraderConfig, TrainerConfig
 from meshrl.actors.generator import VLLMGenerator
+from meshrl.actors.generator_config import GeneratorConfig
 from meshrl.actors.grader import TaskGrader
+from meshrl.actors.grader_config import GraderConfig
 from meshrl.actors.trainer import TitanTrainer
+from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
 from meshrl.tasks import Sample
 from meshrl.tasks.sum_digits import SumDigitsConfig

@@ -21,8 +21,8 @@ from assertions import assert_each_prompt_trained_once, read_jsonl
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from meshrl.actors import spawn
-from meshrl.actors.configs import TrainerConfig
 from meshrl.actors.trainer import TitanTrainer
+from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.checkpoint import load_safely, rng_states, set_rng_states
 from meshrl.lr_schedule import LrScheduleConfig
 from meshrl.types import Episode

@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from meshrl.actors.configs import ReplayBufferConfig, TrainerConfig
 from meshrl.actors.replay_buffer import FifoBuffer
+from meshrl.actors.replay_buffer_config import ReplayBufferConfig
+from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.checkpoint import CheckpointError, RunState, UnsafeCheckpoint, resumable, verify
 from meshrl.configs import to_dict
 from meshrl.configs.named import load_config
@@ -45,7 +46,7 @@ def write_checkpoint(run_dir: Path, step: int) -> Path:
     buffer = FifoBuffer(ReplayBufferConfig(), TrainerConfig(), 2, 0, 0)  # one group waiting
     add, save = endpoint_of(buffer, "add")[0], endpoint_of(buffer, "save_state")[0]
     buffer.staged[8] = [[Completion(8, [1], [2], [-1.0], "", step, "stop")]]  # as `stage` took it from its generator
-    asyncio.run(add(step, [GroupEpisodes(8, [(0, 0, 1)], [1.0], [step], [1.0, 0.0], records=[{"group": 8}])]))
+    asyncio.run(add(step, [GroupEpisodes(8, [(0, 0, 1)], [1.0], [step], [1.0, 0.0], 1.0, records=[{"group": 8}])]))
     asyncio.run(save(str(where / "replay_buffer")))
     return where
 

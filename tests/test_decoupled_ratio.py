@@ -15,9 +15,10 @@ import pytest
 from actor_helpers import generate_whole, replay_buffer_on, train_through_buffer
 
 from meshrl.actors import spawn
-from meshrl.actors.configs import GeneratorConfig, TrainerConfig
 from meshrl.actors.generator import VLLMGenerator
+from meshrl.actors.generator_config import GeneratorConfig
 from meshrl.actors.trainer import TitanTrainer
+from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.configs import ControllerConfig
 from meshrl.episodes import build_episodes
 from meshrl.losses import LOSSES, LossConfig

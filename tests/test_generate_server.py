@@ -13,10 +13,11 @@ import pytest
 from actor_helpers import forward_backward, replay_buffer_on
 
 from meshrl.actors import spawn
-from meshrl.actors.configs import GeneratorConfig, TrainerConfig
 from meshrl.actors.generator import VLLMGenerator
+from meshrl.actors.generator_config import GeneratorConfig
 from meshrl.actors.replicas import ReplicaPool, monarch_replicas
 from meshrl.actors.trainer import TitanTrainer
+from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.models.model import ChatTokenizer
 from meshrl.runtime.serve import GENERATE, MODELS, SESSIONS, GenerateServer, end_token_ids, token_versions
 from meshrl.types import Sampling

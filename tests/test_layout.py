@@ -147,10 +147,13 @@ def test_the_checks_see_a_planted_cycle_an_upward_import_and_an_unplaced_module(
 
 
 @pytest.mark.processes
-def test_the_runs_config_loads_neither_monarch_nor_vllm():
+def test_the_runs_config_loads_neither_monarch_nor_vllm_and_a_grader_loads_no_torch():
     """The run's config, with every section beside its owner, is read where Monarch and vLLM may not load:
-    the command line and `meshrl check gpu`, which stands in for Monarch on a machine without it."""
-    loaded = subprocess.run([sys.executable, "-c", "import sys, meshrl.configs, meshrl.tools.cli; "
-                             "print(sorted({m.split('.')[0] for m in sys.modules} & {'monarch', 'vllm', 'torchtitan'}))"],
-                            capture_output=True, text=True, check=True).stdout.strip()
-    assert loaded == "[]"
+    the command line and `meshrl check gpu`, which stands in for Monarch on a machine without it. A grader's
+    process (its actor and its config section, which its constructor's arguments unpickle) loads no torch."""
+    def loaded(modules: str, of: set[str]) -> list[str]:
+        code = f"import sys, {modules}; print(sorted({{m.split('.')[0] for m in sys.modules}} & set({sorted(of)!r})))"
+        return eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+    assert loaded("meshrl.configs, meshrl.configs.named, meshrl.tools.cli", {"monarch", "vllm", "torchtitan"}) == []
+    assert loaded("meshrl.actors.grader_config, meshrl.actors.grader, meshrl.tasks.sum_digits", {"torch"}) == []

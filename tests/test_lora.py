@@ -19,9 +19,10 @@ from assertions import assert_staleness_bound, read_jsonl
 from safetensors.torch import load_file
 
 from meshrl.actors import spawn
-from meshrl.actors.configs import GeneratorConfig, TrainerConfig
 from meshrl.actors.generator import VLLMGenerator
+from meshrl.actors.generator_config import GeneratorConfig
 from meshrl.actors.trainer import TitanTrainer
+from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.models.lora import ADAPTER_FILE, PEFT_PREFIX, LoraConfig, is_adapter, merged
 from meshrl.models.model import ChatTokenizer, load_hf_weights, load_policy, resolve_checkpoint
 from meshrl.types import Prompt, Sampling

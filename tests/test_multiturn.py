@@ -14,8 +14,8 @@ import pytest
 from assertions import assert_checks_are_the_means_of_the_records, assert_staleness_bound
 
 from meshrl.actors import spawn
-from meshrl.actors.configs import GeneratorConfig
 from meshrl.actors.generator import VLLMGenerator
+from meshrl.actors.generator_config import GeneratorConfig
 from meshrl.actors.grader import EnvReply, TaskGrader
 from meshrl.configs import ControllerConfig
 from meshrl.configs.named import load_config

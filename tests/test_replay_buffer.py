@@ -14,8 +14,9 @@ from assertions import assert_staleness_bound, read_jsonl
 from fake_holder import FakeHolder
 
 from meshrl.actors import spawn
-from meshrl.actors.configs import ReplayBufferConfig, TrainerConfig
 from meshrl.actors.replay_buffer import FifoBuffer, ReuseBuffer
+from meshrl.actors.replay_buffer_config import ReplayBufferConfig
+from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.types import BatchRef, Completion, GroupEpisodes
 from support.fake_monarch import FakeMesh
 from support.simulation import Script, fake_config, run_fake
@@ -32,7 +33,7 @@ def completions(group: int, version: int, count: int, length: int = 2) -> list[C
 def episodes(group: int, version: int, count: int) -> GroupEpisodes:
     """A staged group's episodes as the controller adds them: one per sequence, advantages 0, 1, 2..."""
     return GroupEpisodes(group, [(i, 0, 1) for i in range(count)], [float(i) for i in range(count)],
-                         [version] * count, [float(i) for i in range(count)])
+                         [version] * count, [float(i) for i in range(count)], 1.0)
 
 
 async def add(buf, batch: int, group: int, version: int, rewards=(1.0, 0.0)) -> None:

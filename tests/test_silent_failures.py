@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from meshrl.actors.configs import TrainerConfig
 from meshrl.actors.grader import TaskGrader, UserCodeFailed, failure, user_code
 from meshrl.actors.trainer import TitanTrainer
+from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.configs import ControllerConfig
 from meshrl.episodes import Kept, batch_builder
 from meshrl.lr_schedule import LrScheduleConfig, lr_scheduler
@@ -44,7 +44,7 @@ def group(index: int, rewards=(1.0, 0.0), tokens: int = 4) -> Group:
 
 def buffer(size: int = 4) -> WorkBuffer:
     build = lambda f: Batch(f.index, sorted(f.kept), [], {})  # noqa: E731
-    return WorkBuffer(3, size, 0, build, max_failed_fraction=0.5)
+    return WorkBuffer(3, size, 0, build, 0, max_failed_fraction=0.5)
 
 
 def test_a_group_with_no_scored_completion_fails_toward_max_failed_fraction():

@@ -10,9 +10,10 @@ import torch
 from actor_helpers import fixed_episodes, replay_buffer_on, train_through_buffer
 
 from meshrl.actors import first, rank_procs, spawn_ranks
-from meshrl.actors.configs import ReferenceConfig, TrainerConfig
 from meshrl.actors.reference import ReferenceModel
+from meshrl.actors.reference_config import ReferenceConfig
 from meshrl.actors.trainer import TitanTrainer
+from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.losses import LossConfig
 from meshrl.models.model import ChatTokenizer, load_hf_weights, resolve_checkpoint
 from meshrl.weight_sync import WeightSyncConfig

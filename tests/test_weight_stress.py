@@ -14,10 +14,11 @@ import pytest
 from monarch.actor import ActorError, endpoint
 
 from meshrl.actors import in_rank_order, spawn, spawn_ranks
-from meshrl.actors.configs import GeneratorConfig, TrainerConfig
 from meshrl.actors.generator import VLLMGenerator
+from meshrl.actors.generator_config import GeneratorConfig
 from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.trainer import TitanTrainer
+from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.models.model import ChatTokenizer
 from meshrl.types import Prompt, Sampling
 from meshrl.weight_sync import WeightSyncConfig

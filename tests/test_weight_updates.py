@@ -13,8 +13,10 @@ from actor_helpers import episode, generate_whole, logprobs, replay_buffer_on
 from probe_actors import ScalingTrainer, SlowStepGenerator
 
 from meshrl.actors import spawn
-from meshrl.actors.configs import GeneratorConfig, ReferenceConfig, TrainerConfig
+from meshrl.actors.generator_config import GeneratorConfig
 from meshrl.actors.reference import ReferenceModel
+from meshrl.actors.reference_config import ReferenceConfig
+from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.models.model import ChatTokenizer
 from meshrl.types import Completion, Prompt, Sampling
 from meshrl.weight_sync import WeightSyncConfig

@@ -1,6 +1,6 @@
 """Monarch actors, one role each. The controller finds each by the "module:Class" its config names.
 torch and Monarch are imported where they are used: a grader's process never loads torch, and the run's
-config (meshrl/configs, which reads each role's section from meshrl/actors/configs.py) loads neither, so
+config (meshrl/configs, which reads each role's section from its meshrl/actors/*_config.py) loads neither, so
 `meshrl check gpu` can stand in for Monarch where it is not installed."""
 
 from __future__ import annotations

@@ -45,8 +45,8 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.actors.adapters import MergedAdapter, ServedAdapter, lora_options, serves_adapters
-from meshrl.actors.configs import WEIGHT_UPDATES, GeneratorConfig
 from meshrl.actors.engine import start_vllm
+from meshrl.actors.generator_config import WEIGHT_UPDATES, GeneratorConfig
 from meshrl.actors.held import HeldCompletions, take_held
 from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.weight_updates import WeightUpdates
@@ -55,7 +55,7 @@ from meshrl.types import Completion, Generated, Prompt, Sampling
 from meshrl.weight_sync import WeightSyncConfig, published_weights
 from meshrl.weight_sync.disk import DiskHandle, DiskReader
 from meshrl.weight_sync.handoff import Handoff
-from meshrl.weight_sync.relay import RelayedReader, RelayHandle, open_reader
+from meshrl.weight_sync.relay import RelayHandle, RelayedReader, open_reader
 from meshrl.weight_sync.ring import RingHandle
 from meshrl.weight_sync.shards import ShardedReader
 from meshrl.weight_sync.verify import Verifier

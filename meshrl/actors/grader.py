@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from monarch.actor import Actor, endpoint
 
-from meshrl.actors.configs import GraderConfig
+from meshrl.actors.grader_config import GraderConfig
 from meshrl.actors.held import take_held
 from meshrl.tasks import make_task
 from meshrl.types import Completion, Sample

@@ -14,9 +14,9 @@ runs; its failures (the engine raising, the replica dying) are handled like any 
 
 import math
 
-from meshrl.actors.configs import GraderConfig, check_rubric
 from meshrl.actors.engine import start_vllm
 from meshrl.actors.grader import TaskGrader
+from meshrl.actors.grader_config import GraderConfig, check_rubric
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
 from meshrl.types import Completion, Sample
 

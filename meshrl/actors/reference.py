@@ -8,8 +8,8 @@ the memory of fp32) where its forward runs in bf16 autocast anyway (meshrl/model
 
 from monarch.actor import Actor, endpoint
 
-from meshrl.actors.configs import ReferenceConfig
 from meshrl.actors.distributed import from_buffer, join, load_on_ranks, memory_of, to_buffer
+from meshrl.actors.reference_config import ReferenceConfig
 from meshrl.losses import policy_logprobs
 from meshrl.types import BatchRef
 

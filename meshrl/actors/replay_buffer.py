@@ -46,13 +46,14 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.actors import pin_cpus
-from meshrl.actors.configs import ReplayBufferConfig, TrainerConfig
 from meshrl.actors.held import take_held
+from meshrl.actors.replay_buffer_config import ReplayBufferConfig
 from meshrl.actors.roles import TokensLost
 from meshrl.actors.trace import ActorClock
+from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.advantages import population_std
 from meshrl.episodes import RolloutRecorder, flatten
-from meshrl.train_step import micro_groups, padding_fraction, split
+from meshrl.train_step import micro_batches, padding_fraction, split
 from meshrl.types import BatchRef, Completion, Episode, GroupEpisodes, TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -167,9 +168,7 @@ class FifoBuffer(Actor):
         t = self.trainer
         updates = []
         for chunk in split(handed.episodes, t.mini_batches):
-            loss_tokens = sum(e.num_response_tokens for e in chunk)
-            updates.append([MicroBatch(group, loss_tokens, len(chunk))
-                            for group in micro_groups(chunk, t.micro_batch_size, t.micro_batch_tokens)])
+            updates.append([MicroBatch(*micro) for micro in micro_batches(chunk, t.micro_batch_size, t.micro_batch_tokens)])
         self.micro[batch] = updates
         return {"micro_batches": [len(u) for u in updates], "episodes_trained": len(handed.episodes),
                 "episodes_reused": handed.reused, "groups_reused": handed.groups_reused,

@@ -37,8 +37,8 @@ from torch.distributed.tensor import DTensor
 from meshrl.actors import resident_gb, return_free_memory
 from meshrl.actors.distributed import (all_gather, from_buffer, head_kept_gathered, join, load_on_ranks, local, memory_of,
                                       to_buffer)
-from meshrl.actors.configs import TrainerConfig
 from meshrl.actors.trace import ActorClock
+from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.checkpoint import SafeReader, load_safely
 from meshrl.losses import check, policy_logprobs, policy_loss, policy_terms
 from meshrl.lr_schedule import lr_scheduler
@@ -206,8 +206,10 @@ class TitanTrainer(Actor):
     async def _answer(self, port, version: int) -> None:
         try:
             await self._published()
-        except Exception as e:  # the copy failed: the caller gets its error, as from any endpoint
+        except BaseException as e:  # noqa: BLE001 - the copy failed or was cancelled: the caller gets why, never waits on
             port.exception(ActorError(e, "Actor call publish_weights failed."))
+            if isinstance(e, asyncio.CancelledError):
+                raise
             return
         port.send(version)
 

@@ -1,8 +1,8 @@
 """The run's config: one section per role and component, composed; named configs chosen by name and
 overridden with dotted flags; `resolve`, the one step that fills in every value computed from others.
 
-Each section is defined beside its owner, with its checks and its choices: the roles' in
-meshrl/actors/configs.py, the engine's in meshrl/actors/engine.py, the loss's in meshrl/losses.py, the
+Each section is defined beside its owner, with its checks and its choices: each role's in its
+meshrl/actors/<role>_config.py (beside the actor, which imports Monarch), the engine's in meshrl/actors/engine.py, the loss's in meshrl/losses.py, the
 lr schedule's in meshrl/lr_schedule.py, LoRA's and the model's in meshrl/models/, the weight ring's in
 meshrl/weight_sync/, the checkpoints' in meshrl/checkpoint.py, each task's in its module. What belongs to
 the run as a whole is here: its loop (`controller`), where its metrics go (`logging`), its hosts
@@ -21,7 +21,11 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshrl.actors.configs import GeneratorConfig, GraderConfig, ReferenceConfig, ReplayBufferConfig, TrainerConfig
+from meshrl.actors.generator_config import GeneratorConfig
+from meshrl.actors.grader_config import GraderConfig
+from meshrl.actors.reference_config import ReferenceConfig
+from meshrl.actors.replay_buffer_config import ReplayBufferConfig
+from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.advantages import ESTIMATORS, STEP_WISE
 from meshrl.checkpoint import CheckpointConfig
 from meshrl.checks import at_least, one_of
@@ -36,8 +40,8 @@ from meshrl.tasks.sum_digits import SumDigitsConfig
 from meshrl.tasks.zorplex import ZorplexConfig
 from meshrl.weight_sync import WeightSyncConfig
 
-__all__ = ["Config", "ConfigError", "ControllerConfig", "LoggingConfig", "from_dict", "resolve", "resumable_overrides",
-           "to_dict"]
+__all__ = ["Config", "ConfigError", "ControllerConfig", "LoggingConfig", "from_dict", "from_saved", "resolve",
+           "resumable_overrides", "to_dict"]
 
 
 @dataclass
@@ -205,6 +209,27 @@ def _flat(d: dict, prefix: str = "") -> dict:
     for k, v in d.items():
         out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
     return out
+
+
+# What a run's config.json may hold from before 2026-11-27 (issue 56), read as it trains now: generator.top_p could
+# only be 1 (the whole distribution, as every run samples); the task grader's and the reusing buffer's classes
+# were renamed. (trainer.loss.constant_norm was written out as 48, which trains as it did.)
+RETIRED = {("generator", "top_p"): 1.0}
+RENAMED = {"meshrl.actors.grader:Grader": "meshrl.actors.grader:TaskGrader",
+           "meshrl.actors.replay_buffer:ReplayBuffer": "meshrl.actors.replay_buffer:ReuseBuffer"}
+
+
+def from_saved(data: dict) -> Config:
+    """A run's config.json back into its Config (`--resume`, `meshrl eval`), one written before a setting was
+    retired or a class renamed included."""
+    data = copy.deepcopy(data)
+    for (section, name), only in RETIRED.items():
+        if data.get(section, {}).get(name, only) == only:
+            data.get(section, {}).pop(name, None)
+    for section in data.values():
+        if isinstance(section, dict) and section.get("impl") in RENAMED:
+            section["impl"] = RENAMED[section["impl"]]
+    return from_dict(Config, data)
 
 
 def from_dict(cls, data: dict):

@@ -16,8 +16,8 @@ import time
 from monarch.actor import endpoint
 
 from meshrl.actors import parse_cpus
-from meshrl.actors.configs import GeneratorConfig
 from meshrl.actors.generator import VLLMGenerator
+from meshrl.actors.generator_config import GeneratorConfig
 from meshrl.actors.replicas import ReplicaPool, monarch_replicas
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
 from meshrl.tasks.sum_digits import SumDigits, SumDigitsConfig
@@ -52,7 +52,7 @@ async def _run(model: str, num_prompts: int, group_size: int, max_tokens: int, r
     tokenizer = ChatTokenizer(checkpoint)
     task = SumDigits(SumDigitsConfig())
     prompts = [Prompt(i, tokenizer.encode_chat(task.train_sample(i).prompt)) for i in range(num_prompts)]
-    sampling = Sampling(n=group_size, temperature=1.0, max_tokens=max_tokens)
+    sampling = GeneratorConfig(max_tokens=max_tokens).sampling(n=group_size)  # as training rollouts sample
     cores = sorted(parse_cpus(""))
     result = {"model": model, "prompts": num_prompts, "group_size": group_size, "max_tokens": max_tokens,
               "cores": len(cores), "repeats": repeats}

@@ -25,11 +25,12 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.actors import in_rank_order, parse_cpus, spawn, spawn_ranks
-from meshrl.actors.configs import ReplayBufferConfig, TrainerConfig
 from meshrl.actors.distributed import join, load_on_ranks
 from meshrl.actors.held import HeldCompletions
 from meshrl.actors.replay_buffer import FifoBuffer
+from meshrl.actors.replay_buffer_config import ReplayBufferConfig
 from meshrl.actors.trainer import TitanTrainer
+from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.losses import autocast, response_logits, token_logprobs
 from meshrl.models.lora import LoraConfig
 from meshrl.models.model import build_policy, load_policy, read_hf_config, resolve_checkpoint
@@ -206,7 +207,7 @@ async def _step_from_buffer(trainer, buffer, holder, data: list[Episode], config
     for e, key in zip(data, keys):
         if not await buffer.stage.call_one(e.group_id, [holder], [[(0, key)]]):
             raise RuntimeError(f"the replay buffer could not take group {e.group_id}'s completion")
-    await buffer.add.call_one(index, [GroupEpisodes(e.group_id, [(0, 0, 1)], [e.advantage], [index], [0.0, 1.0])
+    await buffer.add.call_one(index, [GroupEpisodes(e.group_id, [(0, 0, 1)], [e.advantage], [index], [0.0, 1.0], 1.0)
                                       for e in data])
     start = time.perf_counter()
     plan = await buffer.sample.call_one(index, [e.group_id for e in data])

@@ -18,9 +18,10 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from meshrl.actors import first, in_rank_order, spawn, spawn_ranks
-from meshrl.actors.configs import GeneratorConfig, TrainerConfig
 from meshrl.actors.generator import VLLMGenerator
+from meshrl.actors.generator_config import GeneratorConfig
 from meshrl.actors.trainer import TitanTrainer
+from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.models.lora import LoraConfig
 from meshrl.models.model import resolve_checkpoint
 from meshrl.tools.bench.checkout import from_checkout

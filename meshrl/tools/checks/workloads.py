@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from meshrl.actors.configs import ReferenceConfig, TrainerConfig
+from meshrl.actors.reference_config import ReferenceConfig
+from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.tools.checks import standins
 from meshrl.types import BatchRef, TrainBatch
 from meshrl.weight_sync import WeightSyncConfig
