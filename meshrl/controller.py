@@ -79,9 +79,8 @@ class Controller:
         # `config` is resolved (meshrl.configs.resolve): generate_ahead is the run's, not -1
         cfg, fresh = config.controller, config.replay_buffer.fresh_groups(config.controller.prompts_per_step)
         self.work = WorkBuffer(cfg.steps, fresh, cfg.max_policy_age, batch_builder(cfg, tracer.now, task.accuracy),
-                               fresh * (cfg.max_sample_rounds if cfg.drop_equal_reward_groups else 1),
-                               cfg.drop_equal_reward_groups, cfg.max_failed_fraction, self._keep,
-                               cfg.generate_ahead, self._discard)
+                               cfg.generate_ahead, fresh * (cfg.max_sample_rounds if cfg.drop_equal_reward_groups else 1),
+                               cfg.drop_equal_reward_groups, cfg.max_failed_fraction, self._keep, self._discard)
         self.buffer_calls = BufferCalls(lambda: self.buffer, timeouts.buffer)  # kept groups' adds, discards
         self.rollouts: asyncio.Task | None = None  # the rollout loop, while it runs
         self.collector = RolloutCollector(config.controller, config.generator, task, tokenizer, generators, graders,

@@ -85,19 +85,18 @@ class WorkBuffer:
     batch_size: int  # groups kept per batch (controller.prompts_per_step)
     max_policy_age: int
     build: Callable[[Filling], Batch]  # a complete Filling -> its Batch (meshrl/episodes.py)
+    ahead: int  # versions generation may run ahead of the trainer (the gate): controller.generate_ahead, resolved
     tries: int = 0  # groups finished into a batch at most (dynamic sampling); 0: batch_size
     drop_equal: bool = False  # groups whose rewards are all equal are not kept
     max_failed_fraction: float = 0.5  # more failed groups than this share of batch_size stop the run
     # a kept group (its batch's index, the group) -> what the Filling keeps of it (the controller's: its
     # episodes go to the replay buffer, and a summary stays); by default its scored completions
     keep: Callable[[int, Group], object] = lambda batch, group: group.scored
-    ahead: int = -1  # versions generation may run ahead of the trainer (the gate); -1: max_policy_age
     # a finished group not kept (dropped, or stale) -> the controller's: the replay buffer lets its tokens go
     drop: Callable[[Group], None] = lambda group: None
 
     def __post_init__(self):
         self.tries = self.tries or self.batch_size
-        self.ahead = self.max_policy_age if self.ahead < 0 else self.ahead
         self.next_prompt = 0  # the task's next training sample never started
         self.redo: list[int] = []  # prompts to start before new ones (stopped or stale groups), sorted
         self.running: dict[int, int] = {}  # prompt index -> the batch it was admitted into

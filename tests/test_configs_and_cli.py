@@ -6,7 +6,7 @@ import typing
 
 import pytest
 
-from meshrl.configs import Config, ConfigError, resumable_overrides
+from meshrl.configs import Config, ConfigError, from_saved, resolve, resumable_overrides, to_dict
 from meshrl.configs.named import CONFIGS, load_config
 
 
@@ -76,6 +76,43 @@ def test_a_resume_may_change_placement_and_rank_counts_but_not_what_the_run_comp
         resumable_overrides(saved, load_config("smoke", overrides))
     with pytest.raises(ConfigError, match=r"--trainer\.lr cannot change on resume"):
         resumable_overrides(saved, load_config("smoke", ["--trainer.lr", "0.5"]))
+
+
+def test_a_config_json_written_before_top_p_went_and_classes_were_renamed_reads_as_it_trains_now():
+    """A run from before issue 56 resumes: its generator.top_p 1 (the only value it could have) is dropped, the
+    task grader's old class name read as TaskGrader; a top_p that could not train stays one clear error."""
+    saved = to_dict(load_config("smoke", ["--replay_buffer.impl", "meshrl.actors.replay_buffer:ReuseBuffer"]))
+    old = to_dict(load_config("smoke", []))
+    old["generator"]["top_p"] = 1.0
+    old["grader"]["impl"] = "meshrl.actors.grader:Grader"
+    old["replay_buffer"]["impl"] = "meshrl.actors.replay_buffer:ReplayBuffer"
+    assert to_dict(from_saved(old)) == saved
+    old["generator"]["top_p"] = 0.9
+    with pytest.raises(ConfigError, match=r"unknown config keys \['top_p'\] in GeneratorConfig"):
+        from_saved(old)
+
+
+def test_resolve_fills_in_every_derived_value_once_and_leaves_the_given_config_as_it_was(tmp_path):
+    given = load_config("smoke", ["--controller.steps", "5", "--trainer.mini_batches", "2",
+                                  "--trainer.loss.aggregation", "constant", "--generator.max_tokens", "32",
+                                  "--weight_sync.transport", "disk"])
+    before = to_dict(given)
+    resolved = resolve(given, tmp_path)
+    assert to_dict(given) == before  # config.json and the recipe hash are of the config as given
+    assert resolved.generator.weight_update == "drain"  # synchronous: max_policy_age 0
+    assert resolved.controller.generate_ahead == 0
+    assert resolved.trainer.lr_schedule.total_updates == 10
+    assert resolved.trainer.loss.constant_norm == 32
+    assert resolved.weight_sync.disk_dir == str((tmp_path / "weights").absolute())
+    assert to_dict(resolve(resolved, tmp_path)) == to_dict(resolved)  # resolving twice changes nothing
+    ahead = resolve(load_config("smoke", ["--controller.max_policy_age", "2"]))
+    assert (ahead.generator.weight_update, ahead.controller.generate_ahead) == ("in_flight", 2)
+    reuse = resolve(load_config("smoke", ["--controller.max_policy_age", "2", "--replay_buffer.impl", "replay"]))
+    assert reuse.controller.generate_ahead == 0  # its groups trained again need the bound's room
+    kept = resolve(load_config("smoke", ["--controller.max_policy_age", "2", "--controller.generate_ahead", "1",
+                                         "--generator.weight_update", "recompute", "--trainer.loss.constant_norm", "7"]))
+    assert (kept.controller.generate_ahead, kept.generator.weight_update, kept.trainer.loss.constant_norm) == (
+        1, "recompute", 7)  # a value the user set is kept
 
 
 def test_booleans_take_the_usual_spellings():

@@ -20,6 +20,7 @@ def group(index: int, version: int = 0, rewards=(1.0, 0.0)) -> Group:
 
 
 def buffer(steps=3, size=2, age=0, **kw) -> WorkBuffer:
+    kw.setdefault("ahead", age)  # generation free to run as far ahead as the bound allows (fifo's resolved value)
     return WorkBuffer(steps, size, age, build, **kw)
 
 

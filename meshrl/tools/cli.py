@@ -390,13 +390,13 @@ def _prepare_train(name: str, overrides: list[str], run_dir: Path | None):
 def _prepare_resume(run_dir: Path, overrides: list[str]):
     """The Run that continues `run_dir` from its newest complete checkpoint."""
     from meshrl.checkpoint import resumable
-    from meshrl.configs import Config, from_dict, resumable_overrides
+    from meshrl.configs import from_saved, resumable_overrides
     from meshrl.configs.overrides import apply_overrides
     from meshrl.runtime.run import Run
 
     if not (run_dir / "config.json").is_file():
         raise ValueError(f"{run_dir} is not a run directory (no config.json)")
-    saved = from_dict(Config, json.loads((run_dir / "config.json").read_text()))
+    saved = from_saved(json.loads((run_dir / "config.json").read_text()))
     config = apply_overrides(saved, overrides)
     resumable_overrides(saved, config)
     return Run(config, run_dir, resume_from=resumable(run_dir))

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from meshrl.configs import Config, from_dict
+from meshrl.configs import from_saved
 from meshrl.tasks.splits import check_split
 
 
@@ -28,7 +28,7 @@ def eval_run(run_dir: Path, split: str = "test", policy: Path | None = None):
     policy = policy or run_dir / "final"
     if not policy.is_dir():
         raise ValueError(f"{policy} not found: the run has not saved a policy yet (--policy names another)")
-    config = from_dict(Config, json.loads((run_dir / "config.json").read_text()))
+    config = from_saved(json.loads((run_dir / "config.json").read_text()))
     if (policy / "adapter_config.json").is_file():  # a LoRA run's adapter: its base with it merged in
         merged = out / "merged"
         if not (merged / "config.json").is_file():

@@ -40,6 +40,7 @@ from meshrl.actors.replay_buffer import FifoBuffer
 from meshrl.actors.replicas import Replica, ReplicaPool, processes
 from meshrl.actors.timeouts import StopSignals, Timeouts, bounded
 from meshrl.actors.trace import Tracer
+from meshrl.configs import resolve
 from meshrl.controller import Controller
 from meshrl.runtime.launch import note_fault
 from meshrl.runtime.metric_rows import MetricRows
@@ -113,6 +114,7 @@ async def real_cost(actors: int, tokens: int, group_size: int, steps: int, proce
     config = fake_config(steps=steps, prompts=actors, group=group_size, max_policy_age=1, replicas=actors)
     config.generator.max_tokens, config.trainer.micro_batch_size = tokens, 16
     config.grader.replicas = graders
+    config = resolve(config, run_dir)  # as a run's: the controller reads resolved values only
     timeouts = Timeouts.of(config)
     gens = Shared("generator", processes_, StandInGenerator, hosts)
     grads = Shared("grader", max(1, processes_ // 4), StandInGrader, [])

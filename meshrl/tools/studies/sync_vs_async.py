@@ -12,6 +12,7 @@ docs/studies.md (2026-11-24), so a run of the study reproduces it; the demo's la
 
 import itertools
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -43,12 +44,13 @@ def arm_figures(run_dir: Path) -> dict:
                                                              if "eval_accuracy" in r]
     return {"eval_final": summary.get("eval_accuracy_final"), "format_final": summary.get("eval_format_final"),
             "train_acc_last3": statistics.fmean(accuracy[-3:]), "wall_s": wall,
-            "trained_tps": figures["trained_tokens_per_s"], "generated_tps": figures["generated_tokens_per_s"],
+            # a run from before the split of tokens_trained and weight_sync_s (2026-11-27) has neither figure: n/a
+            "trained_tps": figures.get("trained_tokens_per_s", math.nan), "generated_tps": figures["generated_tokens_per_s"],
             "step_s": statistics.median(r["step_time_s"] for r in rows),
             "wait_s": statistics.median(r["wait_time_s"] for r in rows),
             "train_s": statistics.median(r["train_time_s"] for r in rows),
-            "publish_wait_s": statistics.median(r["publish_wait_s"] for r in rows),
-            "longest_load_s": statistics.median(r["longest_load_s"] for r in rows),
+            "publish_wait_s": statistics.median(r.get("publish_wait_s", math.nan) for r in rows),
+            "longest_load_s": statistics.median(r.get("longest_load_s", math.nan) for r in rows),
             "generator_idle": sum(r["generator_idle"] * r["step_time_s"] for r in rows) / wall,
             "staleness": figures["staleness_mean"],
             "reach": {th: time_to_reach(times, accuracy, th) for th in THRESHOLDS},
@@ -103,7 +105,7 @@ def _against_sync(figures: dict[str, list[dict]]) -> str:
         return ""
     sync_tps = statistics.fmean(f["trained_tps"] for f in figures["sync"])
     return "\nTrained (loss) tokens per second against sync: " + ", ".join(
-        f"{arm} {statistics.fmean(f['trained_tps'] for f in runs_) / sync_tps:.2f} x"
+        f"{arm} {cell(statistics.fmean(f['trained_tps'] for f in runs_) / sync_tps, '.2f')} x"
         for arm, runs_ in figures.items() if arm != "sync")
 
 
