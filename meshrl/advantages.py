@@ -16,21 +16,21 @@ def population_std(values: list[float]) -> float:
     return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
 
 
-def grpo(rewards: list[float], eps: float = 1e-6) -> list[float]:
+def grpo(rewards: list[float], eps: float) -> list[float]:
     """GRPO (Shao et al. 2024): distance from the group mean, in units of the group's std."""
     mean = statistics.fmean(rewards)
     std = population_std(rewards)
     return [(r - mean) / (std + eps) for r in rewards]
 
 
-def dr_grpo(rewards: list[float], eps: float = 1e-6) -> list[float]:
+def dr_grpo(rewards: list[float], eps: float) -> list[float]:
     """Dr. GRPO (Liu et al. 2025): the mean baseline only; dividing by the std biases toward easy and
     hard prompts."""
     mean = statistics.fmean(rewards)
     return [r - mean for r in rewards]
 
 
-def rloo(rewards: list[float], eps: float = 1e-6) -> list[float]:
+def rloo(rewards: list[float], eps: float) -> list[float]:
     """RLOO (Ahmadian et al. 2024): each reward minus the mean of the others (0 for a group of one)."""
     n = len(rewards)
     if n < 2:
@@ -51,8 +51,8 @@ def estimator(name: str):
 STEP_WISE = "step_wise_"  # controller.advantage step_wise_<estimator>: one Episode per turn (meshrl/episodes.py)
 
 
-def step_wise(final_rewards: list[float], steps_per_run: list[int], name: str = "grpo",
-              divide_by_steps: bool = False, eps: float = 1e-6) -> list[list[float]]:
+def step_wise(final_rewards: list[float], steps_per_run: list[int], name: str, divide_by_steps: bool,
+              eps: float) -> list[list[float]]:
     """Multi-step runs of one group (as Trinity-RFT's step-wise GRPO): the group advantage comes from
     each run's last-step reward and is given to every step of that run, optionally divided by the
     run's number of steps so long runs do not outweigh short ones."""

@@ -56,7 +56,7 @@ def flatten(group: GroupEpisodes, sequences: list[list[Completion]]) -> list[Epi
             for (s, first, end), a, version in zip(group.turns, group.advantages, group.versions)]
 
 
-def episode(turns: list[Completion], advantage: float, group_id: int, temperature: float = 1.0,
+def episode(turns: list[Completion], advantage: float, group_id: int, temperature: float,
             version: int | None = None) -> Episode:
     """The last turn's prompt and tokens, trained on the tokens of each of `turns` (the environment's
     and the prompt's tokens are masked out); its version the oldest of its turns' unless given."""

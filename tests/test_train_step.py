@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from meshrl.train_step import micro_batches, micro_groups, padding_fraction, split
-from meshrl.types import Episode
+from meshrl.types import Episode, TrainBatch
+
+
+def collated(episodes, size, max_tokens=0):
+    """The micro-batches the replay buffer hands a rank (meshrl/actors/replay_buffer.py's sample, then its fetch)."""
+    return [TrainBatch.collate(*micro, 0) for micro in micro_batches(episodes, size, max_tokens)]
 
 
 def test_split_gives_nearly_equal_consecutive_mini_batches():
@@ -21,7 +26,7 @@ def test_micro_batches_normalise_by_their_whole_mini_batch():
     episodes = [Episode([1, 2, 3], [False, True, True], [0.0, -1.0, -1.0], 1.0, 0, 0),
                 Episode([1, 2], [False, True], [0.0, -1.0], -1.0, 0, 0),
                 Episode([4, 5, 6, 7], [False, False, True, True], [0.0, 0.0, -1.0, -1.0], 0.5, 0, 1)]
-    batches = micro_batches(episodes, size=2, pad_id=0)
+    batches = collated(episodes, size=2)
     assert [b.input_ids.shape[0] for b in batches] == [2, 1]
     assert all(b.loss_tokens == 5 and b.loss_sequences == 3 for b in batches)
     assert sum(int(b.loss_mask.sum()) for b in batches) == 5
@@ -38,7 +43,7 @@ def episodes_of_lengths(lengths: list[int]) -> list[Episode]:
 
 def test_token_budget_micro_batches_group_neighbours_in_length_and_pad_less():
     episodes = episodes_of_lengths([40, 6, 38, 7, 5, 39, 8, 41])
-    budget = micro_batches(episodes, size=2, pad_id=0, max_tokens=80)
+    budget = collated(episodes, size=2, max_tokens=80)
     # longest first; a micro-batch takes sequences while count x its longest (positions) fits in 80
     assert [tuple(b.input_ids.shape) for b in budget] == [(2, 40), (2, 38), (4, 7)]
     assert all(b.input_ids.numel() <= 80 for b in budget)
@@ -49,7 +54,7 @@ def test_token_budget_micro_batches_group_neighbours_in_length_and_pad_less():
     assert sum(int(b.loss_mask.sum()) for b in budget) == sum(e.num_response_tokens for e in episodes)
     assert all(b.loss_tokens == budget[0].loss_tokens and b.loss_sequences == 8 for b in budget)
     # a sequence longer than the budget is a micro-batch of its own
-    assert [b.input_ids.shape[0] for b in micro_batches(episodes, 2, 0, max_tokens=20)][:4] == [1, 1, 1, 1]
+    assert [b.input_ids.shape[0] for b in collated(episodes, 2, max_tokens=20)][:4] == [1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
@@ -75,8 +80,8 @@ def test_token_budget_micro_batches_give_the_same_loss_and_gradient_as_fixed_cou
             total += loss.detach().item()
         return total, {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    fixed_loss, fixed_grads = loss_and_grads(micro_batches(episodes, size=3, pad_id=0))
-    budget_loss, budget_grads = loss_and_grads(micro_batches(episodes, size=3, pad_id=0, max_tokens=24))
+    fixed_loss, fixed_grads = loss_and_grads(collated(episodes, size=3))
+    budget_loss, budget_grads = loss_and_grads(collated(episodes, size=3, max_tokens=24))
     assert budget_loss == pytest.approx(fixed_loss, rel=1e-5, abs=1e-7)
     for name, grad in fixed_grads.items():
         torch.testing.assert_close(budget_grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
