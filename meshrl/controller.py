@@ -33,11 +33,11 @@ from monarch.actor import ActorError
 
 from meshrl.actors import first, in_rank_order
 from meshrl.actors.replicas import ReplicaPool, RoleFailed
-from meshrl.actors.timeouts import Stopped, StopSignals, Timeouts, bounded, deadline
+from meshrl.actors.timeouts import StopSignals, Stopped, Timeouts, bounded, deadline
 from meshrl.actors.weight_updates import cache_figures, gather_reports, no_figures
+from meshrl.buffer_calls import BufferCalls
 from meshrl.checkpoint import Checkpointer, RunState, latest
 from meshrl.configs import Config
-from meshrl.buffer_calls import BufferCalls
 from meshrl.episodes import batch_builder, keep_group
 from meshrl.restarts import FAULTS, Respawner, Restarts
 from meshrl.rollout import RolloutCollector

@@ -152,8 +152,9 @@ class Config:
 
 
 def resolve(config: Config, run_dir: Path | None = None) -> Config:
-    """A copy of the checked `config` with every value computed from other sections filled in, once, before
-    anything is spawned: the roles and the controller read these and derive nothing themselves.
+    """A copy of the checked `config` with every setting computed from other sections filled in, once, before
+    anything is spawned: the roles and the controller read these and derive no setting themselves (the
+    replay buffer's share of fresh groups is its section's `fresh_groups`, not a setting).
     - `generator.weight_update` auto: drain when training is synchronous (controller.max_policy_age 0:
       nothing may span two versions), else in_flight;
     - `controller.generate_ahead` -1: the whole staleness bound, or none with `replay_buffer.impl replay`,

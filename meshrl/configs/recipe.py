@@ -1,7 +1,8 @@
 """A run's recipe as one hash: what a run trains, whatever it was named. A named config is a fixed
 recipe (tests/test_recipes.py pins each one's hash: a change of settings is a new name), every run
-records the hash of its resolved config in summary.json (`config_hash`), and a study counts a run as
-finished only while its recipe still hashes the same, naming the others as stale.
+records the hash of its config as given (before meshrl.configs.resolve fills anything in) in
+summary.json (`config_hash`), and a study counts a run as finished only while its recipe still hashes
+the same, naming the others as stale.
 
 The hash is of the settings that differ from `Config()`'s defaults, so that a new setting whose default
 keeps the old behaviour (the way settings are added) leaves every recipe as it was. A changed default
