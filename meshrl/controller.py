@@ -288,10 +288,12 @@ class Controller:
                 if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
                     await self._published()  # the policy just trained is the one evaluated
                     row |= await self.collector.evaluate(step)
-                self.rows.log(row)
                 self.work.trained(batch.index)
-                async with deadline(self.timeouts.buffer, "replay_buffer", "trained"):
-                    await self.buffer.trained.call_one(batch.index, step)
+                try:  # its rollout records written (by the buffer, which holds them) before its row says it is done
+                    async with deadline(self.timeouts.buffer, "replay_buffer", "trained"):
+                        await self.buffer.trained.call_one(batch.index, step)
+                finally:  # a buffer dying now is restarted (its records die with it); the step is not trained again
+                    self.rows.log(row)
                 if self.rows.bad_steps:
                     logger.warning("step %d: %d of its updates had a NaN or infinite loss or gradient norm and "
                                    "were not applied", step, row["updates_skipped"])

@@ -213,9 +213,9 @@ class FifoBuffer(Actor):
 
     @endpoint
     async def trained(self, batch: int, step: int) -> None:
-        """Batch `batch` is trained and step `step` logged: its micro-batches go, its fresh groups' records
-        go to rollouts.jsonl and its groups count a use (the first time only: a restarted trainer trains
-        logged batches again)."""
+        """Batch `batch` is trained as step `step` (whose row the controller logs next): its micro-batches go,
+        its fresh groups' records go to rollouts.jsonl and its groups count a use (the first time only: a
+        restarted trainer trains logged batches again)."""
         self.micro.pop(batch, None)
         handed = self.log[batch]
         if handed.trained:
