@@ -29,13 +29,15 @@ pytestmark = pytest.mark.processes
 SLOW_LOAD_S = 0.8  # longer than the tiny model's trainer takes to publish two versions here (~0.2-0.35 s each)
 
 
-TEARS = 2  # copies slowed past two publishes: fewer than ShardedReader's max_attempts in a row
-SLOW_COPY_S = 1.5  # a 2-slot ring's slot is rewritten within two publishes (~0.2-0.7 s each here)
+TEARS = 2  # copies held past two publishes: fewer than ShardedReader's max_attempts in a row
+TEAR_WAIT_S = 60.0  # at most, for the trainer to complete two more versions while a copy is held
 
 
 class TearingGenerator(VLLMGenerator):
-    """Its first TEARS copies out of the ring (a thread each) wait SLOW_COPY_S before they copy: the trainer
-    has rewritten the slot by then, which the reader must see and count as a torn read."""
+    """Its first TEARS copies out of the ring (a thread each) wait, before they copy, until the trainer has
+    completed two more versions: in a 2-slot ring the slot being read has been rewritten by then, however
+    fast this machine publishes (a fixed pause of 1.5 s saw no tear when the first publishes took longer),
+    which the reader must see and count as a torn read."""
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -46,7 +48,10 @@ class TearingGenerator(VLLMGenerator):
         def slow_copy(reader, slot, begins, cancel):
             if len(slowed) < TEARS:
                 slowed.append(slot)
-                time.sleep(SLOW_COPY_S)
+                newest = lambda: max(reader.complete_versions(reader.header_now()), default=-1)  # noqa: E731
+                held, until = newest(), time.monotonic() + TEAR_WAIT_S
+                while newest() < held + 2 and time.monotonic() < until:
+                    time.sleep(0.01)
             return copy(reader, slot, begins, cancel)
 
         ring.RingReader._copy = slow_copy  # this actor's process only
