@@ -1,7 +1,7 @@
-"""The generator role's config section (`generator`): what any generator implementation is given (`impl`
-names the class), its checks, its choices and how training rollouts are sampled. A module of its own beside
-meshrl/actors/generator.py, which imports Monarch and vLLM. A run's config (meshrl/configs) composes it; values that depend on other sections are filled in once by
-meshrl.configs.resolve before anything is spawned."""
+"""The generator role's config section (`generator`): what any generator implementation is given (`impl` names
+the class), its checks, its choices and how training rollouts are sampled. A module of its own beside
+meshrl/actors/generator.py, which imports Monarch and vLLM. A run's config (meshrl/configs) composes it;
+values that depend on other sections are filled in once by meshrl.configs.resolve before anything is spawned."""
 
 from dataclasses import dataclass, field
 

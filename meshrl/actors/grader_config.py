@@ -1,7 +1,8 @@
-"""The grader role's config section (`grader`, with its judge's `grader.judge`): what any grader
-implementation is given, its checks. A module of its own beside meshrl/actors/grader.py and judge.py, which
-import Monarch; it loads no torch, as a grader's process never does (tests/test_layout.py). A run's config (meshrl/configs) composes it; values that depend on other sections are filled in once by
-meshrl.configs.resolve before anything is spawned."""
+"""The grader role's config section (`grader`, with its judge's `grader.judge`): what any grader implementation
+is given, its checks. A module of its own beside meshrl/actors/grader.py and judge.py, which import Monarch;
+it loads no torch, as a grader's process never does (tests/test_layout.py). A run's config (meshrl/configs)
+composes it; values that depend on other sections are filled in once by meshrl.configs.resolve before anything
+is spawned."""
 
 from dataclasses import dataclass, field
 

@@ -1,7 +1,7 @@
-"""The reference role's config section (`reference`, the frozen initial policy of the KL penalty): what
-any reference implementation is given, its checks. A module of its own beside meshrl/actors/reference.py,
-which imports Monarch. A run's config (meshrl/configs) composes it; values that depend on other sections are filled in once by
-meshrl.configs.resolve before anything is spawned."""
+"""The reference role's config section (`reference`, the frozen initial policy of the KL penalty): what any
+reference implementation is given, its checks. A module of its own beside meshrl/actors/reference.py, which
+imports Monarch. A run's config (meshrl/configs) composes it; values that depend on other sections are filled
+in once by meshrl.configs.resolve before anything is spawned."""
 
 from dataclasses import dataclass
 

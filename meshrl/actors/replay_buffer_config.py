@@ -1,7 +1,7 @@
-"""The replay buffer role's config section (`replay_buffer`): what any buffer implementation is given
-(`impl`: fifo, replay or module:Class), its checks, and how many groups each batch generates afresh. A module
-of its own beside meshrl/actors/replay_buffer.py, which imports Monarch. A run's config (meshrl/configs) composes it; values that depend on other sections are filled in once by
-meshrl.configs.resolve before anything is spawned."""
+"""The replay buffer role's config section (`replay_buffer`): what any buffer implementation is given (`impl`:
+fifo, replay or module:Class), its checks, and how many groups each batch generates afresh. A module of its
+own beside meshrl/actors/replay_buffer.py, which imports Monarch. A run's config (meshrl/configs) composes it;
+values that depend on other sections are filled in once by meshrl.configs.resolve before anything is spawned."""
 
 from dataclasses import dataclass
 

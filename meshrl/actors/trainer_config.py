@@ -1,7 +1,7 @@
-"""The trainer role's config section (`trainer`, with its loss, lr schedule and LoRA sections): what any
-trainer implementation is given, its checks and choices. A module of its own beside meshrl/actors/trainer.py,
-which imports Monarch. A run's config (meshrl/configs) composes it; values that depend on other sections are filled in once by
-meshrl.configs.resolve before anything is spawned."""
+"""The trainer role's config section (`trainer`, with its loss, lr schedule and LoRA sections): what any trainer
+implementation is given, its checks and choices. A module of its own beside meshrl/actors/trainer.py, which
+imports Monarch. A run's config (meshrl/configs) composes it; values that depend on other sections are filled
+in once by meshrl.configs.resolve before anything is spawned."""
 
 from dataclasses import dataclass, field
 

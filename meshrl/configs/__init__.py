@@ -1,19 +1,18 @@
-"""The run's config: one section per role and component, composed; named configs chosen by name and
-overridden with dotted flags; `resolve`, the one step that fills in every value computed from others.
+"""The run's config: one section per role and component, composed; named configs chosen by name and overridden
+with dotted flags; `resolve`, the one step that fills in every value computed from others.
 
 Each section is defined beside its owner, with its checks and its choices: each role's in its
-meshrl/actors/<role>_config.py (beside the actor, which imports Monarch), the engine's in meshrl/actors/engine.py, the loss's in meshrl/losses.py, the
-lr schedule's in meshrl/lr_schedule.py, LoRA's and the model's in meshrl/models/, the weight ring's in
-meshrl/weight_sync/, the checkpoints' in meshrl/checkpoint.py, each task's in its module. What belongs to
-the run as a whole is here: its loop (`controller`), where its metrics go (`logging`), its hosts
-(configs/job.py) and its generate endpoint (configs/serve.py).
+meshrl/actors/<role>_config.py (beside the actor, which imports Monarch), the engine's in
+meshrl/actors/engine.py, the loss's in meshrl/losses.py, the lr schedule's in meshrl/lr_schedule.py, LoRA's
+and the model's in meshrl/models/, the weight ring's in meshrl/weight_sync/, the checkpoints' in
+meshrl/checkpoint.py, each task's in its module. What belongs to the run as a whole is here: its loop
+(`controller`), where its metrics go (`logging`), its hosts (configs/job.py) and its generate endpoint
+(configs/serve.py).
 
 The named configs and their registry are in configs/named.py: `meshrl train --config smoke --trainer.lr 1e-5
 --controller.steps=3` (parsed by tyro, overrides.py); `meshrl train --config smoke --help` lists every field
-with the comment beside it. Each actor role names
-its implementation ("module:Class"), so one can be swapped from the command line without touching the
-controller.
-"""
+with the comment beside it. Each actor role names its implementation ("module:Class"), so one can be swapped
+from the command line without touching the controller."""
 
 import copy
 import dataclasses
