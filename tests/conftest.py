@@ -15,6 +15,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # first request: about 1 s of CPU in every engine the suite starts, for helpers whose eager form gives the
 # same counts and sorts. meshrl itself compiles nothing. Every process the tests start inherits this.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+# matplotlib builds its font cache at its first import on a machine, running `fc-list`: a process, which the fast
+# tier's guard refuses inside a test that imports it (reasoning-gym imports pyplot). Built here, before any test.
+import matplotlib.font_manager  # noqa: E402,F401  (cached under ~/.cache/matplotlib from then on)
+
 # Actor processes import the test modules that define stand-in actors.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
 
