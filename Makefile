@@ -11,6 +11,11 @@ UV_VERSION := 0.13.9
 PIP_FIND_LINKS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
 UV_INSTALL = $(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps
 LOCAL_WHEELS = $(foreach d,$(PIP_FIND_LINKS),--find-links $(d))
+STAMP := $(VENV)/.installed
+# `make install-cuda` leaves $(CUDA_STAMP) instead of $(STAMP) (each install removes the other's stamp): demo and
+# test then depend on it, so they refresh the CUDA lock when it changes and never put the CPU lock over it.
+CUDA_STAMP := $(VENV)/.installed-cuda
+INSTALLED := $(if $(wildcard $(CUDA_STAMP)),$(CUDA_STAMP),$(STAMP))
 
 .PHONY: demo demo-zorplex demo-reasoning-gym test test-fast install install-cuda clean
 
