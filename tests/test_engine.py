@@ -54,3 +54,19 @@ def test_tensor_parallelism_on_the_cpu_gives_each_worker_its_share_of_the_replic
     with pytest.raises(ValueError, match="generator.tensor_parallel_size 4 on the CPU needs a core per worker; the "
                                          "replica has 2"):
         engine_settings(EngineConfig(), on_gpu=False, tensor_parallel_size=4, cores=[0, 1])
+
+
+def test_batch_invariance_is_vllms_kernels_on_a_gpu_and_one_sequence_a_step_without_prefix_cache_on_the_cpu():
+    """`batch_invariant`: vLLM's batch-invariant mode where it has one (a GPU); on the CPU, which has none, every
+    engine step runs one sequence, and no prompt is computed from another's cached prefix: each sequence's
+    numbers are then those of its own shapes alone (tests/test_checkpoint.py compares runs whose batches
+    differ); off, neither."""
+    gpu = engine_settings(EngineConfig(batch_invariant=True), on_gpu=True)
+    assert gpu.environment["VLLM_BATCH_INVARIANT"] == "1" and "max_num_seqs" not in gpu.options
+    cpu = engine_settings(EngineConfig(batch_invariant=True), on_gpu=False)
+    assert "VLLM_BATCH_INVARIANT" not in cpu.environment
+    assert cpu.options["max_num_seqs"] == 1 and cpu.options["enable_prefix_caching"] is False
+    for on_gpu in (True, False):
+        plain = engine_settings(EngineConfig(), on_gpu=on_gpu)
+        assert "VLLM_BATCH_INVARIANT" not in plain.environment and "max_num_seqs" not in plain.options
+        assert "enable_prefix_caching" not in plain.options

@@ -29,6 +29,7 @@ class EngineConfig:
     that depend on the placement: meshrl/runtime/gpu_plan.py)."""
 
     cuda_graphs: str = "auto"  # capture CUDA graphs of the decoding steps (vLLM's enforce_eager off): auto (on a GPU; eager on the CPU) | on (GPU only) | off
+    batch_invariant: bool = False  # each request's tokens and logprobs independent of what else the engine runs with it (exact resume and restarts compare bits across runs whose batches differ): on a GPU vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1; NVIDIA compute capability >= 8.0); on the CPU one sequence per engine step and no prefix cache (oneDNN's bf16 kernels round by batch shape on Intel CPUs with AMX), 5.4x the generation time measured (docs/running.md)
     sleep: str = "auto"  # vLLM's sleep mode: the engine frees its KV cache (and moves its weights to host memory) while a synchronous step trains on the GPU it shares; auto (on where the GPU plan puts the generator on a GPU with trainer or reference ranks and controller.max_policy_age is 0) | on (GPU only) | off
 
     def check(self) -> None:
@@ -48,7 +49,7 @@ def engine_settings(engine: EngineConfig, *, on_gpu: bool, tensor_parallel_size:
     eager on the CPU (or by `cuda_graphs off`); `memory_fraction` 0 takes GPU_MEMORY_FRACTION or
     CPU_MEMORY_FRACTION; tensor parallelism runs vLLM's multiprocessing executor ("mp": a worker process
     per GPU), a size of 1 its executor in this process ("uni"); sleep mode only on a GPU (`sleep auto`
-    here, not resolved by a GPU plan, is off). On the CPU vLLM binds its OpenMP threads to `cpus`, and with
+    here, not resolved by a GPU plan, is off); `batch_invariant` as EngineConfig says. On the CPU vLLM binds its OpenMP threads to `cpus`, and with
     tensor parallelism each worker to its share of `cores` (the replica's cores, in order: vLLM's own binding
     wants a NUMA node per worker). ValueError (one line) for a GPU option on the CPU, or fewer cores than
     workers."""
@@ -64,6 +65,10 @@ def engine_settings(engine: EngineConfig, *, on_gpu: bool, tensor_parallel_size:
                "enable_sleep_mode": on_gpu and engine.sleep == "on"}
     environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process
                    "OMP_NUM_THREADS": str(num_threads)}  # the count we pin, rather than vLLM lowering it to 1
+    if engine.batch_invariant and on_gpu:
+        environment["VLLM_BATCH_INVARIANT"] = "1"
+    elif engine.batch_invariant:  # the CPU has no batch-invariant kernels: every step a batch of one sequence
+        options.update(max_num_seqs=1, enable_prefix_caching=False)
     if not on_gpu:
         environment["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
         if tensor_parallel_size > 1:  # "0-3|4-7": each worker its own cores
