@@ -4,6 +4,7 @@ model and loss, in process."""
 
 import pytest
 import torch
+from rounding import assert_within, rounding_bound
 
 from meshrl.train_step import micro_batches, micro_groups, padding_fraction, split
 from meshrl.types import Episode, TrainBatch
@@ -80,9 +81,10 @@ def test_token_budget_micro_batches_give_the_same_loss_and_gradient_as_fixed_cou
             total += loss.detach().item()
         return total, {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    fixed_loss, fixed_grads = loss_and_grads(collated(episodes, size=3))
-    budget_loss, budget_grads = loss_and_grads(collated(episodes, size=3, max_tokens=24))
-    assert budget_loss == pytest.approx(fixed_loss, rel=1e-5, abs=1e-7)
-    for name, grad in fixed_grads.items():
-        torch.testing.assert_close(budget_grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
-    assert any(g.abs().sum() > 0 for g in fixed_grads.values())
+    fixed = loss_and_grads(collated(episodes, size=3))
+    budget = loss_and_grads(collated(episodes, size=3, max_tokens=24))
+    model.double()  # the reference: the fixed counts in float64; each fp32 pass within fp32's rounding of it
+    reference = loss_and_grads(collated(episodes, size=3))
+    for result in (fixed, budget):
+        assert_within(result, reference, rounding_bound("tiny"))
+    assert any(g.abs().sum() > 0 for g in fixed[1].values())

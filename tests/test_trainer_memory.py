@@ -9,6 +9,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from rounding import assert_within, rounding_bound
 
 from meshrl.actors.distributed import Rank, load_on_ranks, local
 from meshrl.losses import LossConfig
@@ -72,36 +73,13 @@ def lora_model(source: str, memory: MemoryChoice, lora: LoraConfig | None):
     return model
 
 
-def assert_same(a, b, rtol: float, atol: float):
+def assert_equal(a, b):
+    """The same loss and gradients, bit for bit."""
     (loss_a, grads_a), (loss_b, grads_b) = a, b
     assert grads_a.keys() == grads_b.keys() and grads_a
-    torch.testing.assert_close(loss_a, loss_b, rtol=rtol, atol=atol)
+    assert torch.equal(loss_a, loss_b)
     for name in grads_a:
-        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=rtol, atol=atol, msg=name)
-
-
-FP32_U, BF16_U = 2.0 ** -24, 2.0 ** -8  # unit roundoffs
-
-
-def rounding_bound(source: str) -> float:
-    """How far (norm-wise, relative) a gradient or loss computed in fp32 may be from the same computation in
-    float64, by the rounding of the lowest precision it computes in. In fp32 the longest sum is the
-    log-softmax over the vocabulary (N terms); its rounding error grows as sqrt(N)·u with high probability
-    (Higham and Mary, 2019), every shorter sum's less. torchtitan's MoE experts cast their grouped products to
-    bf16 whatever the model's dtype (fp32 accumulation): each product's two inputs rounded to bf16, 2·u_bf16."""
-    vocab = 49152  # SmolLM2's tokenizer: every tiny model's
-    fp32 = vocab ** 0.5 * FP32_U
-    return fp32 + 2 * BF16_U if source.endswith("_moe") else fp32
-
-
-def assert_within(got, reference, bound: float):
-    """The loss and each gradient of `got` within `bound` of `reference`'s, norm-wise relative per tensor (an
-    element-wise comparison would hold entries that are sums cancelling to near 0 to their own size)."""
-    (loss, grads), (ref_loss, ref_grads) = got, reference
-    assert grads.keys() == ref_grads.keys() and grads
-    for name, value, ref in [("loss", loss, ref_loss), *((n, grads[n], ref_grads[n]) for n in grads)]:
-        error = float((value.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300))
-        assert error <= bound, f"{name}: {error:.3g} from the float64 reference (bound {bound:.3g})"
+        assert torch.equal(grads_a[name], grads_b[name]), name
 
 
 @pytest.mark.parametrize("source", ["tiny", "tiny_qwen3", "tiny_qwen3_moe"])
@@ -147,7 +125,7 @@ def test_activation_checkpointing_leaves_loss_and_gradients_exact(source, lora, 
     checkpointed = lora_model(source, MemoryChoice(mode, "float32", "float32"), lora)
     assert list(checkpointed.state_dict()) == list(plain.state_dict())
     assert any("_checkpoint_wrapped_module" in name for name, _ in checkpointed.named_modules())
-    assert_same(loss_and_grads(plain, batch, 5), loss_and_grads(checkpointed, batch, 5), rtol=0, atol=0)
+    assert_equal(loss_and_grads(plain, batch, 5), loss_and_grads(checkpointed, batch, 5))
 
 
 @pytest.mark.parametrize("source", ["tiny", "tiny_qwen3_moe"])
@@ -236,7 +214,7 @@ def test_fsdp2_bf16_all_gathers_on_two_ranks_keep_fp32_masters_and_match_within_
     out = mp.Manager().dict()
     mp.spawn(_two_ranks, args=(_free_port(), out), nprocs=2, join=True)
     fp32, saving, autocast, gathered = (out[k] for k in ("fp32", "fp32_saving", "bf16_fp32_gather", "bf16_gather"))
-    assert_same(fp32[:2], saving[:2], rtol=1e-5, atol=1e-7)
+    assert_within(saving[:2], fp32[:2], 2 * rounding_bound("tiny"))  # each within fp32's rounding of the exact
     assert gathered[2] == gathered[3] == {torch.float32}  # master weights and their gradients
     # measured: each gradient within 1.3% of its largest entry, the loss within 1e-3
     torch.testing.assert_close(autocast[0], gathered[0], rtol=0, atol=2e-3)
