@@ -76,7 +76,7 @@ class Script:
     yields: dict[str, int] = field(default_factory=dict)  # "generate": yield this often before answering
     reject: set[int] = field(default_factory=set)  # prompts whose generate call raises an error of its own
     equal: set[int] = field(default_factory=set)  # prompts whose completions all get reward 1: no signal
-    late: dict[int, int] = field(default_factory=dict)  # prompt -> its first generation ends once this version is out
+    late: dict[int, int] = field(default_factory=dict)  # prompt -> its first generation ends once this version is out (and loaded in flight)
     die_at: dict[str, int] = field(default_factory=dict)  # "generate": the replica dies at this call of it
     hang_at: dict[str, int] = field(default_factory=dict)  # "generate": this call never answers
     calls: list[str] = field(default_factory=list)
@@ -144,8 +144,11 @@ class FakeGenerator:
             length = sampling.max_tokens
             spread = 1 + self.costs.tail * ((prompts[0].token_ids[0] * 0.6180339887) % 1)  # evenly, by prompt
             await take(length * self.costs.generate_per_token * spread)
-            for p in prompts:
-                while self.weights.version < self.script.late.get(p.token_ids[0] - PROMPT_ID, 0):
+            for p in prompts:  # a late prompt's call ends once its version is out, and, loading in flight,
+                # once this replica has loaded it (an event, not the poller's timing: under load the call
+                # could otherwise end between the publish and the load, and span no versions)
+                late = self.script.late.get(p.token_ids[0] - PROMPT_ID, 0)
+                while self.weights.version < late or (self.update != "drain" and self.version < late):
                     await asyncio.sleep(0)
         finally:
             self.running -= 1
