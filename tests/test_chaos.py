@@ -2,7 +2,7 @@
 and a grader replica of two each, the trainer, the reference, the replay buffer) during one `meshrl
 train`, which survives each: every step logged once, versions continuous, every prompt trained once,
 each kill counted in the metrics. Once every victim's replacement serves and a few more steps are
-logged, SIGTERM stops the run as a user would: a clean stop within seconds, a checkpoint of the
+logged, SIGTERM stops the run as a user would: a clean stop after the step in progress, a checkpoint of the
 whole steps done and the policy saved, no actor process left behind (replacements included).
 
 One run shows both: a stop after processes were replaced is the harder case of the two. The run must be
@@ -51,15 +51,14 @@ def stopped(tmp_path_factory) -> dict:
         while steps_logged(run_dir) < at + AFTER and run.poll() is None:
             time.sleep(0.05)
         actors.update(psutil.Process(run.pid).children(recursive=True))
-        sent = time.monotonic()
         run.send_signal(signal.SIGTERM)
+        at_signal = steps_logged(run_dir)
         _, stderr = run.communicate(timeout=120)
-        took = time.monotonic() - sent
     finally:
         if run.poll() is None:
             run.kill()
     time.sleep(1)
-    return {"run_dir": run_dir, "made": made, "stderr": stderr, "returncode": run.returncode, "took": took,
+    return {"run_dir": run_dir, "made": made, "stderr": stderr, "returncode": run.returncode, "at_signal": at_signal,
             "actors": actors}
 
 
@@ -90,14 +89,17 @@ def test_a_run_survives_a_kill_of_every_role_in_turn(stopped):
 
 def test_a_signal_mid_run_checkpoints_saves_the_policy_and_leaves_no_process(stopped):
     run_dir, stderr = stopped["run_dir"], stopped["stderr"]
-    assert stopped["took"] < 15, f"stopping took {stopped['took']:.1f} s"
     assert stopped["returncode"] == 128 + signal.SIGTERM
+    # it stopped after the step the trainer was on, and no call of the stop ran into its bound (events, not
+    # seconds: under load every part of the stop takes longer, none of them may be skipped or hang)
+    steps = len(read_jsonl(run_dir / "metrics.jsonl"))
+    assert stopped["at_signal"] <= steps <= stopped["at_signal"] + 1, (stopped["at_signal"], steps)
+    assert "did not finish within" not in stderr, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("meshrl: stopped by SIGTERM after ") and f"--resume {run_dir}" in last, last
     # every actor process the run had, the replacements and the processes they replaced, is gone
     assert len(stopped["actors"]) > 5
     assert not [p for p in stopped["actors"] if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    steps = len(read_jsonl(run_dir / "metrics.jsonl"))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stopped_by"] == "SIGTERM" and summary["steps"] == steps
     # the stop's checkpoint holds every step logged, and the groups still generating are to be redone
