@@ -11,8 +11,8 @@ import pytest
 
 from meshrl.tasks.dataset import DatasetConfig, DatasetTask
 from meshrl.tasks.reasoning_gym import ReasoningGym, ReasoningGymConfig
-from meshrl.tasks.splits import split_of
-from meshrl.tasks.sum_digits import PHRASINGS, TEST_PHRASING, SumDigits, SumDigitsConfig
+from meshrl.tasks.splits import split_of, stratified_splits
+from meshrl.tasks.sum_digits import PHRASINGS, TEST_PHRASING, SumDigits, SumDigitsConfig, difficulty
 from meshrl.tasks.zorplex import _SYLLABLES, VALUES, Zorplex, ZorplexConfig
 
 HELD_OUT = ("validation", "test")
@@ -48,6 +48,51 @@ def test_sum_digits_splits_share_no_sum_and_test_has_a_wording_training_never_se
     first_words = TEST_PHRASING.split("{")[0]
     assert not any(p.startswith(first_words) for p in trained | space["validation"])
     assert any(p.startswith(first_words) for p in space["test"])
+
+
+def test_stratified_splits_deal_each_kind_out_in_the_same_proportions():
+    """By hand: ten items of two kinds (even, odd), five each: a fifth of each kind to test, a fifth to
+    validation, the rest to train; every item once; the same split on every call."""
+    splits = stratified_splits(range(10), lambda i: i % 2)
+    assert sorted(itertools.chain(*splits.values())) == list(range(10))
+    assert {split: sorted(i % 2 for i in held) for split, held in splits.items()} == {
+        "train": [0, 0, 0, 1, 1, 1], "validation": [0, 1], "test": [0, 1]}
+    assert stratified_splits(range(10), lambda i: i % 2) == splits
+
+
+def make_up(items) -> dict[str, float]:
+    """The shares of what changes a sum's difficulty among `items` (sorted terms)."""
+    return {"zero": sum(0 in i for i in items) / len(items),
+            "two_digit_answer": sum(sum(i) >= 10 for i in items) / len(items)}
+
+
+@pytest.mark.parametrize("num_terms, max_term", [(2, 19), (2, 9), (3, 9)])
+def test_stratified_sum_digits_splits_follow_trainings_make_up_and_no_item_weighs_much(num_terms, max_term):
+    """`split stratified`: train, validation and test share no sum and hold every sum of the task; each holds
+    sums with a zero term and two-digit answers in training's proportions (dealt per kind: within one item
+    of each kind); an eval split is each of its items once, the wordings balanced (test with the one
+    training never sees); training draws its items alike. With two terms up to 19 (the widened range),
+    no item is more than 5% of a held-out split."""
+    task = SumDigits(SumDigitsConfig(num_terms=num_terms, max_term=max_term, split="stratified", eval_size=500))
+    items = task.items
+    assert_disjoint({split: set(held) for split, held in items.items()})
+    every = set(itertools.combinations_with_replacement(range(max_term + 1), num_terms))
+    assert set(itertools.chain(*items.values())) == every
+    kinds = len({difficulty(i) for i in every})
+    for split in HELD_OUT:
+        for share, value in make_up(items[split]).items():
+            assert abs(value - make_up(items["train"])[share]) <= kinds / len(items[split]), (split, share)
+        held = task.eval_samples(split)
+        assert sorted(sum_terms(s.prompt) for s in held) == sorted(items[split])  # each item once
+        wordings = PHRASINGS if split == "test" else PHRASINGS[:-1]
+        counts = [sum(s.prompt.endswith(w.split("}")[-1]) for s in held) for w in wordings]
+        assert max(counts) - min(counts) <= 1, (split, counts)
+        if (num_terms, max_term) == (2, 19):
+            assert len(held) == 42 and 1 / len(set(sum_terms(s.prompt) for s in held)) <= 0.05
+    trained = [sum_terms(task.train_sample(i).prompt) for i in range(3000)]
+    assert set(trained) <= set(items["train"])
+    for share, value in make_up(trained).items():  # 3000 draws: 4 standard deviations of a share at most 0.04
+        assert abs(value - make_up(items["train"])[share]) < 0.04, share
 
 
 def test_sum_digits_demo_sizes_are_the_documented_ones():

@@ -1,12 +1,14 @@
 """Held-out splits by construction: every built-in task puts each underlying item (the numbers of a sum,
 a made-up word, a value, a file's prompt) in exactly one of `train`, `validation` and `test`, by a hash
-of the item alone, so no seed, config or index can move it, and a prompt of one split is never a prompt
-of another. Validation chooses settings; test is reported once they are chosen.
+of the item (`split_of`: of the item alone; `stratified_splits`: the items of each kind dealt out in hash
+order, so each split holds each kind in training's proportions), so no seed or index can move it, and a
+prompt of one split is never a prompt of another. Validation chooses settings; test is reported once they
+are chosen.
 """
 
 import functools
 import random
-from typing import Callable, Hashable, TypeVar
+from typing import Callable, Hashable, Iterable, TypeVar
 
 SPLITS = ("train", "validation", "test")
 HELD_OUT = SPLITS[1:]  # what `meshrl eval --split` and the eval during training take
@@ -19,6 +21,27 @@ def split_of(item: Hashable, test: float = 0.2, validation: float = 0.2) -> str:
     `validation`, else `train`; the same on every machine and Python (random's string seeding is sha512)."""
     u = random.Random(f"split-{item!r}").random()
     return "test" if u < test else "validation" if u < test + validation else "train"
+
+
+def stratified_splits(items: Iterable[T], stratum: Callable[[T], Hashable], test: float = 0.2,
+                      validation: float = 0.2) -> dict[str, list[T]]:
+    """Every one of `items` in one split, each `stratum` (a kind of item) dealt out in the items' hash order:
+    its first round(n * test) to test, the next round(n * validation) to validation, the rest to train, so
+    each split holds each kind in the same proportions (to one item per kind), whatever chance gives a hash
+    split of few items. An item's split depends on the others of its kind: the same for the same item set."""
+    kinds: dict[Hashable, list[T]] = {}
+    for item in items:
+        kinds.setdefault(stratum(item), []).append(item)
+    splits: dict[str, list[T]] = {split: [] for split in SPLITS}
+    for kind in kinds.values():
+        kind.sort(key=lambda item: random.Random(f"split-{item!r}").random())
+        n_test, n_validation = round(len(kind) * test), round(len(kind) * validation)
+        splits["test"] += kind[:n_test]
+        splits["validation"] += kind[n_test:n_test + n_validation]
+        splits["train"] += kind[n_test + n_validation:]
+    for held in splits.values():  # one order for the whole split, by hash: the kinds interleaved
+        held.sort(key=lambda item: random.Random(f"split-{item!r}").random())
+    return splits
 
 
 def check_split(split: str) -> str:
