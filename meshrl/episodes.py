@@ -88,6 +88,19 @@ def check_rates(checks: list[dict[str, float]], total: int, prefix: str,
     return rates
 
 
+def bootstrap_interval(values: list[float], level: float = 0.95, resamples: int = 2000,
+                       seed: int = 0) -> tuple[float, float]:
+    """The `level` interval of the mean of `values` (one per item: a prompt's accuracy over its samples) by
+    the percentile bootstrap over items: `resamples` means of len(values) items drawn with replacement,
+    their (1 - level) / 2 and (1 + level) / 2 quantiles. Seeded: the same interval for the same values."""
+    if not values:
+        return math.nan, math.nan
+    rng, n = random.Random(seed), len(values)
+    means = sorted(sum(rng.choices(values, k=n)) / n for _ in range(resamples))
+    tail = (1 - level) / 2
+    return means[int(tail * resamples)], means[min(resamples - 1, int((1 - tail) * resamples))]
+
+
 def rollout_record(scored: ScoredCompletion, group_id: int, prompt: str, staleness: str) -> dict:
     """One completion as rollouts.jsonl keeps it (the recorder adds the step and the staleness, counted
     from `counted_version`: its oldest or newest token's by the `staleness` rule, as the bound and the

@@ -41,7 +41,7 @@ from meshrl.actors.replicas import CallFailed, Replica, ReplicaPool
 from meshrl.actors.roles import TokensLost
 from meshrl.actors.timeouts import CallTimeout, Timeouts, deadline
 from meshrl.configs import ControllerConfig
-from meshrl.episodes import check_rates
+from meshrl.episodes import bootstrap_interval, check_rates
 from meshrl.tasks import Sample, is_environment, is_session
 from meshrl.tasks.conversation import SessionRoom, converse
 from meshrl.types import Generated, Prompt, Sampling, ScoredCompletion, Trajectory, model_turns
@@ -159,9 +159,14 @@ class RolloutCollector:
         scored = [s for g in groups for s in g.scored]
         rates = check_rates([s.reward_components for s in scored], sum(g.completions for g in groups), "eval_",
                             self.task.accuracy)  # failed: 0
+        # the accuracy's 95% interval over prompts (each a prompt's mean over its samples; failed: 0)
+        per_prompt = [sum(s.reward_components.get(self.task.accuracy, 0.0) for s in g.scored) / g.completions
+                      if g.completions else 0.0 for g in groups]
+        rates["eval_accuracy_low95"], rates["eval_accuracy_high95"] = bootstrap_interval(per_prompt)
         when = f" at step {step}" if step is not None else ""  # None: a finished run's policy (meshrl eval)
         lines = [f"{split} eval{when} ({len(samples)} prompts): "
-                 + "  ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in rates.items())]
+                 + "  ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in rates.items() if not k.endswith("95"))
+                 + f"  (accuracy's 95% interval {rates['eval_accuracy_low95']:.3f}-{rates['eval_accuracy_high95']:.3f})"]
         for g in groups[:EXAMPLES]:
             reply = g.scored[0].completion.text.strip() if g.scored else "(failed, or its reward function did)"
             lines += [f"  prompt: {samples[g.prompt_index].prompt}", f"  reply:  {reply!r}"]

@@ -27,7 +27,8 @@ KEYS = {"step", "policy_version", "reward_mean", "reward_std", "accuracy", "form
         "publish_wait_s", "longest_load_s",
         "logprob_mismatch", "clip_fraction_low", "clip_fraction_high", "clip_fraction_by_update",
         "behaviour_weight_mean", "tis_fraction", "behaviour_kl", "trainer_memory_gb", "lr", "truncated"}
-EVAL_KEYS = {"eval_accuracy", "eval_format", "eval_last_number", "eval_copied", "eval_truncated"}
+EVAL_KEYS = {"eval_accuracy", "eval_accuracy_low95", "eval_accuracy_high95", "eval_format", "eval_last_number", "eval_copied",
+             "eval_truncated"}
 ROLLOUT_FIELDS = {"step", "prompt_index", "group", "prompt", "completion", "reward", "reward_components",
                   "policy_version", "staleness", "finish_reason", "logprob"}
 

@@ -428,8 +428,10 @@ def _train(run) -> int:
         print(f"meshrl: stopped by {summary['stopped_by']} after {summary['steps']} steps; "
               f"metrics, rollouts, trace and the policy (final/) are in {run_dir}{resume}", file=sys.stderr)
         return 128 + getattr(signal, summary["stopped_by"])
-    for key in (k.removesuffix("_initial") for k in summary if k.endswith("_initial")):
+    for key in (k.removesuffix("_initial") for k in summary if k.endswith("_initial") and not k.endswith("95_initial")):
+        interval = (f" (95% interval {summary[key + '_low95_final']:.3f}-{summary[key + '_high95_final']:.3f})"
+                    if key + "_low95_final" in summary else "")
         print(f"{key.replace('_', ' ')}: step 0 {summary[key + '_initial']:.3f} -> "
-              f"step {summary['steps']} {summary[key + '_final']:.3f}")
+              f"step {summary['steps']} {summary[key + '_final']:.3f}{interval}")
     print(f"run directory: {run_dir} (metrics.jsonl, curves.png, final/)")
     return 0
