@@ -41,9 +41,9 @@ demo-reasoning-gym: $(INSTALLED)
 # the multi-host test's network namespaces): the suite's real processes wait on each other often
 # enough that two at once keep both cores busy. Files go out in collection order, the slowest first
 # (tests/conftest.py), not by their number of tests (xdist's default would send the one-test real
-# runs last, for one worker to finish alone).
+# runs last, for one worker to finish alone). The 25 slowest tests close the output: where the time goes.
 test: $(INSTALLED)
-	$(BIN)/python -m pytest -v -n 2 --dist loadfile --no-loadscope-reorder tests
+	$(BIN)/python -m pytest -v -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 # The fast tier: every test not marked `processes` (no Monarch proc mesh, vLLM engine or subprocess; such a
 # test fails here: tests/conftest.py), under 90 s on 2 cores. Its tests are CPU-bound in one process, so two
