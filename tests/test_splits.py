@@ -78,10 +78,13 @@ def test_stratified_sum_digits_splits_follow_trainings_make_up_and_no_item_weigh
     assert_disjoint({split: set(held) for split, held in items.items()})
     every = set(itertools.combinations_with_replacement(range(max_term + 1), num_terms))
     assert set(itertools.chain(*items.values())) == every
-    kinds = len({difficulty(i) for i in every})
-    for split in HELD_OUT:
+    kinds = {difficulty(i) for i in every}
+    for kind in kinds:  # each kind dealt out: a fifth (rounded) of its sums in each held-out split
+        n = sum(difficulty(i) == kind for i in every)
+        assert [sum(difficulty(i) == kind for i in items[split]) for split in HELD_OUT] == [round(n / 5)] * 2, kind
+    for split in HELD_OUT:  # so each split's make-up is training's, to one item per kind
         for share, value in make_up(items[split]).items():
-            assert abs(value - make_up(items["train"])[share]) <= kinds / len(items[split]), (split, share)
+            assert abs(value - make_up(items["train"])[share]) <= len(kinds) / len(items[split]), (split, share)
         held = task.eval_samples(split)
         assert sorted(sum_terms(s.prompt) for s in held) == sorted(items[split])  # each item once
         wordings = PHRASINGS if split == "test" else PHRASINGS[:-1]
