@@ -11,7 +11,7 @@ Splits (meshrl/tasks/splits.py): the numbers of a sum, in any order, are one ite
 "3 + 4" in test means neither "3 + 4" nor "4 + 3" is ever trained on. Training and validation use the
 first four wordings; test uses all five, the last (`TEST_PHRASING`) one that training never sees. Two
 rules (`split`):
-- `hash` (the recipes before sum_digits_smollm2_v5): each item by its hash alone, about 60/20/20; with
+- `hash` (the default, and every named recipe so far): each item by its hash alone, about 60/20/20; with
   two one-digit terms 55, 18 and 27 of the 100 ordered pairs, so few items that a split's make-up is
   chance's (the test split of the demo added a 0 in 38% of its prompts, training in 7%). An eval split
   holds up to `eval_size` distinct prompts (72 for validation and 128 of 135 for test with two one-digit
