@@ -11,6 +11,7 @@ import torch
 import torch.multiprocessing as mp
 from rounding import assert_within, rounding_bound
 
+import meshrl.losses
 from meshrl.actors.distributed import Rank, load_on_ranks, local
 from meshrl.losses import LossConfig
 from meshrl.losses import (on_positions, policy_logprobs, policy_loss, policy_terms, response_logits, token_entropy,
@@ -129,11 +130,14 @@ def test_activation_checkpointing_leaves_loss_and_gradients_exact(source, lora, 
 
 
 @pytest.mark.parametrize("source", ["tiny", "tiny_qwen3_moe"])
-def test_bf16_reference_holds_its_matmul_weights_in_bf16_and_gives_the_fp32_references_logprobs(source):
+def test_bf16_reference_holds_its_matmul_weights_in_bf16_and_gives_the_fp32_references_logprobs(source, monkeypatch):
     """The frozen reference in bf16 (`reference.dtype`): the weights of its linear layers and experts bf16
     (half their memory), the embedding, norms, router and RoPE tables as they were; under bf16 autocast
     autocast multiplies with exactly those bf16 values, so its logprobs are the fp32 reference's bit for bit
-    (the KL penalty is 0 before the first update, as with an fp32 reference)."""
+    (the KL penalty is 0 before the first update, as with an fp32 reference). The claim is autocast's
+    arithmetic, the same whether the CPU multiplies bf16 natively or emulates it: autocast is forced on, so
+    that a CPU without bf16 math (AVX2 only, where a run never picks a bf16 reference) checks it too."""
+    monkeypatch.setattr(meshrl.losses, "has_bf16_math", lambda device: True)
     checkpoint = resolve_checkpoint(source)
     batch = sample_batch()
     fp32, _ = load_on_ranks(checkpoint, ONE, memory=OFF, frozen=True)
