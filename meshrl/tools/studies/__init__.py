@@ -73,6 +73,6 @@ def read_json_lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
-for _name in ("weight_sync_equivalence", "sync_vs_async", "difficulty", "replay", "curriculum", "demo_settings", "demo_heldout",
+for _name in ("weight_sync_equivalence", "sync_vs_async", "difficulty", "replay", "curriculum", "demo_settings", "demo_heldout", "demo_recipe",
               "calculator"):
     importlib.import_module(f"meshrl.tools.studies.{_name}")
