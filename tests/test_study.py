@@ -218,7 +218,7 @@ def test_the_study_command_lists_dry_runs_and_refuses_unknown_names(tmp_path, cl
     assert code == 0
     assert [line.split()[0] for line in listed.splitlines()] == ["weight-sync-equivalence", "sync-vs-async",
                                                                   "difficulty", "replay", "curriculum",
-                                                                  "demo-settings", "demo-heldout", "calculator"]
+                                                                  "demo-settings", "demo-heldout", "demo-recipe", "calculator"]
     code, out, _ = cli("study", "sync-vs-async", "--dry-run", "--dir", tmp_path)
     commands = out.splitlines()
     assert code == 0
@@ -428,6 +428,24 @@ def test_the_demo_settings_report_picks_by_the_worst_seed_among_settings_that_ke
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def finished_heldout_run(study: Study, run_dir, final: float, test: float) -> None:
+    """What a finished 20-step run of a held-out study leaves: its validation at step 20 `final` (evals every
+    5 steps rising to it), and `meshrl eval --split test`'s files for it (`test`) and the untrained model (0)."""
+    run_dir.mkdir()
+    (run_dir / "study_run.json").write_text(json.dumps(recipe_of(study, run_dir).recipe()))
+    rows = [{"step": s, "step_time_s": 10.0, "groups_with_signal": 0.5,
+             **({"eval_accuracy": final * s / 20} if s % 5 == 0 else {})} for s in range(1, 21)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "summary.json").write_text(json.dumps({
+        "config_hash": recipe_of(study, run_dir).config_hash(), "steps": 20, "eval_accuracy_initial": 0.0,
+        "eval_accuracy_final": final, "eval_last_number_initial": 0.5, "eval_last_number_final": final,
+        "wall_time_s": 300}))
+    for out, accuracy in (("eval-test", test), ("eval-test-base", 0.0)):  # meshrl eval's, cached
+        (run_dir / out).mkdir()
+        (run_dir / out / "eval.json").write_text(json.dumps({"rates": {
+            "eval_accuracy": accuracy, "eval_last_number": accuracy, "eval_truncated": 0.0}}))
+
+
 def test_demo_heldout_chooses_on_validation_alone_and_reports_the_chosen_recipes_test_split(tmp_path, monkeypatch):
     from meshrl.tools.studies import STUDIES, demo_heldout
 
@@ -439,20 +457,7 @@ def test_demo_heldout_chooses_on_validation_alone_and_reports_the_chosen_recipes
     test = {"demo_recipe+dynamic_sampling": 0.95, "lr_5e-5+format_0": 0.99, "lr_7e-5+format_0+decay+zero_truncated": 0.2}
     for arm, finals in validation.items():
         for seed, final in enumerate(finals):
-            run_dir = tmp_path / f"{arm}_seed{seed}"
-            run_dir.mkdir()
-            (run_dir / "study_run.json").write_text(json.dumps(recipe_of(study, run_dir).recipe()))
-            rows = [{"step": s, "step_time_s": 10.0, "groups_with_signal": 0.5,
-                     **({"eval_accuracy": final * s / 20} if s % 5 == 0 else {})} for s in range(1, 21)]
-            (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-            (run_dir / "summary.json").write_text(json.dumps({
-                "config_hash": recipe_of(study, run_dir).config_hash(), "steps": 20, "eval_accuracy_initial": 0.0,
-                "eval_accuracy_final": final, "eval_last_number_initial": 0.5, "eval_last_number_final": final,
-                "wall_time_s": 300}))
-            for out, accuracy in (("eval-test", test[arm]), ("eval-test-base", 0.0)):  # meshrl eval's, cached
-                (run_dir / out).mkdir()
-                (run_dir / out / "eval.json").write_text(json.dumps({"rates": {
-                    "eval_accuracy": accuracy, "eval_last_number": accuracy, "eval_truncated": 0.0}}))
+            finished_heldout_run(study, tmp_path / f"{arm}_seed{seed}", final, test[arm])
     monkeypatch.setattr(demo_heldout, "resolve_checkpoint", lambda source: tmp_path / "base")
     assert demo_heldout.ranked({arm: [{"final": v} for v in finals] for arm, finals in validation.items()}) == [
         "lr_7e-5+format_0+decay+zero_truncated", "demo_recipe+dynamic_sampling", "lr_5e-5+format_0"]
@@ -460,6 +465,33 @@ def test_demo_heldout_chooses_on_validation_alone_and_reports_the_chosen_recipes
     assert "Chosen: **lr_7e-5+format_0+decay+zero_truncated**" in text
     assert "| worst seed | 0.200 | 0.200 | 0.000 |" in text and "| untrained model | 0.000 | 0.000 | 0.000 |" in text
     assert "0.990" not in text and "0.950" not in text  # the other recipes' test figures are not read
+
+
+def test_demo_recipe_ranks_on_two_seeds_of_validation_and_scores_the_chosen_recipes_five_seeds_on_test(
+        tmp_path, monkeypatch):
+    from meshrl.tools.studies import STUDIES, demo_heldout
+
+    study = STUDIES["demo-recipe"]
+    assert {r.name for r in study.runs} == {f"{arm}_seed{s}" for arm in ("v4", "tokens_32", "tokens_32+lr_1e-4")
+                                            for s in range(5)}
+    assert all(["--sum_digits.split", "stratified"] == r.overrides[:2] for r in study.runs)
+    # seeds 0-1 rank (tokens_32 first by its mean); v4's seeds 2-4 would outrank it but are not the ranking's;
+    # the chosen one's test: 0.95 on four seeds and `worst` on seed 4
+    validation = {"v4": (0.6, 0.7, 1.0, 1.0, 1.0), "tokens_32": (0.8, 0.75), "tokens_32+lr_1e-4": (0.9, 0.5)}
+    monkeypatch.setattr(demo_heldout, "resolve_checkpoint", lambda source: tmp_path / "base")
+    for worst, verdict in ((0.875, "not met"), (0.917, "met")):
+        directory = tmp_path / verdict.replace(" ", "_")
+        directory.mkdir()
+        for arm, finals in validation.items():
+            for seed, final in enumerate(finals):
+                finished_heldout_run(study, directory / f"{arm}_seed{seed}", final, 0.95 if seed < 4 else worst)
+        for seed in range(2, 5):
+            finished_heldout_run(study, directory / f"tokens_32_seed{seed}", 0.0, 0.95 if seed < 4 else worst)
+        text = write_report(study, directory).read_text()
+        assert "Chosen: **tokens_32**" in text and "| 1 | tokens_32 | 2 | 0.800 / 0.750 |" in text
+        assert "| v4 | 2 | 0.600 / 0.700 |" in text
+        assert f"| worst seed | {worst:.3f} |" in text and "| seed 4 |" in text
+        assert f"Worst seed's test accuracy {worst:.3f} over 5 seeds: the target (0.9 on every seed) is {verdict}." in text
 
 
 def test_the_calculator_report_shows_validation_by_eval_and_each_seeds_test_split_beside_the_untrained(
