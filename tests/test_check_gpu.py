@@ -9,7 +9,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from meshrl.actors import has_bf16_math
 from meshrl.tools.checks import mfu, parity, workloads
 
 
@@ -78,6 +80,8 @@ def test_the_dry_memory_mfu_and_publish_sections_run_the_same_passes_at_tiny_siz
     sections = dry[0]["sections"]
     memory = sections["memory"]
     assert memory["tokens"] == list(workloads_sizes()) and memory["not_available"] == []
+    # a bf16 reference where this CPU has bf16 math; an AVX2-only one keeps it fp32 and says so
+    assert memory["not_on_this_device"] == ([] if has_bf16_math(torch.device("cpu")) else ["reference.dtype bfloat16"])
     for role in ("trainer", "reference"):
         for setting in ("off", "on"):
             cells = memory[role][setting]

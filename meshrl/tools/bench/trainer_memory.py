@@ -4,7 +4,8 @@ against none.
 
 Each size runs in a fresh process: a warm-up step, then each configuration in turn on the policy loaded
 as the trainer loads it on one rank (once per checkpointing mode): one forward and backward of the trainer's loss
-(`policy_terms` + `policy_loss`, bf16 autocast as the trainer's default) on a fixed batch of `tokens`
+(`policy_terms` + `policy_loss`, bf16 autocast where the device has bf16 math, as the trainer's default) on
+a fixed batch of `tokens`
 positions. Peak memory is what that step adds over the loaded model: on the CPU the kernel's high-water
 mark of resident memory (VmHWM, reset just before the step) minus the resident memory then, the C heap's
 free pages handed back to the system first (`malloc_trim`), so that memory freed by the configuration
@@ -12,7 +13,8 @@ before is not reused unseen; on CUDA `torch.cuda.max_memory_allocated` minus the
 it. Either includes the gradients (the trained parameters' size in fp32). The reference model is measured
 alike in a process of its own: the resident memory its weights add in fp32 and in bf16 (its linear layers'
 and experts' weights: meshrl/actors/distributed.py `bf16_matmul_weights`), and its logprobs in bf16 against
-fp32's.
+fp32's; where the device has no bf16 math (an AVX2-only CPU) autocast is off and a run keeps its reference
+in fp32, so only fp32's is measured.
 
 Times are reported as ratios to the configuration with every switch off at the same size, measured in the
 same run: on a shared CPU the absolute figures are noise.
@@ -37,11 +39,12 @@ def run(model: str, tokens: list[int], device: str = "auto") -> dict:
         if n < SEQUENCE or n % SEQUENCE:
             raise ValueError(f"--tokens {n}: each size must be a multiple of {SEQUENCE} (tokens per sequence)")
     checkpoint = str(resolve_checkpoint(model))
-    result = {"model": model, "sequence_tokens": SEQUENCE, "bf16_autocast": True, "switches": {
+    result = {"model": model, "sequence_tokens": SEQUENCE, "switches": {
         k: {"activation_checkpointing": ac, "logprob_chunk_tokens": chunk} for k, (ac, chunk) in SWITCHES.items()},
               "sizes": {str(n): _fresh(_sizes, checkpoint, n, device) for n in tokens}}
     result["reference"] = _fresh(_reference, checkpoint, max(tokens), device)
     result["device"] = result["reference"].pop("device")
+    result["bf16_autocast"] = result["reference"].pop("bf16_autocast")
     return result
 
 
@@ -152,23 +155,26 @@ def _train_step(model, tokens: int, chunk: int, where) -> tuple[dict, object]:
 
 
 def _reference(checkpoint: str, tokens: int, device: str) -> dict:
-    """The reference in fp32, then in bf16: the memory its weights add on loading, the peak its logprobs of
-    `tokens` positions add, and the bf16 logprobs against fp32's."""
+    """The reference in fp32, then in bf16 where the device has bf16 math (elsewhere a run refuses a bf16
+    reference): the memory its weights add on loading, the peak its logprobs of `tokens` positions add, and
+    the bf16 logprobs against fp32's."""
     import gc
 
     import torch
 
     from meshrl.actors import cpu_name
     from meshrl.actors.distributed import Rank, load_on_ranks
-    from meshrl.losses import policy_logprobs
+    from meshrl.losses import bf16_compute, policy_logprobs
     from meshrl.models.memory import MemoryChoice
 
     where = _setup(device)
     batch = _batch(tokens).to(where)
     load_on_ranks(checkpoint, Rank(0, 1, where), memory=MemoryChoice("off", "float32", "float32"), frozen=True)
     gc.collect()  # a first load, dropped: the model's code imported and torch's first allocations made
-    out, values = {"device": cpu_name() if where.type == "cpu" else torch.cuda.get_device_name(where)}, {}
-    for dtype in ("float32", "bfloat16"):
+    bf16 = bf16_compute(where, True)
+    out, values = {"device": cpu_name() if where.type == "cpu" else torch.cuda.get_device_name(where),
+                   "bf16_autocast": bf16}, {}
+    for dtype in ("float32", "bfloat16") if bf16 else ("float32",):
         load = _Peak(where)
         load.start()
         model, _ = load_on_ranks(checkpoint, Rank(0, 1, where), memory=MemoryChoice("off", "float32", dtype),
@@ -192,7 +198,8 @@ def _reference(checkpoint: str, tokens: int, device: str) -> dict:
 
 def report(result: dict) -> str:
     lines = [f"trainer memory, {result['model']} on {result['device']}: what one forward and backward adds over "
-             f"the loaded model (gradients included), bf16 autocast, {result['sequence_tokens']} tokens a sequence"]
+             f"the loaded model (gradients included), {'bf16 autocast' if result['bf16_autocast'] else 'fp32 (no bf16 math)'}, "
+             f"{result['sequence_tokens']} tokens a sequence"]
     names = list(result["switches"])
     lines.append(f"  {'tokens':>7s} " + " ".join(f"{n:>24s}" for n in names))
     for tokens, figures in result["sizes"].items():
@@ -202,6 +209,10 @@ def report(result: dict) -> str:
     lines.append("  (each cell: peak memory added, time against off, largest gradient difference against off "
                  "relative to the largest gradient)")
     ref = result["reference"]
+    if "bfloat16" not in ref:
+        lines.append(f"  reference weights resident: float32 {ref['float32']['weights_mb']:.0f} MB (parameters "
+                     f"{ref['float32']['parameters_mb']:.0f} MB); no bf16 reference here (no bf16 math: a run keeps it in fp32)")
+        return "\n".join(lines)
     lines.append(f"  reference weights resident: float32 {ref['float32']['weights_mb']:.0f} MB, bfloat16 "
                  f"{ref['bfloat16']['weights_mb']:.0f} MB (parameters {ref['float32']['parameters_mb']:.0f} and "
                  f"{ref['bfloat16']['parameters_mb']:.0f} MB); bf16 logprobs within "

@@ -3,11 +3,13 @@ during one forward_backward of the trainer, and one logprobs pass of the referen
 Llama at 4k, 8k and 16k tokens a micro-batch, with the memory switches of issue 53 item 3 all off and all
 on (workloads.SWITCHES: trainer.activation_checkpointing, trainer.bf16_all_gather,
 trainer.logprob_chunk_tokens, reference.dtype). A switch the config lacks is listed as not available; a
-size that does not fit is recorded as out of memory. Each pass is timed too, so the cost of the
+size that does not fit is recorded as out of memory. A bf16 reference needs bf16 math (a run refuses it
+elsewhere): on a device without (an AVX2-only CPU) its "on" setting stays fp32, listed as not on this device. Each pass is timed too, so the cost of the
 switches shows beside what they save (TFLOP/s by mfu.step_flops). On the CPU (the dry mode) the same
 passes run at tiny sizes, unmeasured: torch keeps no peak for host memory.
 """
 
+from meshrl.losses import bf16_compute
 from meshrl.tools.checks import mfu, standins, workloads
 
 SIZES, DRY_SIZES = (4096, 8192, 16384), (64, 128, 256)
@@ -28,8 +30,11 @@ def run(check) -> dict:
            "switches": {f"{section}.{name}": {"off": off, "on": on} for (section, name), (off, on)
                         in workloads.SWITCHES.items()}}
     missing = set()
+    out["not_on_this_device"] = [] if bf16_compute(check.device, True) else ["reference.dtype bfloat16"]
     for setting in ("off", "on"):
         values = workloads.switches(setting == "on")
+        if out["not_on_this_device"]:
+            values["reference"]["dtype"] = "float32"
         config, lacking = workloads.trainer_config(check.device, True, **values["trainer"])
         missing.update(lacking)
         trainer = workloads.trainer(checkpoint, config, ring=False)
@@ -69,4 +74,6 @@ def report(section: dict) -> list[str]:
                                              for s in ("off", "on")))
     if section["not_available"]:
         lines.append(f"switch not available: {', '.join(section['not_available'])}")
+    if section.get("not_on_this_device"):
+        lines.append(f"not on this device (no bf16 math): {', '.join(section['not_on_this_device'])}")
     return lines
