@@ -72,7 +72,7 @@ def heldout_report(directory: Path, runs: list[StudyRun], candidates, rank_seeds
                "the demo's candidates on validation, each seed a line",
                {f"{arm} #{i}": f"C{n}" for n, arm in enumerate(figures) for i in range(len(rank_seeds))})
     return "\n".join([
-        f"## Chosen on validation ({len(rank_seeds)} seeds each)\n",
+        f"## Chosen on validation ({len(rank_seeds)} seed{'s' if len(rank_seeds) > 1 else ''} each)\n",
         table(["rank", "recipe", "seeds", f"validation accuracy at the last step, per seed", "mean ± sd", "worst seed",
                "validation last-number accuracy", "wall time (s)"], rows),
         f"\nChosen: **{chosen}** (highest mean validation accuracy at the last step, then worst seed). Validation: "
