@@ -15,11 +15,17 @@ HELD_OUT = SPLITS[1:]  # what `meshrl eval --split` and the eval during training
 T = TypeVar("T")
 
 
+def item_hash(item) -> float:
+    """`item`'s place in [0, 1), from its `repr` alone: the same on every machine and Python (random's string
+    seeding is sha512). Both split rules order items by it."""
+    return random.Random(f"split-{item!r}").random()
+
+
 @functools.lru_cache(maxsize=2**16)
 def split_of(item: Hashable, test: float = 0.2, validation: float = 0.2) -> str:
-    """The split of `item` (its `repr` hashed): `test` with probability `test`, `validation` with
-    `validation`, else `train`; the same on every machine and Python (random's string seeding is sha512)."""
-    u = random.Random(f"split-{item!r}").random()
+    """The split of `item` (its `item_hash`): `test` with probability `test`, `validation` with
+    `validation`, else `train`."""
+    u = item_hash(item)
     return "test" if u < test else "validation" if u < test + validation else "train"
 
 
@@ -34,13 +40,13 @@ def stratified_splits(items: Iterable[T], stratum: Callable[[T], Hashable], test
         kinds.setdefault(stratum(item), []).append(item)
     splits: dict[str, list[T]] = {split: [] for split in SPLITS}
     for kind in kinds.values():
-        kind.sort(key=lambda item: random.Random(f"split-{item!r}").random())
+        kind.sort(key=item_hash)
         n_test, n_validation = round(len(kind) * test), round(len(kind) * validation)
         splits["test"] += kind[:n_test]
         splits["validation"] += kind[n_test:n_test + n_validation]
         splits["train"] += kind[n_test + n_validation:]
     for held in splits.values():  # one order for the whole split, by hash: the kinds interleaved
-        held.sort(key=lambda item: random.Random(f"split-{item!r}").random())
+        held.sort(key=item_hash)
     return splits
 
 

@@ -67,6 +67,11 @@ def difficulty(item: tuple[int, ...]) -> tuple[bool, int]:
     return 0 in item, len(str(sum(item)))
 
 
+def phrasings_of(split: str) -> tuple[str, ...]:
+    """A split's wordings: all five in test, the four others elsewhere (`TEST_PHRASING` is never trained on)."""
+    return PHRASINGS if split == "test" else PHRASINGS[:-1]
+
+
 @functools.lru_cache(maxsize=8)
 def stratified_items(num_terms: int, max_term: int) -> dict[str, tuple[tuple[int, ...], ...]]:
     """Every item (the sorted terms) of the task, by split, each split in its items' hash order."""
@@ -92,7 +97,7 @@ class SumDigits:
 
     def _sample(self, rng: random.Random, split: str) -> Sample:
         """A sum whose numbers belong to `split`, in one of the split's wordings."""
-        phrasings = PHRASINGS if split == "test" else PHRASINGS[:-1]
+        phrasings = phrasings_of(split)
         if self.config.split == "stratified":
             terms = list(rng.choice(self.items[split]))
             rng.shuffle(terms)
@@ -109,7 +114,7 @@ class SumDigits:
     def eval_samples(self, split: str = "validation") -> list[Sample]:
         check_split(split)
         if self.config.split == "stratified":  # each item once, in a shuffled order, the wordings dealt in turn
-            phrasings = PHRASINGS if split == "test" else PHRASINGS[:-1]
+            phrasings = phrasings_of(split)
             rng = random.Random(f"{split}-{self.config.seed}")
             items = self.items[split][:self.config.eval_size]
             return [self._prompt(rng.sample(item, len(item)), phrasings[i % len(phrasings)])
