@@ -96,7 +96,8 @@ def bootstrap_interval(values: list[float], level: float = 0.95, resamples: int 
     if not values:
         return math.nan, math.nan
     rng, n = random.Random(seed), len(values)
-    means = sorted(sum(rng.choices(values, k=n)) / n for _ in range(resamples))
+    draws = rng.choices(values, k=n * resamples)  # the resamples one after another: one call, the same draws
+    means = sorted(sum(draws[i:i + n]) / n for i in range(0, n * resamples, n))
     tail = (1 - level) / 2
     return means[int(tail * resamples)], means[min(resamples - 1, int((1 - tail) * resamples))]
 

@@ -25,6 +25,23 @@ def test_dotted_overrides_are_typed():
     assert config.sum_digits.num_terms == 3
 
 
+def test_the_same_overrides_parse_once_and_each_caller_gets_a_config_of_its_own(monkeypatch):
+    from meshrl.configs import overrides
+
+    parses = []
+    monkeypatch.setattr(overrides, "_PARSED", {})
+    monkeypatch.setattr(overrides, "_parse", lambda config, args: parses.append(args) or overrides.tyro.cli(
+        type(config), default=config, args=list(args), **overrides.TYRO_OPTIONS))
+    args = ["--trainer.lr", "3e-4"]
+    first = load_config("smoke", args)
+    first.trainer.lr = 1.0  # the caller's own copy: the next caller still gets the parsed value
+    again = load_config("smoke", list(args))
+    assert again.trainer.lr == 3e-4 and again == load_config("smoke", args) and parses == [args]
+    # another config's defaults, or other overrides, are parsed anew
+    assert load_config("sum_digits_smollm2", args).model.source == "smollm2"
+    assert load_config("smoke", ["--trainer.lr", "1e-3"]).trainer.lr == 1e-3 and len(parses) == 3
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["--trainer.lrr", "1"], "unknown config key or bad override: --trainer.lrr, 1 (did you mean --trainer.lr?)"),
     (["--nope.lr", "1"], "unknown config key or bad override: --nope.lr, 1"),

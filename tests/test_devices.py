@@ -103,11 +103,11 @@ def test_a_measurement_runs_sixteen_matmuls_of_a_smollm2_linear_layer(monkeypatc
     40-60 GFLOP/s fp32 and 100-180 bf16 measured on 2 loaded cores here: about 0.35 s)."""
     from meshrl.actors import dtypes
 
-    done, mm = [], torch.mm
+    done = []
 
-    def counted(a, b):
+    def counted(a, b):  # counts the products and skips them: bf16's are emulated, slowly, on a CPU without it
         done.append((a.dtype, 2 * a.shape[0] * a.shape[1] * b.shape[1]))
-        return mm(a, b)
+        return a.new_empty(a.shape[0], b.shape[1])
 
     monkeypatch.setattr(torch, "mm", counted)
     bf16, fp32, runs = dtypes.measure(1)
