@@ -258,7 +258,10 @@ MEASURED = {"step_time_s", "gen_time_s", "rollout_time_s", "train_time_s", "publ
             "generator_busy", "generator_idle", "trainer_busy", "trainer_memory_gb",
             "trainer_restarts", "restart_seconds",  # the restart's own: checked above
             "prompt_tokens_cached", "prompt_tokens_prefilled", "prefix_cache_hit_rate",
-            "weight_bytes_egress"}  # the generators' reports land in the row of the step they arrive in
+            "weight_bytes_egress",  # the generators' reports land in the row of the step they arrive in
+            # the answers' pickled size: each holds the key its replica keeps the completion under (a counter per
+            # replica: one before the resume, two after), an int pickled in 1, 2 or 4 bytes by its size
+            "controller_bytes_in"}
 
 
 @pytest.mark.processes
@@ -268,7 +271,8 @@ def test_a_trainer_killed_between_checkpoints_comes_back_and_the_run_ends_as_if_
     weights are those of the run never interrupted bit for bit, and so is every metric but those
     MEASURED names: timings, shares of time, memory, the restart's own, and how the prompt tokens split
     between prefix cache and prefill (two replicas' caches after the resume, one before: on a GPU's
-    16-token blocks the second replica starts cold; their sum is compared)."""
+    16-token blocks the second replica starts cold; their sum is compared) and the size of the generators'
+    answers (they name each completion by its replica's own counter)."""
     run_dir, stderr = killed["dir"], killed["stderr"]
     assert killed["code"] == 0, stderr[-3000:]
     assert "the trainer failed (" in stderr and "restarting it from step-2 and training again the 1 step(s)" in stderr
