@@ -12,7 +12,7 @@ from meshrl.types import GroupEpisodes
 
 class BufferCalls:
     """The calls still to make, in order (`waiting`: ("add", (batch, [a kept group's episodes, ...])) or
-    ("discard", (group,))), and the task making them (`sending`)."""
+    ("discard", (group, attempt))), and the task making them (`sending`)."""
 
     def __init__(self, buffer: Callable[[], object], timeout: Timeout | None):
         """`buffer()`: the replay buffer in place (a restart replaces it); `timeout`: each call's bound."""
@@ -28,9 +28,10 @@ class BufferCalls:
         else:
             self._send("add", batch, [episodes])
 
-    def discard(self, group: int) -> None:
-        """A finished group not trained: the buffer lets its staged tokens go."""
-        self._send("discard", group)
+    def discard(self, group: int, attempt: int) -> None:
+        """A finished group not trained: the buffer lets the tokens staged by that attempt go (those of a later
+        attempt at the same prompt, staged before this call arrives, stay)."""
+        self._send("discard", group, attempt)
 
     def _send(self, endpoint: str, *args) -> None:
         self.waiting.append((endpoint, args))

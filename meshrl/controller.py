@@ -171,13 +171,14 @@ class Controller:
         tokens), with the groups kept while the last add is on its way; a summary stays here."""
         episodes, kept = keep_group(group.scored, group.prompt_index, self.config.controller, self.task,
                                     self.config.generator.temperature)
+        episodes.attempt = group.attempt
         self.buffer_calls.add(batch, episodes)
         return kept
 
     def _discard(self, group: Group) -> None:
         """A finished group not trained (dropped, stale): the replay buffer lets its staged tokens go."""
         if group.scored:
-            self.buffer_calls.discard(group.prompt_index)
+            self.buffer_calls.discard(group.prompt_index, group.attempt)
 
     # What the restarts (meshrl/restarts.py) have the controller do: they decide when and what, these change
     # the controller's own state.

@@ -25,6 +25,7 @@ which is generated again (`groups_regenerated`), and its sessions are closed whi
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 import pickle
@@ -78,6 +79,7 @@ class RolloutCollector:
         self.batch_ready = asyncio.Event()  # a group completed a batch
         self.error: BaseException | None = None  # what ends the run (a role out of replicas, too many failures)
         self.session_room = SessionRoom(getattr(task, "max_sessions", 0))  # a session environment's bound
+        self.attempts = itertools.count(1)  # each try at a group, numbered: what the replay buffer stages it as
 
     def start_groups(self, trainer_version: int) -> None:
         """Start a group for every prompt the work buffer lets start now."""
@@ -206,6 +208,10 @@ class Attempt:
 
     def __init__(self, collector: RolloutCollector, index: int, what: str, launched: float):
         self.c, self.index, self.what, self.launched = collector, index, what, launched
+        # this try's number, unique to the run's controller: the buffer stages its sequences under (index, id), so a
+        # discard or an add meant for one try can never touch another try's at the same prompt, whatever the order
+        # their calls arrive in
+        self.id = next(collector.attempts)
         self.spans: list[dict] = []  # each generate call's
         self.tokens, self.oldest = 0, math.inf
         self.served_by: Replica | None = None  # the previous turn's replica: its prefix cache holds the group
@@ -240,7 +246,7 @@ class Attempt:
         finally:
             self.let_go()
         return Group(self.index, scored, completions, self.tokens, self.oldest, self.launched, self.spans[0]["start"],
-                     self.spans[-1]["end"])
+                     self.spans[-1]["end"], attempt=self.id)
 
     def meter(self, answer):
         """An answer a training group received, counted in the controller's bytes in."""
@@ -326,7 +332,8 @@ class Attempt:
         buffer = self.c.buffer()
         try:
             async with deadline(self.c.timeouts.buffer, "replay_buffer", "stage"):
-                taken = self.meter(await buffer.stage.call_one(self.index, [r.actor for r in replicas], sequences))
+                taken = self.meter(await buffer.stage.call_one(self.index, [r.actor for r in replicas], sequences,
+                                                               attempt=self.id))
         except (ActorError, SupervisionError, CallTimeout) as e:
             # the buffer failed, not the group: the training loop has it restarted (which stops this group, its
             # prompt started again); past the buffer's timeout with no restart, the group is generated again

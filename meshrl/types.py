@@ -162,6 +162,7 @@ class GroupEpisodes:
     rewards: list[float]  # the group's rewards (the replay buffer's priority)
     temperature: float  # the one its tokens were sampled at
     records: list[dict] = field(default_factory=list)  # one per sequence, for rollouts.jsonl
+    attempt: int = 0  # the try at the group whose staged sequences these are (the buffer's `stage`)
 
 
 @dataclass

@@ -45,7 +45,7 @@ def write_checkpoint(run_dir: Path, step: int) -> Path:
     torch.save(RunState(step, step, work, [{"step": step}], {}), where / "state.pt")
     buffer = FifoBuffer(ReplayBufferConfig(), TrainerConfig(), 2, 0, 0)  # one group waiting
     add, save = endpoint_of(buffer, "add")[0], endpoint_of(buffer, "save_state")[0]
-    buffer.staged[8] = [[Completion(8, [1], [2], [-1.0], "", step, "stop")]]  # as `stage` took it from its generator
+    buffer.staged[8] = {0: [[Completion(8, [1], [2], [-1.0], "", step, "stop")]]}  # as `stage` took try 0 from its generator
     asyncio.run(add(step, [GroupEpisodes(8, [(0, 0, 1)], [1.0], [step], [1.0, 0.0], 1.0, records=[{"group": 8}])]))
     asyncio.run(save(str(where / "replay_buffer")))
     return where

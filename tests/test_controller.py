@@ -169,6 +169,20 @@ def test_a_group_that_finishes_late_is_trained_in_its_own_batch_not_generated_ag
     assert [(r["step"], r["staleness"]) for r in records if r["prompt_index"] == 2] == [(2, 1), (2, 1)]
 
 
+def test_a_stale_groups_discard_arriving_after_its_prompts_next_try_was_staged_leaves_that_try_alone(tmp_path):
+    # prompt 3 (batch 1, which trains at version 1) says it served version 0: stale, its staged sequences are let
+    # go (`discard`) and the prompt is generated again at once. The discard waits behind batch 1's add, whose
+    # delivery takes 50 yields, while the new try is generated, graded and staged: its stage reaches the buffer
+    # first. A discard naming the prompt alone deleted the new try's sequences, and the add of the new try then
+    # failed ("never staged"); each try is staged apart, and the discard names its own
+    script = Script(behind={3}, yields={"add": 50})
+    done = run(fake_config(steps=3, prompts=2, max_policy_age=0), tmp_path, script)
+    before_discard = script.calls[:script.calls.index("discard")]
+    assert before_discard.count("stage") == 5  # prompts 0-2, the stale try at 3, and the next try at 3
+    assert [r["groups_stale"] for r in done.rows] == [0, 1, 0] and done.rows[-1]["replay_buffer_restarts"] == 0
+    assert_each_group_trained_once(done.trainer.trained, range(6), 2)
+
+
 @pytest.mark.parametrize("rule", ["oldest_token", "newest_token"])
 def test_a_group_spanning_versions_is_counted_from_its_oldest_or_newest_token(tmp_path, rule):
     # loaded in flight while prompt 2 generates: its tokens come from version 0, then version 1; the

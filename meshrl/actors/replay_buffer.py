@@ -103,16 +103,20 @@ class FifoBuffer(Actor):
         self.config, self.trainer, self.pad_id = config, trainer, pad_id
         self.prompts_per_step, self.max_policy_age = prompts_per_step, max_policy_age
         self.groups: dict[int, StoredGroup] = {}  # by group id (its prompt index)
-        self.staged: dict[int, list[list[Completion]]] = {}  # graded groups' sequences, by group id
+        # graded groups' sequences, by group id, then by the controller's try at it: each try staged apart (an older
+        # try's stage finishing late, or a discard of it arriving late, leaves a newer try's sequences alone)
+        self.staged: dict[int, dict[int, list[list[Completion]]]] = {}
         self.log: dict[int, Handed] = {}  # batches handed out since the newest checkpoint, by index
         self.micro: dict[int, list[list[MicroBatch]]] = {}  # the micro-batches of batches not yet trained
         self.clock = ActorClock()  # its fetches, as it timed them
         self.recorder: RolloutRecorder | None = None
 
     @concurrent_endpoint
-    async def stage(self, group_id: int, holders: list, sequences: list[list[tuple[int, int]]]) -> bool:
+    async def stage(self, group_id: int, holders: list, sequences: list[list[tuple[int, int]]],
+                    attempt: int = 0) -> bool:
         """Take a graded group's Completions from the generators holding them, all at once, forgetting them
-        there; False if a holder is gone (its process died): the controller generates the group again."""
+        there, staged as the controller's try `attempt` at the group; False if a holder is gone (its process
+        died): the controller generates the group again."""
         wanted: dict[int, list[int]] = {}
         for turns in sequences:
             for holder, key in turns:
@@ -124,22 +128,27 @@ class FifoBuffer(Actor):
                            str(e).splitlines()[0] if str(e) else type(e).__name__)
             return False
         by_key = {key: c for (h, keys), completions in zip(wanted.items(), taken) for key, c in zip(keys, completions)}
-        self.staged[group_id] = [[by_key[key] for _, key in turns] for turns in sequences]
+        self.staged.setdefault(group_id, {})[attempt] = [[by_key[key] for _, key in turns] for turns in sequences]
         return True
 
     @endpoint
-    async def discard(self, group_id: int) -> None:
-        """A staged group not trained (dropped, stale): let it go."""
-        self.staged.pop(group_id, None)
+    async def discard(self, group_id: int, attempt: int = 0) -> None:
+        """A staged try not trained (dropped, stale): let it go (another try at the same group stays)."""
+        tries = self.staged.get(group_id, {})
+        tries.pop(attempt, None)
+        if not tries:
+            self.staged.pop(group_id, None)
 
     @endpoint
     async def add(self, batch: int, groups: list[GroupEpisodes]) -> None:
         """Kept groups' episodes, generated for batch `batch`: flattened here from their staged sequences."""
         for group in groups:
-            if group.group_id not in self.staged:
-                raise RuntimeError(f"group {group.group_id} was added to batch {batch} but its completions were never "
-                                   "staged here")
-            sequences = self.staged.pop(group.group_id)
+            # its other tries (stopped while their stage was on its way) are never trained: they go with it
+            tries = self.staged.pop(group.group_id, {})
+            if group.attempt not in tries:
+                raise RuntimeError(f"group {group.group_id} (try {group.attempt}) was added to batch {batch} but its "
+                                   "completions were never staged here")
+            sequences = tries[group.attempt]
             episodes = flatten(group, sequences)
             records = [{**r, "completion": sequences[i][-1].text} if "completion" not in r else r
                        for i, r in enumerate(group.records)]

@@ -180,16 +180,19 @@ class ReplayBuffer(Protocol):
     handed out since the newest checkpoint. Constructed with (ReplayBufferConfig, TrainerConfig,
     prompts_per_step, max_policy_age, pad token id). meshrl/actors/replay_buffer.py has two."""
 
-    async def stage(self, group_id: int, holders: list, sequences: list[list[tuple[int, int]]]) -> bool:
+    async def stage(self, group_id: int, holders: list, sequences: list[list[tuple[int, int]]],
+                    attempt: int = 0) -> bool:
         """Take a graded group's Completions from the generators holding them (each sequence's model turns
-        as (index into `holders`, key)), forgetting them there; False if a holder is gone (the group is
-        generated again). Concurrent with the other endpoints."""
+        as (index into `holders`, key)), forgetting them there, staged under (`group_id`, `attempt`): the
+        controller's tries at one prompt are kept apart; False if a holder is gone (the group is generated
+        again). Concurrent with the other endpoints."""
 
-    async def discard(self, group_id: int) -> None:
-        """A staged group that is not trained (dropped, stale): let it go."""
+    async def discard(self, group_id: int, attempt: int = 0) -> None:
+        """A staged try that is not trained (dropped, stale): let it go; another try at the group stays."""
 
     async def add(self, batch: int, groups: list[GroupEpisodes]) -> None:
-        """Kept groups' episodes (which staged sequence and turns each trains, its advantage, with the group's
+        """Kept groups' episodes (which staged sequence and turns each trains, of the try `GroupEpisodes.attempt`
+        names; its advantage, with the group's
         rewards and records), generated for batch `batch`, to flatten (meshrl/episodes.py's `flatten`)."""
 
     async def record_rollouts(self, run_dir: str, fraction: float, resumed_step: int | None) -> None:

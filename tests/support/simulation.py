@@ -77,6 +77,7 @@ class Script:
     reject: set[int] = field(default_factory=set)  # prompts whose generate call raises an error of its own
     equal: set[int] = field(default_factory=set)  # prompts whose completions all get reward 1: no signal
     late: dict[int, int] = field(default_factory=dict)  # prompt -> its first generation ends once this version is out (and loaded in flight)
+    behind: set[int] = field(default_factory=set)  # prompts whose first generation says it served the version before the one asked for
     die_at: dict[str, int] = field(default_factory=dict)  # "generate": the replica dies at this call of it
     hang_at: dict[str, int] = field(default_factory=dict)  # "generate": this call never answers
     calls: list[str] = field(default_factory=list)
@@ -161,9 +162,12 @@ class FakeGenerator:
             self.script.late.pop(index, None)
             if index in self.script.reject:
                 raise ValueError(f"prompt {index} is longer than the model's context (fake)")
+            # a generator that served an older version than it was asked for (the controller finds the group stale)
+            served = min_version - 1 if index in self.script.behind else first
+            self.script.behind.discard(index)
             out += [self.held.keep(Completion(p.index, p.token_ids, list(range(7, 7 + length)), [-0.5] * length,
-                                              "1" if index in self.script.equal else str(j % 2), first, "stop",
-                                              versions, -0.5 * length), text)
+                                              "1" if index in self.script.equal else str(j % 2), served, "stop",
+                                              versions if served == first else [], -0.5 * length), text)
                     for j in range(sampling.n)]
         return out
 

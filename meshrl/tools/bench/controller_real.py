@@ -45,6 +45,7 @@ from meshrl.controller import Controller
 from meshrl.runtime.launch import note_fault
 from meshrl.runtime.metric_rows import MetricRows
 from meshrl.tools.bench.checkout import from_checkout
+from meshrl.tools.bench.messages import MessageCounter
 from meshrl.tools.bench.standins import StandInGenerator, StandInGrader, StandInTrainer
 
 # The fake task and tokenizer and the small config of the in-process bench: test support, from a checkout.
@@ -109,8 +110,11 @@ def _this_host():
 
 
 async def real_cost(actors: int, tokens: int, group_size: int, steps: int, processes_: int, graders: int,
-                    hosts: list, run_dir: Path) -> dict:
-    """One run of the real controller over `actors` generator stand-ins on `processes_` processes."""
+                    hosts: list, run_dir: Path, counter: MessageCounter | None = None, kill: bool = True) -> dict:
+    """One run of the real controller over `actors` generator stand-ins on `processes_` processes, then (with
+    `kill`) a generator process killed; with a `counter` installed before it, the messages the controller sent
+    while it ran, by endpoint."""
+    counter = counter or MessageCounter()
     config = fake_config(steps=steps, prompts=actors, group=group_size, max_policy_age=1, replicas=actors)
     config.generator.max_tokens, config.trainer.micro_batch_size = tokens, 16
     config.grader.replicas = graders
@@ -137,8 +141,10 @@ async def real_cost(actors: int, tokens: int, group_size: int, steps: int, proce
                                 tracer, StopSignals(), checkpoint.Checkpointer(run_dir, 0, trainer, tracer, timeouts,
                                                                                buffer), rows, timeouts)
         wall, cpu, main, threads = time.perf_counter(), time.process_time(), time.thread_time(), thread_cpu()
+        counter.start()
         with contextlib.redirect_stdout(io.StringIO()):  # the evals' example replies
             await controller.run()
+        sent = counter.stop()
         wall, cpu, main = time.perf_counter() - wall, time.process_time() - cpu, time.thread_time() - main
         threads = {name: round(s - threads.get(name, 0.0), 2) for name, s in thread_cpu().items()}
         tracer.close(plot=False)
@@ -150,12 +156,15 @@ async def real_cost(actors: int, tokens: int, group_size: int, steps: int, proce
                   "wall_s": wall, "groups_per_s": routed / wall, "controller_cpu_ms_per_group": 1000 * cpu / routed,
                   # of which its main thread's (the loops, Python's side of each call); the rest is Monarch's runtime
                   "main_thread_cpu_ms_per_group": 1000 * main / routed,
+                  # the Monarch messages it sent (a call to a mesh of n actors: n), per group and by endpoint
+                  "messages_per_group": sum(sent.values()) / routed, "messages": sent,
                   "controller_bytes_in_per_group": sum(r["controller_bytes_in"] for r in rows.rows) / trained,
                   "groups_regenerated": sum(r.get("groups_regenerated", 0) for r in rows.rows),
                   "rows": len(rows.rows), "spawn_s": spawn_s, "trainer_fetched": fetched,
                   "thread_cpu_s": {k: v for k, v in sorted(threads.items(), key=lambda kv: -kv[1]) if v > 0}}
         others = [pid for procs in (buffer_procs, trainer_procs) for _, pid in await processes(procs, "bench")]
-        result["supervision"] = await kill_one(generators, gens)
+        if kill:
+            result["supervision"] = await kill_one(generators, gens)
         result["pids"] = gens.pids + grads.pids + others  # every process it started, the replacement's too
         return result
     finally:
@@ -242,10 +251,10 @@ async def _real(runs: list[tuple[int, int]], group_size: int, groups: int, proce
     monarch.actor.unhandled_fault_hook = note_fault  # the kill reaches the pool as its calls' errors
     out = []
     for actors, tokens in runs:
-        with tempfile.TemporaryDirectory() as run_dir:
+        with tempfile.TemporaryDirectory() as run_dir, MessageCounter().installed() as counter:
             steps = max(3, math.ceil(groups / actors))  # as the in-process bench
             out.append(await real_cost(actors, tokens, group_size, steps, processes_, max(1, actors // 16), hosts,
-                                       Path(run_dir)))
+                                       Path(run_dir), counter))
     return out
 
 
@@ -274,13 +283,13 @@ def report(result: dict) -> str:
     lines = [f"the controller on real Monarch processes ({result['cpu']}), groups of {result['group_size']}, "
              "beside the in-process bench (fakes in one process, one core):",
              f"  {'actors':>6s} {'tokens':>6s} {'procs':>5s} {'groups':>6s} {'groups/s':>8s} {'CPU ms/group':>12s} "
-             f"{'bytes in/group':>14s} {'spawn s':>7s} {'kill noticed/replaced s':>23s} | "
+             f"{'msgs/group':>10s} {'bytes in/group':>14s} {'spawn s':>7s} {'kill noticed/replaced s':>23s} | "
              f"{'in-process groups/s':>19s} {'CPU ms/group':>12s}"]
     for r, f in zip(result["real"], result["in_process"]):
         s = r["supervision"]
         kill = f"{s['noticed_s'] or float('nan'):.1f} / {s['replaced_s'] or float('nan'):.1f}"
         lines.append(f"  {r['actors']:6d} {r['max_tokens']:6d} {r['processes']:5d} {r['groups']:6d} "
-                     f"{r['groups_per_s']:8.0f} {r['controller_cpu_ms_per_group']:12.3f} "
+                     f"{r['groups_per_s']:8.0f} {r['controller_cpu_ms_per_group']:12.3f} {r['messages_per_group']:10.2f} "
                      f"{r['controller_bytes_in_per_group']:14.0f} {r['spawn_s']:7.1f} {kill:>23s} | "
                      f"{f['groups_per_s']:19.0f} {f['cpu_ms_per_group']:12.3f}")
     lines.append(f"processes left after the runs: {len(result['processes_left'])}")
