@@ -1,7 +1,10 @@
-"""The controller's add and discard calls to the replay buffer, made beside its loops in the order it decided
-them, one at a time: the groups kept while an add is on its way go together in the next. A call that fails
-stops the rest, and `sent()` raises its error, until the dead buffer's replacement (meshrl/restarts.py) has
-them lost."""
+"""The controller's add and discard calls to the replay buffer, made beside its loops, one at a time, and as
+few as the decisions allow: the groups kept within `FLUSH_S` of each other (or while a call is on its
+way) go in one `add` per batch, and the tries let go (dropped, stale) ride in it (`discard` alone only
+when no group was kept meanwhile). Waiting for them (`sent()`: the training loop before a batch's
+`sample`, a checkpoint) sends what waits at once, so a kept group waits at most `FLUSH_S` before it is
+sent and never delays a step. A call that fails stops the rest, and `sent()` raises its error, until the
+dead buffer's replacement (meshrl/restarts.py) has them lost."""
 
 import asyncio
 from typing import Callable
@@ -9,52 +12,74 @@ from typing import Callable
 from meshrl.actors.timeouts import Timeout, deadline
 from meshrl.types import GroupEpisodes
 
+# Seconds a decision waits for others to share its message: 64 groups kept in a burst take one add, not 64
+FLUSH_S = 0.05
+
 
 class BufferCalls:
-    """The calls still to make, in order (`waiting`: ("add", (batch, [a kept group's episodes, ...])) or
-    ("discard", (group, attempt))), and the task making them (`sending`)."""
+    """The decisions still to send (`adds`: batch -> its kept groups' episodes, in the order kept; `discards`:
+    (group, attempt) of each try let go), the timer that sends them, and the task sending (`sending`)."""
 
     def __init__(self, buffer: Callable[[], object], timeout: Timeout | None):
         """`buffer()`: the replay buffer in place (a restart replaces it); `timeout`: each call's bound."""
         self.buffer, self.timeout = buffer, timeout
-        self.waiting: list[tuple[str, tuple]] = []
+        self.adds: dict[int, list[GroupEpisodes]] = {}
+        self.discards: list[tuple[int, int]] = []
         self.sending: asyncio.Future | None = None
+        self.timer: asyncio.TimerHandle | None = None
 
     def add(self, batch: int, episodes: GroupEpisodes) -> None:
-        """A kept group of batch `batch`: its episodes join the add waiting for that batch, if there is one."""
-        last = self.waiting[-1] if self.waiting else None  # not yet on its way: the sender takes each out first
-        if last and last[0] == "add" and last[1][0] == batch:
-            last[1][1].append(episodes)
-        else:
-            self._send("add", batch, [episodes])
+        """A kept group of batch `batch`: its episodes go in that batch's next add."""
+        self.adds.setdefault(batch, []).append(episodes)
+        self._soon()
 
     def discard(self, group: int, attempt: int) -> None:
-        """A finished group not trained: the buffer lets the tokens staged by that attempt go (those of a later
-        attempt at the same prompt, staged before this call arrives, stay)."""
-        self._send("discard", group, attempt)
+        """A finished group not trained: the buffer lets the tokens that try staged go (those of a later try at
+        the same prompt, staged before this reaches the buffer, stay)."""
+        self.discards.append((group, attempt))
+        self._soon()
 
-    def _send(self, endpoint: str, *args) -> None:
-        self.waiting.append((endpoint, args))
-        if self.sending is None or (self.sending.done() and (self.sending.cancelled() or not self.sending.exception())):
+    def _soon(self) -> None:
+        if self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
+
+    def flush(self) -> None:
+        """Send what waits now (after the call on its way, if one is)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if (self.adds or self.discards) and (self.sending is None or (
+                self.sending.done() and (self.sending.cancelled() or not self.sending.exception()))):
             self.sending = asyncio.ensure_future(self._send_all())
 
     async def _send_all(self) -> None:
-        while self.waiting:
-            # out of the list before it is sent: a group kept meanwhile goes in the next call, never into one
+        while self.adds or self.discards:
+            # out of the queue before they are sent: a group kept meanwhile goes in the next call, never into one
             # already on its way (lost with it if the buffer died: its restart generates them again)
-            endpoint, args = self.waiting.pop(0)
+            if self.adds:
+                batch = min(self.adds)
+                call = ("add", batch, self.adds.pop(batch), self.discards)
+            else:
+                call = ("discard", self.discards)
+            self.discards = []
+            endpoint, *args = call
             async with deadline(self.timeout, "replay_buffer", endpoint):
                 await getattr(self.buffer(), endpoint).call_one(*args)
 
     async def sent(self) -> None:
-        """Wait until every call asked for so far is made (raising the error of one that failed)."""
+        """Send what waits and wait until every call asked for so far is made (raising the error of one that
+        failed)."""
+        self.flush()
         if self.sending is not None:
             await self.sending
 
     def lose(self) -> None:
         """The replay buffer died: the calls on their way to it and those waiting are lost with it (their
         groups generated again)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if self.sending is not None:
             self.sending.cancel()
             self.sending.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self.sending, self.waiting = None, []
+        self.sending, self.adds, self.discards = None, {}, []

@@ -34,7 +34,7 @@ from monarch.actor import ActorError
 from meshrl.actors import first, in_rank_order
 from meshrl.actors.replicas import ReplicaPool, RoleFailed
 from meshrl.actors.timeouts import StopSignals, Stopped, Timeouts, bounded, deadline
-from meshrl.actors.weight_updates import cache_figures, gather_reports, no_figures
+from meshrl.actors.weight_updates import absorb, cache_figures, gather_reports, no_figures
 from meshrl.buffer_calls import BufferCalls
 from meshrl.checkpoint import Checkpointer, RunState, latest
 from meshrl.configs import Config
@@ -84,7 +84,7 @@ class Controller:
         self.buffer_calls = BufferCalls(lambda: self.buffer, timeouts.buffer)  # kept groups' adds, discards
         self.rollouts: asyncio.Task | None = None  # the rollout loop, while it runs
         self.collector = RolloutCollector(config.controller, config.generator, task, tokenizer, generators, graders,
-                                          tracer, self.work, lambda: self.buffer, timeouts)
+                                          tracer, self.work, lambda: self.buffer, timeouts, self._generator_report)
         self.bookkeeping: asyncio.Future | None = None  # the replicas', trainer's and buffer's reports, arriving
         self.figures = no_figures()  # what they reported since the last row
         self.trainer_version = 0  # the newest version the trainer published
@@ -140,7 +140,8 @@ class Controller:
                 await asyncio.gather(self.rollouts, return_exceptions=True)
             await bounded(self.collector.stop(), self.timeouts.stop, "stopping the groups in flight")
             waiting = [self.bookkeeping] if self.bookkeeping else []  # then the last reports, for the trace
-            await bounded(asyncio.gather(*waiting, self._bookkeeping(), return_exceptions=True), self.timeouts.stop,
+            await bounded(asyncio.gather(*waiting, self._bookkeeping(generators=True), return_exceptions=True),
+                          self.timeouts.stop,
                           "the last loads and spans (for the trace)")
         if self.rows.done and not self.signals.held:
             stop = self.timeouts.stop if self.signals.stopped_by else None
@@ -410,19 +411,24 @@ class Controller:
         if self.publishing:
             await self.publishing
 
+    def _generator_report(self, replica: int, report: dict) -> None:
+        """What a generate answer brought of its replica's loads and busy time: into the next row's figures."""
+        absorb(replica, report, self.tracer, self.figures, self.updates)
+
     def _bookkeep(self) -> None:
-        """Gather the replicas', the trainer's and the buffer's reports beside the loop (not awaited: a row
-        reports what has arrived, the rest goes in the next)."""
+        """Gather the trainer's and the buffer's reports beside the loop (not awaited: a row reports what has
+        arrived, the rest goes in the next). The generators' come with their answers."""
         if self.bookkeeping is None or self.bookkeeping.done():
             self.bookkeeping = asyncio.ensure_future(self._bookkeeping())
 
-    async def _bookkeeping(self) -> None:
-        """What the generators did (their loads, into the trace and `figures`), the trainer's and the replay
-        buffer's spans (into the trace) and the weights' egress, since the last time; a role failing now is
-        for the loops to find."""
+    async def _bookkeeping(self, generators: bool = False) -> None:
+        """The trainer's and the replay buffer's spans (into the trace) and the weights' egress, since the last
+        time; with `generators` (the run's end), what every replica did since its last answer (loads into the
+        trace and `figures`: an idle replica's loads too); a role failing now is for the loops to find."""
+        asked = [gather_reports(self.generators.replicas, self.timeouts.generate, self.tracer, self.figures,
+                                self.updates)] if generators else []
         await asyncio.gather(
-            gather_reports(self.generators.replicas, self.timeouts.generate, self.tracer, self.figures, self.updates),
-            self._spans(self.trainer, "trainer", self.timeouts.trainer),
+            *asked, self._spans(self.trainer, "trainer", self.timeouts.trainer),
             self._spans(self.buffer, "replay_buffer", self.timeouts.buffer), self._egress(), return_exceptions=True)
 
     async def _egress(self) -> None:

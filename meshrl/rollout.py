@@ -45,7 +45,7 @@ from meshrl.configs import ControllerConfig
 from meshrl.episodes import bootstrap_interval, check_rates
 from meshrl.tasks import Sample, is_environment, is_session
 from meshrl.tasks.conversation import SessionRoom, converse
-from meshrl.types import Generated, Prompt, Sampling, ScoredCompletion, Trajectory, model_turns
+from meshrl.types import Generated, Generation, Prompt, Sampling, ScoredCompletion, Trajectory, model_turns
 from meshrl.work_buffer import Group, WorkBuffer
 
 logger = logging.getLogger(__name__)
@@ -59,12 +59,13 @@ class RolloutCollector:
 
     def __init__(self, controller: ControllerConfig, generator: GeneratorConfig, task, tokenizer,
                  generators: ReplicaPool, graders: ReplicaPool, tracer, work: WorkBuffer, buffer: Callable[[], object],
-                 timeouts: Timeouts = Timeouts()):
+                 timeouts: Timeouts = Timeouts(), report: Callable[[int, dict], None] = lambda replica, report: None):
         """The controller's section (group size, turns, evals) and the generator's (sampling, context);
-        `buffer()`: the replay buffer's mesh now (a restarted one replaces it)."""
+        `buffer()`: the replay buffer's mesh now (a restarted one replaces it); `report(replica, report)`: what
+        each generate answer brings of its replica's loads and busy time (the controller's step figures)."""
         self.controller, self.generator, self.task, self.tokenizer = controller, generator, task, tokenizer
         self.generators, self.graders, self.work, self.timeouts, self.tracer = generators, graders, work, timeouts, tracer
-        self.buffer = buffer
+        self.buffer, self.report = buffer, report
         # since the last `take_counts`: the pickled size of every answer a training group's calls received, and
         # the training groups generated again (their tokens died with their generator)
         self.counts = {"controller_bytes_in": 0, "groups_regenerated": 0}
@@ -84,7 +85,17 @@ class RolloutCollector:
     def start_groups(self, trainer_version: int) -> None:
         """Start a group for every prompt the work buffer lets start now."""
         while (index := self.work.start(trainer_version)) is not None:
-            self.groups[index] = asyncio.create_task(self._group(index))
+            task = self.groups[index] = asyncio.create_task(self._group(index))
+            task.add_done_callback(lambda t, i=index: self._never_started(i, t))
+
+    def _never_started(self, index: int, task: asyncio.Task) -> None:
+        """A group cancelled before its first step (a replay buffer restarted in the tick it was started in)
+        never ran `_group`'s own clean-up: its prompt starts again, as a stopped one's."""
+        if task.cancelled() and self.groups.get(index) is task:
+            del self.groups[index]
+            if index in self.work.running:
+                self.work.stop(index)
+            self.changed.set()
 
     async def _group(self, index: int) -> None:
         try:
@@ -268,8 +279,10 @@ class Attempt:
                     else dataclasses.replace(p, prefix_holder=self.holders[p.prefix].actor) for p in prompts]
             async with c.tracer.span("generator", self.what, version, replica.index,
                                      timeout=c.timeouts.generate) as span:
-                out = self.meter(await replica.actor.generate.call_one(sent, sampling=sampling, min_version=version,
-                                                                       text=text))
+                answer: Generation = self.meter(await replica.actor.generate.call_one(
+                    sent, sampling=sampling, min_version=version, text=text))
+                c.report(replica.index, answer.report)
+                out = answer.completions
                 # the version served (its first tokens'), not the one asked for
                 span["min_version"], span["policy_version"] = version, min((g.policy_version for g in out),
                                                                            default=version)

@@ -106,6 +106,17 @@ class Generated:
 
 
 @dataclass
+class Generation:
+    """A generate call's answer: its Completions, each held by the generator and answered as a Generated, and
+    the generator's report since its previous answer or report (roles.Generator.weight_updates' dict: its
+    loads, busy seconds, prompt tokens): the step's generator figures ride on the answers the controller
+    waits for anyway, not on a call to every replica every step."""
+
+    completions: list[Generated]
+    report: dict
+
+
+@dataclass
 class Trajectory:
     """A multi-turn rollout, as the controller assembled it: the model's turns in order, each generated
     from everything before it (its prompt_token_ids are the previous turn's prompt and tokens, then the

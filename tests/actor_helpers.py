@@ -25,9 +25,9 @@ def episode(completion: Completion, advantage: float, temperature: float = 1.0) 
 
 
 async def generate_whole(generator, prompts, **kwargs) -> list[Completion]:
-    """A real generator's whole Completions: `generate` answers each one's key (a Generated), `completions`
+    """A real generator's whole Completions: `generate` answers each one's key (a Generated, in a Generation), `completions`
     takes them (and the generator forgets them, as when the replay buffer takes a group's)."""
-    made = await generator.generate.call_one(prompts, **kwargs)
+    made = (await generator.generate.call_one(prompts, **kwargs)).completions
     return await generator.completions.call_one([g.key for g in made], forget=True)
 
 

@@ -104,9 +104,9 @@ def test_sync_training_alternates_generation_and_training(tmp_path):
     calls = []
 
     class Watch(Script):
-        async def point(self, endpoint, replica):
+        async def point(self, endpoint, replica, args=()):
             calls.append(endpoint)
-            await super().point(endpoint, replica)
+            await super().point(endpoint, replica, args)
 
     run(fake_config(steps=3, prompts=2, max_policy_age=0), tmp_path, Watch(yields={"generate": 3}))
     training = [c for c in calls if c in ("generate", "forward_backward", "publish_weights")]
@@ -122,9 +122,9 @@ def test_synchronous_training_puts_every_replica_to_sleep_before_each_step_train
     calls = []
 
     class Watch(Script):
-        async def point(self, endpoint, replica):
+        async def point(self, endpoint, replica, args=()):
             calls.append(endpoint)
-            await super().point(endpoint, replica)
+            await super().point(endpoint, replica, args)
 
     run(fake_config(steps=3, prompts=2, max_policy_age=age, replicas=2), tmp_path, Watch())
     if age:
@@ -171,14 +171,16 @@ def test_a_group_that_finishes_late_is_trained_in_its_own_batch_not_generated_ag
 
 def test_a_stale_groups_discard_arriving_after_its_prompts_next_try_was_staged_leaves_that_try_alone(tmp_path):
     # prompt 3 (batch 1, which trains at version 1) says it served version 0: stale, its staged sequences are let
-    # go (`discard`) and the prompt is generated again at once. The discard waits behind batch 1's add, whose
-    # delivery takes 50 yields, while the new try is generated, graded and staged: its stage reaches the buffer
-    # first. A discard naming the prompt alone deleted the new try's sequences, and the add of the new try then
-    # failed ("never staged"); each try is staged apart, and the discard names its own
+    # go and the prompt is generated again at once. The discard waits for the buffer calls' flush (or behind an
+    # add whose delivery takes 50 yields) while the new try is generated, graded and staged: its stage reaches
+    # the buffer first. A discard naming the prompt alone deleted the new try's sequences, and the add of the new
+    # try then failed ("never staged"); each try is staged apart, and the discard names its own
     script = Script(behind={3}, yields={"add": 50})
     done = run(fake_config(steps=3, prompts=2, max_policy_age=0), tmp_path, script)
-    before_discard = script.calls[:script.calls.index("discard")]
-    assert before_discard.count("stage") == 5  # prompts 0-2, the stale try at 3, and the next try at 3
+    stages = [i for i, (endpoint, args) in enumerate(script.sent) if endpoint == "stage" and args[0] == 3]
+    [discarded] = [i for i, (endpoint, args) in enumerate(script.sent)
+                   if endpoint in ("add", "discard") and any(group == 3 for group, _ in args[-1])]
+    assert len(stages) == 2 and stages[1] < discarded  # the next try's stage went first
     assert [r["groups_stale"] for r in done.rows] == [0, 1, 0] and done.rows[-1]["replay_buffer_restarts"] == 0
     assert_each_group_trained_once(done.trainer.trained, range(6), 2)
 
@@ -333,8 +335,8 @@ def test_replay_stopped_at_every_await_point_and_resumed_trains_no_group_more_th
 
 def test_a_stop_whose_checkpoint_hangs_goes_on_without_it_after_stop_timeout(tmp_path, caplog):
     class HangingSave(Script):
-        async def point(self, endpoint, replica):
-            await super().point(endpoint, replica)
+        async def point(self, endpoint, replica, args=()):
+            await super().point(endpoint, replica, args)
             if endpoint == "save_state":
                 await asyncio.sleep(3600)
 
@@ -350,8 +352,8 @@ def test_a_stop_while_the_last_publish_outlives_stop_timeout_checkpoints_its_ver
     # the stop's wait for the last publish gives up after stop_timeout_s: the publish goes on (it is not
     # cancelled), and the checkpoint waits for it, bounded again, instead of awaiting a cancelled future
     class StopAtSecondPublish(Script):
-        async def point(self, endpoint, replica):
-            await super().point(endpoint, replica)
+        async def point(self, endpoint, replica, args=()):
+            await super().point(endpoint, replica, args)
             if endpoint == "publish_weights" and self.counts[endpoint] == 2:
                 self.signals.request("SIGINT")
 

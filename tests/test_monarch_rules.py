@@ -36,7 +36,7 @@ class FakeSleeper:
 
 
 class NoScript:
-    async def point(self, endpoint: str, actor) -> None:
+    async def point(self, endpoint: str, actor, args: tuple = ()) -> None:
         pass
 
 

@@ -198,7 +198,7 @@ def test_smollm2_looks_up_in_the_environment_and_only_its_own_tokens_are_trained
         grader_procs, grader = spawn("grader", TaskGrader, "zorplex", ZorplexConfig())
         try:
             async def generate(prompts, sampling):
-                return await generator.generate.call_one(prompts, sampling=sampling, text=True)
+                return (await generator.generate.call_one(prompts, sampling=sampling, text=True)).completions
 
             results = []
             for i, sample in enumerate(samples):
@@ -325,11 +325,11 @@ def test_sticky_routing_serves_later_turns_from_the_prefix_cache_and_least_loade
                                 else dataclasses.replace(p, prefix_holder=holders[p.prefix].actor) for p in prompts]
                         return replica, await replica.actor.generate.call_one(sent, sampling=sampling, text=True)
 
-                    replica, completions = await pool.call(on, prefer=served_by)
-                    holders.update((g.key, replica) for g in completions)
-                    cache = await replica.actor.weight_updates.call_one()  # the requests finished since the last
+                    replica, answer = await pool.call(on, prefer=served_by)
+                    holders.update((g.key, replica) for g in answer.completions)
+                    cache = answer.report  # the requests finished since the replica's last report: this one's
                     turns.append((replica.index, cache["prompt_tokens"], cache["cached_prompt_tokens"]))
-                    return completions
+                    return answer.completions
 
                 sample = FakeTool(FakeTool.Config()).train_sample(0)
                 step = lambda conversations, last: grader.step.call_one(sample, conversations, last)  # noqa: E731
@@ -382,13 +382,13 @@ def test_a_later_turn_sends_only_its_new_tokens_and_a_replica_that_did_not_make_
                          str(tiny_checkpoint)) for i in range(2)]
         (_, a), (_, b) = spawned
         try:
-            [first] = await a.generate.call_one([Prompt(0, tokenizer.encode_messages(opening))], sampling=greedy,
-                                                text=True)
+            [first] = (await a.generate.call_one([Prompt(0, tokenizer.encode_messages(opening))], sampling=greedy,
+                                                 text=True)).completions
             new = tokenizer.continuation([*opening, {"role": "assistant", "content": first.text}], first.tail,
                                          [{"role": "tool", "content": "5"}])
             later = Prompt(0, new, prefix=first.key)
-            [on_a] = await a.generate.call_one([later], sampling=greedy)
-            [on_b] = await b.generate.call_one([dataclasses.replace(later, prefix_holder=a)], sampling=greedy)
+            [on_a] = (await a.generate.call_one([later], sampling=greedy)).completions
+            [on_b] = (await b.generate.call_one([dataclasses.replace(later, prefix_holder=a)], sampling=greedy)).completions
             [turn1] = await a.completions.call_one([first.key], forget=True)  # still held: B only read it
             [whole_a] = await a.completions.call_one([on_a.key], forget=True)
             [whole_b] = await b.completions.call_one([on_b.key], forget=True)

@@ -123,7 +123,8 @@ def test_generators_load_only_whole_versions_while_the_trainer_publishes_flat_ou
             prompt = Prompt(0, ChatTokenizer(tiny_checkpoint).encode_chat("What is 2 + 2?"))
             for g in generators:
                 assert await g.pull_weights.call_one() == published
-                completion = (await g.generate.call_one([prompt], sampling=Sampling(temperature=1.0, max_tokens=8)))[0]
+                [completion] = (await g.generate.call_one([prompt], sampling=Sampling(temperature=1.0,
+                                                                                       max_tokens=8))).completions
                 assert completion.policy_version == published
             # a call for a version the rings do not hold fails as a replica fault (the pool replaces the replica)
             with pytest.raises(ActorError) as failed:

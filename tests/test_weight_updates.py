@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from actor_helpers import episode, generate_whole, logprobs, replay_buffer_on
+from actor_helpers import episode, logprobs, replay_buffer_on
 from probe_actors import ScalingTrainer, SlowStepGenerator
 
 from meshrl.actors import spawn
@@ -60,10 +60,14 @@ def test_weights_loaded_mid_request_in_flight_and_recomputed(tiny_checkpoint):
             prompt = Prompt(0, ChatTokenizer(tiny_checkpoint).encode_chat("Tell me a long story."))
             long = Sampling(n=1, temperature=1.0, max_tokens=250)
 
+            reports = []  # what each request's answer reported of its generator's loads
+
             async def mid_request(generators_, pattern, factor):
                 """Each generator's long request, with a new version published while they run."""
                 async def one(generator):
-                    return await generate_whole(generator, [prompt], sampling=long)
+                    answer = await generator.generate.call_one([prompt], sampling=long)
+                    reports.append(answer.report)
+                    return await generator.completions.call_one([g.key for g in answer.completions], forget=True)
 
                 running = [asyncio.create_task(one(g)) for g in generators_]
                 await asyncio.sleep(3.0)  # 20 ms a step or more: some of the tokens are out, not all
@@ -85,10 +89,12 @@ def test_weights_loaded_mid_request_in_flight_and_recomputed(tiny_checkpoint):
             swap = kept.versions[1][0]
             stale_kv = gap(kept.logprobs[swap:], (await scored(trainer, buffer, kept))[swap:])
             assert exact < 0.02 and stale_kv > max(0.03, 5 * exact), (exact, stale_kv)
-            for generator in generators.values():
-                updates = await generator.weight_updates.call_one()
+            for updates in reports:  # each generator's load mid-request, reported with that request's answer
                 assert updates["weight_swaps_in_flight"] == 1 and updates["prefix_cache_resets_refused"] == 0
                 assert [p["version"] for p in updates["pulls"]] == [1] and updates["pulls"][0]["in_flight"]
+            assert len(reports) == 2
+            for generator in generators.values():  # and reported once: nothing since
+                assert (await generator.weight_updates.call_one())["pulls"] == []
 
             # in flight, a change that leaves the KV cache right (the final norm: the logits only): before the
             # swap the old policy's tokens, after it the new policy's, in one request that went on

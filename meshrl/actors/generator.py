@@ -51,7 +51,7 @@ from meshrl.actors.held import HeldCompletions, take_held
 from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.weight_updates import WeightUpdates
 from meshrl.models.lora import LoraConfig
-from meshrl.types import Completion, Generated, Prompt, Sampling
+from meshrl.types import Completion, Generation, Prompt, Sampling
 from meshrl.weight_sync import WeightSyncConfig, published_weights
 from meshrl.weight_sync.disk import DiskHandle, DiskReader
 from meshrl.weight_sync.handoff import Handoff
@@ -141,9 +141,9 @@ class VLLMGenerator(Actor):
 
     @concurrent_endpoint
     async def generate(self, prompts: list[Prompt], *, sampling: Sampling | None = None,
-                       min_version: int = 0, text: bool = False) -> list[Generated]:
+                       min_version: int = 0, text: bool = False) -> Generation:
         """`sampling.n` completions per prompt, their first tokens from version `min_version` or newer, each
-        held here and answered as a Generated (with its text if `text`)."""
+        held here and answered as a Generated (with its text if `text`), with the report since the last."""
         prompts = [await self._whole(p) for p in prompts]
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -180,7 +180,8 @@ class VLLMGenerator(Actor):
         if self.driver is None or self.driver.done():
             self.driver = asyncio.create_task(self._drive())
         await asyncio.gather(*(r.done for r in requests))
-        return [self.held.keep(self._completion(r.prompt, seq), text) for r in requests for seq in r.sequences]
+        return Generation([self.held.keep(self._completion(r.prompt, seq), text) for r in requests
+                           for seq in r.sequences], self._report())
 
     async def _whole(self, prompt: Prompt) -> Prompt:
         """`prompt` with its prefix's tokens in front (the held turn it names, here or on its holder)."""
@@ -390,6 +391,10 @@ class VLLMGenerator(Actor):
         seconds the engine had requests to run (`busy_s`), and the finished requests' prompt tokens and
         those vLLM's prefix cache served (`prompt_tokens`, `cached_prompt_tokens`), and the bytes it read from
         the trainer's rings itself (`trainer_bytes`; 0 when it reads its host's relay)."""
+        return self._report()
+
+    def _report(self) -> dict:
+        """`weight_updates`' dict since the last report (this one's or a generate answer's)."""
         cache = {"prompt_tokens": self.prompt_tokens, "cached_prompt_tokens": self.cached_prompt_tokens}
         self.prompt_tokens = self.cached_prompt_tokens = 0
         return {**self.book.report(), **cache, "trainer_bytes": self.ring.take_trainer_bytes() if self.ring else 0}

@@ -132,16 +132,23 @@ class FifoBuffer(Actor):
         return True
 
     @endpoint
-    async def discard(self, group_id: int, attempt: int = 0) -> None:
-        """A staged try not trained (dropped, stale): let it go (another try at the same group stays)."""
-        tries = self.staged.get(group_id, {})
-        tries.pop(attempt, None)
-        if not tries:
-            self.staged.pop(group_id, None)
+    async def discard(self, tries: list[tuple[int, int]]) -> None:
+        """Staged tries not trained (dropped, stale), each (group id, attempt): let them go (another try at the
+        same group stays)."""
+        self._let_go(tries)
+
+    def _let_go(self, tries: list[tuple[int, int]]) -> None:
+        for group_id, attempt in tries:
+            staged = self.staged.get(group_id, {})
+            staged.pop(attempt, None)
+            if not staged:
+                self.staged.pop(group_id, None)
 
     @endpoint
-    async def add(self, batch: int, groups: list[GroupEpisodes]) -> None:
-        """Kept groups' episodes, generated for batch `batch`: flattened here from their staged sequences."""
+    async def add(self, batch: int, groups: list[GroupEpisodes], discard: list[tuple[int, int]] = ()) -> None:
+        """Kept groups' episodes, generated for batch `batch`: flattened here from their staged sequences; and
+        the tries `discard` names let go, as `discard` does (the controller's decisions, one message)."""
+        self._let_go(discard)
         for group in groups:
             # its other tries (stopped while their stage was on its way) are never trained: they go with it
             tries = self.staged.pop(group.group_id, {})

@@ -187,13 +187,14 @@ class ReplayBuffer(Protocol):
         controller's tries at one prompt are kept apart; False if a holder is gone (the group is generated
         again). Concurrent with the other endpoints."""
 
-    async def discard(self, group_id: int, attempt: int = 0) -> None:
-        """A staged try that is not trained (dropped, stale): let it go; another try at the group stays."""
+    async def discard(self, tries: list[tuple[int, int]]) -> None:
+        """Staged tries that are not trained (dropped, stale), each (group id, attempt): let them go; another
+        try at the same group stays."""
 
-    async def add(self, batch: int, groups: list[GroupEpisodes]) -> None:
+    async def add(self, batch: int, groups: list[GroupEpisodes], discard: list[tuple[int, int]] = ()) -> None:
         """Kept groups' episodes (which staged sequence and turns each trains, of the try `GroupEpisodes.attempt`
-        names; its advantage, with the group's
-        rewards and records), generated for batch `batch`, to flatten (meshrl/episodes.py's `flatten`)."""
+        names; its advantage, with the group's rewards and records), generated for batch `batch`, to flatten
+        (meshrl/episodes.py's `flatten`); and the tries `discard` names let go, as `discard` does."""
 
     async def record_rollouts(self, run_dir: str, fraction: float, resumed_step: int | None) -> None:
         """Write rollouts.jsonl in `run_dir` from now on (meshrl/episodes.py's RolloutRecorder): each

@@ -1,8 +1,9 @@
 """What a generator replica keeps about its weight updates, whatever its engine: whether new requests
 may start (a drain holds them back until the running ones are done), how long its engine had requests,
-and the loads it did since the controller last asked (roles.Generator.weight_updates). The vLLM
-generator, the benches' stand-in and the tests' fake one load alike through it. And the controller's
-side: the replicas' reports gathered, beside its loops, into the step's figures (`gather_reports`)."""
+and the loads it did since its last report (roles.Generator.weight_updates, and each generate answer's
+`Generation.report`). The vLLM generator, the benches' stand-in and the tests' fake one load alike
+through it. And the controller's side: a report into the step's figures (`absorb`), as each generate
+answer brings one, and every replica's gathered at the run's end (`gather_reports`)."""
 
 import asyncio
 import time
@@ -76,28 +77,33 @@ def cache_figures(f: dict) -> dict:
             **({"prefix_cache_hit_rate": sum(f["rates"]) / len(f["rates"])} if f["rates"] else {})}
 
 
+def absorb(replica: int, updates: dict, tracer, figures: dict, counts: dict) -> None:
+    """What generator replica `replica` reported (roles.Generator.weight_updates' dict): its loads become
+    `pull` spans of the trace; into `figures` (from `no_figures`): the longest load's seconds, the seconds its
+    engine had requests to run, its prompt tokens and those its prefix cache served, its share served from its
+    cache (for `cache_figures`), and the bytes it read from the trainer's rings itself (`egress`; a relay's are
+    its own); its swap and cache counts added to `counts`."""
+    f = figures
+    f["busy"] += updates["busy_s"]
+    if updates.get("prompt_tokens"):  # optional in the contract (roles.Generator.weight_updates)
+        f["prompts"] += updates["prompt_tokens"]
+        f["cached"] += updates["cached_prompt_tokens"]
+        f["rates"].append(updates["cached_prompt_tokens"] / updates["prompt_tokens"])
+    f["egress"] += updates.get("trainer_bytes", 0)  # optional in the contract
+    for pull in updates["pulls"]:
+        tracer.add("generator", "pull", pull["start"], pull["end"], replica, pull["version"])
+        f["pull"] = max(f["pull"], pull["end"] - pull["start"])
+    for key in counts:
+        counts[key] += updates[key]
+
+
 async def gather_reports(replicas: list, timeout, tracer, figures: dict, counts: dict) -> None:
-    """What the healthy generator `replicas` did since the last call: their loads become `pull` spans of the
-    trace; into `figures` (from `no_figures`): the longest load's seconds, the seconds their engines had
-    requests to run, all together, their prompt tokens and those their prefix caches served, each replica's
-    share served from its cache (for `cache_figures`), and the bytes they read from the trainer's rings
-    themselves (`egress`; a relay's are its own); their swap and cache counts added to `counts`. Each ask bounded by `timeout`; a replica
-    failing now is its pool's to find."""
+    """What the healthy generator `replicas` did since their last report, each `absorb`ed; each ask bounded by
+    `timeout`; a replica failing now is its pool's to find."""
     async def ask(replica):  # bookkeeping: bounded, not traced
         async with deadline(timeout, "generator", "weight_updates"):
             return replica, await replica.actor.weight_updates.call_one()
 
     answers = await asyncio.gather(*(ask(r) for r in replicas if r.healthy), return_exceptions=True)
-    f = figures
     for replica, updates in (a for a in answers if not isinstance(a, BaseException)):
-        f["busy"] += updates["busy_s"]
-        if updates.get("prompt_tokens"):  # optional in the contract (roles.Generator.weight_updates)
-            f["prompts"] += updates["prompt_tokens"]
-            f["cached"] += updates["cached_prompt_tokens"]
-            f["rates"].append(updates["cached_prompt_tokens"] / updates["prompt_tokens"])
-        f["egress"] += updates.get("trainer_bytes", 0)  # optional in the contract
-        for pull in updates["pulls"]:
-            tracer.add("generator", "pull", pull["start"], pull["end"], replica.index, pull["version"])
-            f["pull"] = max(f["pull"], pull["end"] - pull["start"])
-        for key in counts:
-            counts[key] += updates[key]
+        absorb(replica.index, updates, tracer, figures, counts)

@@ -263,8 +263,8 @@ class GenerateServer:
         async def on(replica: Replica) -> Completion:
             session.replica = replica
             async with deadline(self.timeout, "generator", f"serve {session_id}"):
-                [made] = await replica.actor.generate.call_one([prompt], sampling=sampling,
-                                                               min_version=self.min_version())
+                [made] = (await replica.actor.generate.call_one([prompt], sampling=sampling,
+                                                                min_version=self.min_version())).completions
                 [completion] = await replica.actor.completions.call_one([made.key], forget=True)
             return completion
 

@@ -115,7 +115,7 @@ class FakeEndpoint:
         return every_rank()
 
     async def _on(self, actor, *args, **kwargs):
-        await self.mesh.script.point(self.name, actor)
+        await self.mesh.script.point(self.name, actor, args)
         method, is_concurrent = endpoint_of(actor, self.name)
         try:
             return await mailbox(actor).deliver(lambda: Timed(method(*args, **kwargs), type(actor).__name__),

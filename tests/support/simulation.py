@@ -37,7 +37,7 @@ from meshrl.runtime.loggers import MetricLoggers
 from meshrl.runtime.metric_rows import MetricRows
 from meshrl.tasks import Sample
 from meshrl.tools.bench.standins import text_rewards
-from meshrl.types import Completion
+from meshrl.types import Completion, Generation
 
 from support.fake_monarch import FakeMesh, FakeProcs, concurrent
 
@@ -81,11 +81,13 @@ class Script:
     die_at: dict[str, int] = field(default_factory=dict)  # "generate": the replica dies at this call of it
     hang_at: dict[str, int] = field(default_factory=dict)  # "generate": this call never answers
     calls: list[str] = field(default_factory=list)
+    sent: list[tuple[str, tuple]] = field(default_factory=list)  # each call's (endpoint, arguments), in order
     counts: Counter = field(default_factory=Counter)
     signals: StopSignals | None = None
 
-    async def point(self, endpoint: str, replica) -> None:
+    async def point(self, endpoint: str, replica, args: tuple = ()) -> None:
         self.calls.append(endpoint)
+        self.sent.append((endpoint, args))
         self.counts[endpoint] += 1
         count = self.counts[endpoint]
         if len(self.calls) == self.stop_at and self.signals:
@@ -130,7 +132,7 @@ class FakeGenerator:
         self.held.forget(keys)
 
     @concurrent
-    async def generate(self, prompts, *, sampling=None, min_version: int = 0, text: bool = False) -> list:
+    async def generate(self, prompts, *, sampling=None, min_version: int = 0, text: bool = False) -> Generation:
         if self.version < min_version:
             await self._load()
         if self.version < min_version:  # as the real generator: it cannot serve what it was asked for
@@ -169,7 +171,7 @@ class FakeGenerator:
                                               "1" if index in self.script.equal else str(j % 2), served, "stop",
                                               versions if served == first else [], -0.5 * length), text)
                     for j in range(sampling.n)]
-        return out
+        return Generation(out, self.book.report())
 
     def _versions(self, start: float, end: float, first: int, length: int) -> list[list[int]]:
         """[token offset, version] of each load during [start, end]; [] if none."""

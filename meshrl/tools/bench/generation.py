@@ -89,7 +89,7 @@ async def _run(model: str, num_prompts: int, group_size: int, max_tokens: int, r
 async def _per_group(pool: ReplicaPool, prompts: list[Prompt], sampling: Sampling) -> float:
     """Tokens per second of every prompt's group sent as its own call, all at once, as the controller does."""
     async def one(replica, prompt: Prompt):
-        return replica, await replica.actor.generate.call_one([prompt], sampling=sampling)
+        return replica, (await replica.actor.generate.call_one([prompt], sampling=sampling)).completions
 
     start = time.perf_counter()
     groups = await asyncio.gather(*(pool.call(lambda r, p=p: one(r, p)) for p in prompts))

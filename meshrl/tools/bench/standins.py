@@ -21,7 +21,7 @@ from meshrl.actors.distributed import from_buffer, to_buffer
 from meshrl.actors.held import HeldCompletions, take_held
 from meshrl.actors.trace import ActorClock
 from meshrl.actors.weight_updates import WeightUpdates
-from meshrl.types import Completion, Generated
+from meshrl.types import Completion, Generation
 
 
 def text_rewards(completions: list[Completion]) -> list[tuple[float, dict[str, float]]]:
@@ -39,7 +39,7 @@ class StandInGenerator(Actor):
         self.canned: dict[int, tuple[list[int], list[float]]] = {}  # length -> (tokens, logprobs), made once
 
     @concurrent_endpoint
-    async def generate(self, prompts, *, sampling=None, min_version: int = 0, text: bool = False) -> list[Generated]:
+    async def generate(self, prompts, *, sampling=None, min_version: int = 0, text: bool = False) -> Generation:
         if self.version < min_version:  # as if the version had been read at once
             start, self.version = time.time(), min_version
             self.book.loaded(start, min_version, in_flight=self.running > 0)
@@ -50,13 +50,14 @@ class StandInGenerator(Actor):
             if length not in self.canned:
                 self.canned[length] = (list(range(7, 7 + length)), [-0.5] * length)
             tokens, logprobs = self.canned[length]
-            return [self.held.keep(Completion(p.index, p.token_ids, tokens, logprobs, str(j % 2), self.version,
+            made = [self.held.keep(Completion(p.index, p.token_ids, tokens, logprobs, str(j % 2), self.version,
                                               "length", [], -0.5 * length), text)
                     for p in prompts for j in range(sampling.n)]
         finally:
             self.running -= 1
             if not self.running:
                 self.book.done()
+        return Generation(made, self.book.report())
 
     @concurrent_endpoint
     async def completions(self, keys: list[int], forget: bool = False) -> list[Completion]:
