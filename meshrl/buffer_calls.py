@@ -83,3 +83,57 @@ class BufferCalls:
             self.sending.cancel()
             self.sending.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.sending, self.adds, self.discards = None, {}, []
+
+
+class Stages:
+    """Graded groups' `stage` calls, several to a message: while one is on its way, the groups graded meanwhile
+    wait and go together in the next (no timer: a group alone is sent at once, and under load the messages grow
+    with the rate). Each group's caller gets its own answer (True: staged; False: a generator holding its
+    turns is gone), or the call's error."""
+
+    def __init__(self, buffer: Callable[[], object], timeout: Timeout | None):
+        self.buffer, self.timeout = buffer, timeout
+        self.waiting: list[tuple[tuple, list, asyncio.Future]] = []  # (group id, attempt, sequences), holders, answer
+        self.sending = False
+
+    async def stage(self, group_id: int, attempt: int, holders: list, sequences: list[list[tuple[int, int]]]) -> bool:
+        """Group `group_id`'s try `attempt` staged from `holders` (generator actor meshes; each sequence's turns
+        as (index into `holders`, key)), with the other groups waiting."""
+        answer = asyncio.get_running_loop().create_future()
+        self.waiting.append(((group_id, attempt, sequences), holders, answer))
+        if not self.sending:
+            self.sending = True
+            asyncio.ensure_future(self._send_all())
+        return await answer
+
+    async def _send_all(self) -> None:
+        try:
+            while self.waiting:
+                batch, self.waiting = self.waiting, []
+                await self._send(batch)
+        finally:
+            self.sending = False
+
+    async def _send(self, batch: list) -> None:
+        holders: list = []  # every group's holders, each once (a mesh reference pickles to about 2.5 KB)
+        at: dict[int, int] = {}
+        groups = []
+        for (group_id, attempt, sequences), mine, _ in batch:
+            for h in mine:
+                if id(h) not in at:
+                    at[id(h)] = len(holders)
+                    holders.append(h)
+            groups.append((group_id, attempt, [[(at[id(mine[h])], key) for h, key in turns] for turns in sequences]))
+        try:
+            async with deadline(self.timeout, "replay_buffer", "stage"):
+                answers = await self.buffer().stage.call_one(groups, holders)
+        except BaseException as e:  # every group of the call gets its error (a cancellation too: stopped)
+            for _, _, future in batch:
+                if not future.done():
+                    future.set_exception(e if isinstance(e, Exception) else asyncio.CancelledError())
+            if not isinstance(e, Exception):
+                raise
+            return
+        for (_, _, future), staged in zip(batch, answers):
+            if not future.done():  # its group may have stopped meanwhile
+                future.set_result(staged)

@@ -41,6 +41,7 @@ from meshrl.actors.held import take_held
 from meshrl.actors.replicas import CallFailed, Replica, ReplicaPool
 from meshrl.actors.roles import TokensLost
 from meshrl.actors.timeouts import CallTimeout, Timeouts, deadline
+from meshrl.buffer_calls import Stages
 from meshrl.configs import ControllerConfig
 from meshrl.episodes import bootstrap_interval, check_rates
 from meshrl.tasks import Sample, is_environment, is_session
@@ -66,6 +67,7 @@ class RolloutCollector:
         self.controller, self.generator, self.task, self.tokenizer = controller, generator, task, tokenizer
         self.generators, self.graders, self.work, self.timeouts, self.tracer = generators, graders, work, timeouts, tracer
         self.buffer, self.report = buffer, report
+        self.stages = Stages(buffer, timeouts.buffer)  # graded groups into the buffer, several to a message
         # since the last `take_counts`: the pickled size of every answer a training group's calls received, and
         # the training groups generated again (their tokens died with their generator)
         self.counts = {"controller_bytes_in": 0, "groups_regenerated": 0}
@@ -343,10 +345,8 @@ class Attempt:
         at = {r: i for i, r in enumerate(replicas)}
         sequences = [[(at[self.holders[t.key]], t.key) for t in model_turns(s.completion)] for s in scored]
         buffer = self.c.buffer()
-        try:
-            async with deadline(self.c.timeouts.buffer, "replay_buffer", "stage"):
-                taken = self.meter(await buffer.stage.call_one(self.index, [r.actor for r in replicas], sequences,
-                                                               attempt=self.id))
+        try:  # with the other groups graded while a stage is on its way (meshrl/buffer_calls.py's Stages)
+            taken = self.meter(await self.c.stages.stage(self.index, self.id, [r.actor for r in replicas], sequences))
         except (ActorError, SupervisionError, CallTimeout) as e:
             # the buffer failed, not the group: the training loop has it restarted (which stops this group, its
             # prompt started again); past the buffer's timeout with no restart, the group is generated again

@@ -17,7 +17,7 @@ def test_the_controller_sends_at_most_its_budget_of_monarch_messages_per_group(t
         run = asyncio.run(real_cost(64, 16, 8, 3, 2, 4, [], tmp_path, counter, kill=False))
     sent, groups = run["messages"], run["groups"]
     assert groups == 3 * 64 + 4 and run["groups_regenerated"] == 0
-    # each group was asked for and scored once; each trained group staged once; no call was retried
-    assert sent["generate"] == sent["score"] == groups and sent["stage"] == 3 * 64, sent
+    # each group was asked for and scored once (no call retried); the graded groups' stages shared messages
+    assert sent["generate"] == sent["score"] == groups and 0 < sent["stage"] < 3 * 64, sent
     assert run["messages_per_group"] == sum(sent.values()) / groups
     assert run["messages_per_group"] <= MESSAGES_PER_GROUP, sent

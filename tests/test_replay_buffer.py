@@ -40,7 +40,7 @@ async def add(buf, batch: int, group: int, version: int, rewards=(1.0, 0.0)) -> 
     """Group `group` (one episode per reward, its first token the group's id) staged from a fake generator
     holding it and added for batch `batch`, as the controller has the buffer do."""
     holder = FakeMesh([FakeHolder(completions(group, version, len(rewards)))], Script())
-    assert await buf.stage.call_one(group, [holder], [[(0, i)] for i in range(len(rewards))])
+    assert await buf.stage.call_one([(group, 0, [[(0, i)] for i in range(len(rewards))])], [holder]) == [True]
     added = episodes(group, version, len(rewards))
     added.rewards = list(rewards)
     await buf.add.call_one(batch, [added])
@@ -204,13 +204,13 @@ def test_stage_takes_a_groups_completions_from_their_generator_and_answers_false
         holder_procs, holder = spawn("holder", FakeHolder, held)
         buf_procs, buf = spawn("buffer", FifoBuffer, ReplayBufferConfig(), TrainerConfig(micro_batch_size=2), 1, 1, 0)
         try:
-            staged = await buf.stage.call_one(4, [holder], [[(0, 0)], [(0, 2)]])  # completion 1 not trained
+            [staged] = await buf.stage.call_one([(4, 0, [[(0, 0)], [(0, 2)]])], [holder])  # completion 1 not trained
             left = await holder.keys.call_one()
             await buf.add.call_one(0, [episodes(4, 0, 2)])
             await buf.sample.call_one(0, [4])
             micro = await buf.micro_batch.call_one(BatchRef(0, 0, 0))
             os.kill(await holder.pid.call_one(), signal.SIGKILL)
-            gone = await asyncio.wait_for(buf.stage.call_one(5, [holder], [[(0, 1)]]), timeout=120)
+            [gone] = await asyncio.wait_for(buf.stage.call_one([(5, 0, [[(0, 1)]])], [holder]), timeout=120)
             return staged, left, micro, gone
         finally:
             await buf_procs.stop()
@@ -237,7 +237,7 @@ def test_two_ranks_fetches_of_a_batchs_micro_batches_are_served_at_once():
         buf_procs, buf = spawn("buffer", FifoBuffer, ReplayBufferConfig(), TrainerConfig(micro_batch_size=256), 1, 1,
                                0)
         try:
-            assert await buf.stage.call_one(0, [holder], [[(0, i)] for i in range(len(held))])
+            assert await buf.stage.call_one([(0, 0, [[(0, i)] for i in range(len(held))])], [holder]) == [True]
             await buf.add.call_one(0, [episodes(0, 0, len(held))])
             plan = await buf.sample.call_one(0, [0])
             await buf.spans.call_one()

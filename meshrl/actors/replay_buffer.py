@@ -112,24 +112,35 @@ class FifoBuffer(Actor):
         self.recorder: RolloutRecorder | None = None
 
     @concurrent_endpoint
-    async def stage(self, group_id: int, holders: list, sequences: list[list[tuple[int, int]]],
-                    attempt: int = 0) -> bool:
-        """Take a graded group's Completions from the generators holding them, all at once, forgetting them
-        there, staged as the controller's try `attempt` at the group; False if a holder is gone (its process
-        died): the controller generates the group again."""
+    async def stage(self, groups: list[tuple[int, int, list[list[tuple[int, int]]]]], holders: list) -> list[bool]:
+        """Take graded groups' Completions from the generators holding them, forgetting them there: each group
+        (group id, the controller's try at it, its sequences' model turns as (index into `holders`, key)) staged
+        under that try. One take per holder for all the groups, all at once. For each group, False if a holder
+        of its turns is gone (its process died): the controller generates that group again."""
         wanted: dict[int, list[int]] = {}
-        for turns in sequences:
-            for holder, key in turns:
-                wanted.setdefault(holder, []).append(key)
-        try:
-            taken = await asyncio.gather(*(take_held(holders[h], keys, forget=True) for h, keys in wanted.items()))
-        except TokensLost as e:  # a holder that died, or no longer holds them: the group is lost, not the buffer
-            logger.warning("group %d's completions could not be taken from their generator: %s", group_id,
-                           str(e).splitlines()[0] if str(e) else type(e).__name__)
-            return False
-        by_key = {key: c for (h, keys), completions in zip(wanted.items(), taken) for key, c in zip(keys, completions)}
-        self.staged.setdefault(group_id, {})[attempt] = [[by_key[key] for _, key in turns] for turns in sequences]
-        return True
+        for _, _, sequences in groups:
+            for turns in sequences:
+                for holder, key in turns:
+                    wanted.setdefault(holder, []).append(key)
+        taken = await asyncio.gather(*(take_held(holders[h], keys, forget=True) for h, keys in wanted.items()),
+                                     return_exceptions=True)
+        by_key, lost = {}, set()
+        for (h, keys), completions in zip(wanted.items(), taken):
+            if isinstance(completions, TokensLost):  # a holder that died, or no longer holds them: its groups are lost
+                lost.add(h)
+                logger.warning("completions could not be taken from their generator: %s",
+                               str(completions).splitlines()[0] if str(completions) else type(completions).__name__)
+            elif isinstance(completions, BaseException):
+                raise completions
+            else:
+                by_key.update(zip(keys, completions))
+        answers = []
+        for group_id, attempt, sequences in groups:
+            whole = not any(h in lost for turns in sequences for h, _ in turns)
+            if whole:
+                self.staged.setdefault(group_id, {})[attempt] = [[by_key[key] for _, key in turns] for turns in sequences]
+            answers.append(whole)
+        return answers
 
     @endpoint
     async def discard(self, tries: list[tuple[int, int]]) -> None:

@@ -180,12 +180,11 @@ class ReplayBuffer(Protocol):
     handed out since the newest checkpoint. Constructed with (ReplayBufferConfig, TrainerConfig,
     prompts_per_step, max_policy_age, pad token id). meshrl/actors/replay_buffer.py has two."""
 
-    async def stage(self, group_id: int, holders: list, sequences: list[list[tuple[int, int]]],
-                    attempt: int = 0) -> bool:
-        """Take a graded group's Completions from the generators holding them (each sequence's model turns
-        as (index into `holders`, key)), forgetting them there, staged under (`group_id`, `attempt`): the
-        controller's tries at one prompt are kept apart; False if a holder is gone (the group is generated
-        again). Concurrent with the other endpoints."""
+    async def stage(self, groups: list[tuple[int, int, list[list[tuple[int, int]]]]], holders: list) -> list[bool]:
+        """Take graded groups' Completions from the generators holding them, forgetting them there: each group
+        is (group id, attempt, its sequences' model turns as (index into `holders`, key)), staged under
+        (group id, attempt): the controller's tries at one prompt are kept apart. For each group, False if a
+        holder of its turns is gone (that group is generated again). Concurrent with the other endpoints."""
 
     async def discard(self, tries: list[tuple[int, int]]) -> None:
         """Staged tries that are not trained (dropped, stale), each (group id, attempt): let them go; another

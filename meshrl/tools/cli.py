@@ -119,6 +119,13 @@ def _parser() -> argparse.ArgumentParser:
     trainer.add_argument("--memory", action="store_true", help="instead: peak memory against tokens per micro-batch "
                          "with the memory switches on and off, a fresh process per size (meshrl/tools/bench/trainer_memory.py)")
     trainer.add_argument("--tokens", default="512,1024,2048,4096", help="--memory: tokens per micro-batch, comma separated")
+    buffer = bench.add_parser("buffer", help="groups a second through one replay buffer process: stage, add, sample "
+                                             "(meshrl/tools/bench/buffer.py)")
+    buffer.add_argument("--json", type=Path, required=True, help="where to write the figures")
+    buffer.add_argument("--max-tokens", default="16,1024", help="tokens per completion, comma separated")
+    buffer.add_argument("--batches", type=int, default=8, help="timed batches per length (after one untimed)")
+    buffer.add_argument("--batch-size", type=int, default=256, help="groups per batch")
+    buffer.add_argument("--group-size", type=int, default=8, help="completions per group")
     control = bench.add_parser("controller", help="the controller's own cost with fake actors, and a placement's "
                                                   "predicted step time (from a repository checkout: the fakes "
                                                   "are its tests/support/)")
@@ -231,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
             _bench_trainer(args)
         elif args.command == "bench" and args.bench == "controller":
             _bench_controller(args)
+        elif args.command == "bench" and args.bench == "buffer":
+            from meshrl.tools.bench import buffer
+
+            _write_bench(args.json, buffer, buffer.run([int(t) for t in args.max_tokens.split(",")], args.batches,
+                                                       args.batch_size, args.group_size))
         elif args.command == "bench" and args.bench == "multiturn":
             _bench_multiturn(args, rest)
         elif args.command == "bench":

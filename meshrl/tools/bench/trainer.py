@@ -204,9 +204,8 @@ async def _step_from_buffer(trainer, buffer, holder, data: list[Episode], config
         turns.append(Completion(e.group_id, e.tokens[:prompt], e.tokens[prompt:], e.behaviour_logprobs[prompt:], "", 0,
                                 "stop"))
     keys = await holder.hold.call_one(turns)
-    for e, key in zip(data, keys):
-        if not await buffer.stage.call_one(e.group_id, [holder], [[(0, key)]]):
-            raise RuntimeError(f"the replay buffer could not take group {e.group_id}'s completion")
+    if not all(await buffer.stage.call_one([(e.group_id, 0, [[(0, key)]]) for e, key in zip(data, keys)], [holder])):
+        raise RuntimeError("the replay buffer could not take the groups' completions")
     await buffer.add.call_one(index, [GroupEpisodes(e.group_id, [(0, 0, 1)], [e.advantage], [index], [0.0, 1.0], 1.0)
                                       for e in data])
     start = time.perf_counter()
