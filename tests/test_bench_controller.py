@@ -60,3 +60,19 @@ def test_controller_bench_on_real_processes_counts_its_groups_carries_no_tokens_
     assert [f["replicas"] for f in figures["in_process"]] == [4, 4]
     assert figures["processes_left"] == []
     assert figures["spawned_pids"] and not [p for p in figures["spawned_pids"] if psutil.pid_exists(p)]
+
+
+def test_buffer_bench_puts_every_group_through_one_buffer_process_and_leaves_no_process(tmp_path):
+    out = tmp_path / "buffer.json"
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    result = subprocess.run([sys.executable, "-m", "meshrl", "bench", "buffer", "--max-tokens", "16", "--batches",
+                             "2", "--batch-size", "16", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert [length["stage_add_sample"]["max_tokens"] for length in figures["lengths"]] == [16]
+    for length in figures["lengths"]:
+        for run in length.values():  # two timed batches of 16 groups, each staged, added, sampled and trained
+            assert run["groups"] == 32 and run["groups_per_s"] == run["groups"] / run["seconds"]
+            assert run["buffer_cpu_ms_per_group"] > 0
+    assert "groups/s" in result.stdout
+    assert not {p.pid for p in psutil.Process().children(recursive=True)} - before
