@@ -4,8 +4,8 @@ The rollout loop keeps groups in flight across the generator replicas: it starts
 work buffer's staleness gate lets start (meshrl/work_buffer.py), and wakes whenever a group ends or
 a new policy version is published. The controller routes and the actors carry: a group's tokens go
 from its generator to the replay buffer (meshrl/actors/replay_buffer.py) without passing here, and
-what the controller decides for each kept group (its advantages) follows them, kept groups added
-together while an add is on its way. The training loop takes batch b (complete, its episodes within
+what the controller decides for each kept group (its advantages) follows them, the groups kept within
+50 ms of each other added in one call (meshrl/buffer_calls.py). The training loop takes batch b (complete, its episodes within
 the bound), has the replay buffer compose and collate it, trains step b + 1 on it at policy version
 b (meshrl/train_step.py: the trainer's ranks take the micro-batches from the buffer), publishes version
 b + 1, evaluates now and then, and logs the step's row. It does not wait for the publish: the next
@@ -169,7 +169,8 @@ class Controller:
 
     def _keep(self, batch: int, group: Group):
         """A kept group of batch `batch`: what to train of it goes to the replay buffer (which holds its
-        tokens), with the groups kept while the last add is on its way; a summary stays here."""
+        tokens) under the try that staged it, with the groups kept within FLUSH_S (meshrl/buffer_calls.py); a
+        summary stays here."""
         episodes, kept = keep_group(group.scored, group.prompt_index, self.config.controller, self.task,
                                     self.config.generator.temperature)
         episodes.attempt = group.attempt
