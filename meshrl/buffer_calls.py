@@ -93,14 +93,14 @@ class Stages:
 
     def __init__(self, buffer: Callable[[], object], timeout: Timeout | None):
         self.buffer, self.timeout = buffer, timeout
-        self.waiting: list[tuple[tuple, list, asyncio.Future]] = []  # (group id, attempt, sequences), holders, answer
+        self.waiting: list[tuple[int, int, list, asyncio.Future]] = []  # group id, attempt, sequences, answer
         self.sending = False
 
-    async def stage(self, group_id: int, attempt: int, holders: list, sequences: list[list[tuple[int, int]]]) -> bool:
-        """Group `group_id`'s try `attempt` staged from `holders` (generator actor meshes; each sequence's turns
-        as (index into `holders`, key)), with the other groups waiting."""
+    async def stage(self, group_id: int, attempt: int, sequences: list[list[tuple[object, int]]]) -> bool:
+        """Group `group_id`'s try `attempt` staged, each sequence's turns as (the generator actor mesh holding
+        it, its key), with the other groups waiting."""
         answer = asyncio.get_running_loop().create_future()
-        self.waiting.append(((group_id, attempt, sequences), holders, answer))
+        self.waiting.append((group_id, attempt, sequences, answer))
         if not self.sending:
             self.sending = True
             asyncio.ensure_future(self._send_all())
@@ -116,24 +116,25 @@ class Stages:
 
     async def _send(self, batch: list) -> None:
         holders: list = []  # every group's holders, each once (a mesh reference pickles to about 2.5 KB)
-        at: dict[int, int] = {}
+        at: dict[int, int] = {}  # id(holder) -> its index in `holders`
         groups = []
-        for (group_id, attempt, sequences), mine, _ in batch:
-            for h in mine:
-                if id(h) not in at:
-                    at[id(h)] = len(holders)
-                    holders.append(h)
-            groups.append((group_id, attempt, [[(at[id(mine[h])], key) for h, key in turns] for turns in sequences]))
+        for group_id, attempt, sequences, _ in batch:
+            for turns in sequences:
+                for holder, _ in turns:
+                    if id(holder) not in at:
+                        at[id(holder)] = len(holders)
+                        holders.append(holder)
+            groups.append((group_id, attempt, [[(at[id(h)], key) for h, key in turns] for turns in sequences]))
         try:
             async with deadline(self.timeout, "replay_buffer", "stage"):
                 answers = await self.buffer().stage.call_one(groups, holders)
         except BaseException as e:  # every group of the call gets its error (a cancellation too: stopped)
-            for _, _, future in batch:
+            for *_, future in batch:
                 if not future.done():
                     future.set_exception(e if isinstance(e, Exception) else asyncio.CancelledError())
             if not isinstance(e, Exception):
                 raise
             return
-        for (_, _, future), staged in zip(batch, answers):
+        for (*_, future), staged in zip(batch, answers):
             if not future.done():  # its group may have stopped meanwhile
                 future.set_result(staged)

@@ -341,12 +341,10 @@ class Attempt:
     async def stage(self, scored: list[ScoredCompletion]) -> None:
         """The scored sequences' completions into the replay buffer, which takes them from their generators;
         TokensLost if a generator holding them died (or the buffer could not take them)."""
-        replicas = list(dict.fromkeys(self.holders[t.key] for s in scored for t in model_turns(s.completion)))
-        at = {r: i for i, r in enumerate(replicas)}
-        sequences = [[(at[self.holders[t.key]], t.key) for t in model_turns(s.completion)] for s in scored]
+        sequences = [[(self.holders[t.key].actor, t.key) for t in model_turns(s.completion)] for s in scored]
         buffer = self.c.buffer()
         try:  # with the other groups graded while a stage is on its way (meshrl/buffer_calls.py's Stages)
-            taken = self.meter(await self.c.stages.stage(self.index, self.id, [r.actor for r in replicas], sequences))
+            taken = self.meter(await self.c.stages.stage(self.index, self.id, sequences))
         except (ActorError, SupervisionError, CallTimeout) as e:
             # the buffer failed, not the group: the training loop has it restarted (which stops this group, its
             # prompt started again); past the buffer's timeout with no restart, the group is generated again

@@ -60,7 +60,7 @@ async def one_length(tokens: int, batches: int, batch_size: int, group_size: int
             groups = range(b * batch_size, (b + 1) * batch_size)
             held = await held_groups(holders, groups, group_size, tokens)
             start, cpu_start = time.perf_counter(), buffer_cpu.cpu_times()
-            staged = await asyncio.gather(*(stages.stage(g, 1, [holders[h]], [[(0, k)] for k in keys])
+            staged = await asyncio.gather(*(stages.stage(g, 1, [[(holders[h], k)] for k in keys])
                                             for g, (h, keys) in held.items()))
             if not all(staged):
                 raise RuntimeError("a stand-in generator did not hand its completions over")
