@@ -11,9 +11,11 @@ Every update clips its ratio against pi_old, the trainer's policy at the start o
 update takes it from its own forward pass (detached), the later ones get it from one no-grad pass over
 their micro-batches before the first update.
 
-A trainer of several ranks gets its micro-batches in rounds, one per rank, every rank the same number
-of calls (a sharded model's collectives need them all): a round short of micro-batches is filled with
-a copy that trains nothing (no loss token), whose metrics add nothing.
+Each rank gets its share of an update's micro-batches in one call (`forward_backward(refs)`, as the
+pi_old and reference passes get theirs): one message per rank per update, not one per micro-batch. The
+micro-batches are dealt in rounds, one per rank, every rank the same number (a sharded model's
+collectives need them all): a round short of micro-batches is filled with a copy that trains nothing (no
+loss token), whose metrics add nothing. A call's timeout is its role's per micro-batch, times its share.
 """
 
 import asyncio
@@ -23,7 +25,7 @@ import weakref
 from collections import defaultdict
 
 from meshrl.actors import first
-from meshrl.actors.timeouts import Timeouts
+from meshrl.actors.timeouts import Timeout, Timeouts
 from meshrl.actors.trace import no_span
 from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.types import BatchRef, Episode
@@ -86,9 +88,20 @@ def rounds(refs: list[BatchRef], ranks: int) -> list[list[BatchRef]]:
     return out
 
 
-async def each_rank(trainer, endpoint: str, refs: list[BatchRef]) -> list:
-    """`endpoint(refs[r])` on rank r of the trainer's mesh, all ranks at once."""
-    return await asyncio.gather(*(getattr(rank, endpoint).call_one(r) for rank, r in zip(ranks_of(trainer), refs)))
+def dealt(refs: list[BatchRef], ranks: int) -> list[list[BatchRef]]:
+    """Each rank's share of `refs`: rank r takes the r-th of every round (`rounds`)."""
+    out = rounds(refs, ranks)
+    return [[round_[r] for round_ in out] for r in range(ranks)]
+
+
+def per_micro_batch(timeout: Timeout | None, micro_batches: int) -> Timeout | None:
+    """A role's timeout for one call over `micro_batches` micro-batches (its setting is per micro-batch)."""
+    return None if timeout is None else dataclasses.replace(timeout, seconds=timeout.seconds * max(micro_batches, 1))
+
+
+async def each_rank(trainer, endpoint: str, shares: list) -> list:
+    """`endpoint(shares[r])` on rank r of the trainer's mesh, all ranks at once."""
+    return await asyncio.gather(*(getattr(rank, endpoint).call_one(r) for rank, r in zip(ranks_of(trainer), shares)))
 
 
 _RANKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -108,10 +121,10 @@ def with_into(ref: BatchRef, into: str) -> BatchRef:
     return dataclasses.replace(ref, into=into)
 
 
-async def computed(actor, group: list[BatchRef], into: str, endpoint: str = "logprobs") -> None:
-    """Each rank's logprobs (its `endpoint`'s) of its micro-batch of `group`, put into the replay buffer by
-    the rank itself as the micro-batch's field `into`."""
-    await each_rank(actor, endpoint, [with_into(ref, into) for ref in group])
+async def computed(actor, shares: list[list[BatchRef]], into: str, endpoint: str = "logprobs") -> None:
+    """Each rank's logprobs (its `endpoint`'s) of its share of micro-batches, put into the replay buffer by
+    the rank itself as each micro-batch's field `into`."""
+    await each_rank(actor, endpoint, [[with_into(ref, into) for ref in share] for share in shares])
 
 
 async def train_updates(trainer, reference, updates: list[list[BatchRef]], config: TrainerConfig,
@@ -131,28 +144,29 @@ async def train_updates(trainer, reference, updates: list[list[BatchRef]], confi
     updates = [batches for batches in updates if batches]
     # LoRA: the trainer's own base, its adapter off (without LoRA and a reference the loss refuses the KL)
     base_reference = reference is None and config.loss.kl_coef > 0 and config.lora.rank > 0
-    if reference:
-        for group in rounds([b for batches in updates for b in batches], reference_ranks):
-            async with span("reference", "reference", version, timeout=timeouts.reference):
-                await computed(reference, group, "ref_logprobs")
-    elif base_reference:
-        for group in rounds([b for batches in updates for b in batches], config.ranks):
-            async with span("trainer", "reference", version, timeout=timeouts.trainer):
-                await computed(trainer, group, "ref_logprobs", "base_logprobs")
+    every = [b for batches in updates for b in batches]
+    if reference and every:
+        shares = dealt(every, reference_ranks)
+        async with span("reference", "reference", version, timeout=per_micro_batch(timeouts.reference, len(shares[0]))):
+            await computed(reference, shares, "ref_logprobs")
+    elif base_reference and every:
+        shares = dealt(every, config.ranks)
+        async with span("trainer", "reference", version, timeout=per_micro_batch(timeouts.trainer, len(shares[0]))):
+            await computed(trainer, shares, "ref_logprobs", "base_logprobs")
     for batches in updates[1:]:  # pi_old before the first update changes the weights
-        for group in rounds(batches, config.ranks):
-            async with span("trainer", "pi_old", version, timeout=timeouts.trainer):
-                await computed(trainer, group, "old_logprobs")
+        shares = dealt(batches, config.ranks)
+        async with span("trainer", "pi_old", version, timeout=per_micro_batch(timeouts.trainer, len(shares[0]))):
+            await computed(trainer, shares, "old_logprobs")
     sums, clip_by_update, losses, grad_norms, skipped, memory, lr = defaultdict(float), [], [], [], 0, 0.0, None
     for batches in updates:
         update = defaultdict(float)
-        for group in rounds(batches, config.ranks):
-            async with span("trainer", "train", version, timeout=timeouts.trainer):
-                results = await each_rank(trainer, "forward_backward", group)
-            for metrics in results:
-                sums["ratio_max"] = max(sums["ratio_max"], metrics.pop("ratio_max"))
-                for k, v in metrics.items():
-                    update[k] += v
+        shares = dealt(batches, config.ranks)
+        async with span("trainer", "train", version, timeout=per_micro_batch(timeouts.trainer, len(shares[0]))):
+            results = await each_rank(trainer, "forward_backward", shares)
+        for metrics in (m for round_ in zip(*results) for m in round_):  # summed round by round, as they ran
+            sums["ratio_max"] = max(sums["ratio_max"], metrics.pop("ratio_max"))
+            for k, v in metrics.items():
+                update[k] += v
         losses.append(update.pop("loss", 0.0))
         async with span("trainer", "optim_step", version, timeout=timeouts.trainer):
             result = await first(trainer.optim_step.call(skip=not math.isfinite(losses[-1])))

@@ -80,7 +80,8 @@ async def forward_backward(trainer, buffer, episodes: list[Episode]) -> dict:
     accumulate), taken from `buffer` by reference."""
     _, updates = await staged(buffer, episodes, trainer)
     assert [len(u) for u in updates] == [1], "one micro-batch: the buffer's micro_batch_size holds them all"
-    return await trainer.forward_backward.call_one(updates[0][0])
+    [metrics] = await trainer.forward_backward.call_one(updates[0])
+    return metrics
 
 
 async def logprobs(actor, buffer, episodes: list[Episode]) -> torch.Tensor:
@@ -88,7 +89,7 @@ async def logprobs(actor, buffer, episodes: list[Episode]) -> torch.Tensor:
     taken from `buffer` by reference, as the actor put them back there."""
     _, updates = await staged(buffer, episodes, actor)
     ref = dataclasses.replace(updates[0][0], into="old_logprobs")
-    await actor.logprobs.call_one(ref)
+    await actor.logprobs.call_one([ref])
     micro = await buffer.micro_batch.call_one(ref)
     return micro.old_logprobs[micro.loss_mask]
 

@@ -166,12 +166,12 @@ def test_a_call_after_a_publish_runs_after_its_first_part_and_while_it_copies(ti
         try:
             _, updates = await staged(buffer, [episode(completion, 1.0)], trainer)
             ref = updates[0][0]
-            await trainer.forward_backward.call_one(ref)  # warm
+            await trainer.forward_backward.call_one([ref])  # warm
             await trainer.optim_step.call_one()
             await trainer.spans.call_one()
             publish = asyncio.ensure_future(trainer.publish_weights.call_one())
-            await trainer.forward_backward.call_one(ref)
-            await trainer.logprobs.call_one(dataclasses.replace(ref, into="old_logprobs"))
+            await trainer.forward_backward.call_one([ref])
+            await trainer.logprobs.call_one([dataclasses.replace(ref, into="old_logprobs")])
             await trainer.optim_step.call_one()
             assert await publish == 1
             return {s["what"]: s for s in await trainer.spans.call_one()}

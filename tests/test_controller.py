@@ -69,7 +69,7 @@ def test_a_trainer_that_dies_at_any_call_is_restarted_and_trains_what_the_whole_
     config.checkpoint.every = 2
     whole = run(config, tmp_path / "whole")
     per_step = len(whole.trainer.trained) // 5
-    calls = {"forward_backward": [1, 4, 9], "optim_step": [1, 3, 5], "publish_weights": [1, 3, 5],
+    calls = {"forward_backward": [1, 3, 5], "optim_step": [1, 3, 5], "publish_weights": [1, 3, 5],
              "save_state": [1, 3]}  # (the replay buffer's save_state calls come between the trainer's)
     for k in calls[call]:
         done = run(config, tmp_path / f"{k}", Script(die_at={call: k}))
@@ -379,7 +379,7 @@ def test_the_fake_trainer_answers_with_the_real_loss_metrics():
     real = policy_loss(batch.behaviour_logprobs.clone(), batch, LossConfig(), torch.zeros(1, 2))[1]
     trainer, held = FakeTrainer(FakeWeights()), HeldBatches()  # it takes the micro-batch by reference, as in a run
     trainer.buffer = held
-    fake = asyncio.run(trainer.forward_backward(held.hold(batch)))
+    [fake] = asyncio.run(trainer.forward_backward([held.hold(batch)]))
     assert fake.keys() == real.keys() and fake["tokens"] == real["tokens"] == 2
     assert fake["behaviour_weight"] == real["behaviour_weight"] and fake["ratio"] == real["ratio"]
 

@@ -2,12 +2,16 @@
 test_decoupled_ratio.py), and token-budget micro-batches checked against fixed counts on the real
 model and loss, in process."""
 
+import asyncio
+
 import pytest
 import torch
 from rounding import assert_within, rounding_bound
 
-from meshrl.train_step import micro_batches, micro_groups, padding_fraction, split
-from meshrl.types import Episode, TrainBatch
+from meshrl.actors.distributed import each_micro_batch
+from meshrl.actors.timeouts import Timeout
+from meshrl.train_step import dealt, micro_batches, micro_groups, padding_fraction, per_micro_batch, split
+from meshrl.types import BatchRef, Episode, TrainBatch
 
 
 def collated(episodes, size, max_tokens=0):
@@ -88,3 +92,37 @@ def test_token_budget_micro_batches_give_the_same_loss_and_gradient_as_fixed_cou
     for result in (fixed, budget):
         assert_within(result, reference, rounding_bound("tiny"))
     assert any(g.abs().sum() > 0 for g in fixed[1].values())
+
+
+def test_each_rank_gets_its_share_of_an_update_in_rounds_filled_with_idle_copies():
+    refs = [BatchRef(0, 0, i) for i in range(5)]
+    shares = dealt(refs, 2)
+    assert [[r.micro for r in share] for share in shares] == [[0, 2, 4], [1, 3, 4]]
+    assert [[r.idle for r in share] for share in shares] == [[False] * 3, [False, False, True]]
+    assert dealt(refs[:1], 1) == [refs[:1]]
+    assert per_micro_batch(Timeout(10.0, "trainer.timeout_s"), 3) == Timeout(30.0, "trainer.timeout_s")
+    assert per_micro_batch(Timeout(0.0, "trainer.timeout_s"), 3).seconds == 0  # no limit stays none
+
+
+def test_a_ranks_micro_batches_are_fetched_one_ahead_of_the_work_in_order():
+    """each_micro_batch asks the buffer for the next micro-batch before working on this one, and answers in order."""
+    events = []
+
+    class FakeBuffer:  # the replay buffer's micro_batch endpoint, answering after one turn of the loop
+        class micro_batch:
+            @staticmethod
+            async def call_one(ref):
+                events.append(("fetch", ref.micro))
+                await asyncio.sleep(0)
+                return ref.micro * 10
+
+    async def work(ref, batch):
+        events.append(("work", ref.micro))
+        await asyncio.sleep(0.01)
+        events.append(("done", ref.micro))
+        return batch + 1
+
+    out = asyncio.run(each_micro_batch(FakeBuffer, [BatchRef(0, 0, i) for i in range(3)], work))
+    assert out == [1, 11, 21]
+    assert events == [("fetch", 0), ("work", 0), ("fetch", 1), ("done", 0), ("work", 1), ("fetch", 2), ("done", 1),
+                      ("work", 2), ("done", 2)]

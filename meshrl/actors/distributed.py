@@ -8,10 +8,12 @@ FSDP2 plan. Both take their micro-batches from the replay buffer by BatchRef (`f
 back what they compute for them (`to_buffer`).
 """
 
+import asyncio
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,8 @@ from meshrl.models.families import family_of
 from meshrl.models.memory import NO_SAVINGS, MemoryChoice, apply_checkpointing, resolve
 from meshrl.models.model import build_policy, load_policy, load_weights, read_hf_config
 from meshrl.types import BatchRef, TrainBatch
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,23 @@ async def from_buffer(buffer, ref: BatchRef, clock=None, version: int | None = N
         return await buffer.micro_batch.call_one(ref)
     with clock.span("from_buffer", version):
         return await buffer.micro_batch.call_one(ref)
+
+
+async def each_micro_batch(buffer, refs: list[BatchRef], work: Callable[[BatchRef, TrainBatch], Awaitable[T]],
+                           clock=None, version: int | None = None) -> list[T]:
+    """`await work(ref, batch)` on each micro-batch `refs` names, in order (a rank's share of a mini-batch: one call
+    for all of them, not one each), the next taken from the replay buffer while `work` runs on this one."""
+    out, upcoming = [], None
+    try:
+        for i, ref in enumerate(refs):
+            batch = await (upcoming if upcoming is not None else from_buffer(buffer, ref, clock, version))
+            upcoming = (asyncio.ensure_future(from_buffer(buffer, refs[i + 1], clock, version))
+                        if i + 1 < len(refs) else None)
+            out.append(await work(ref, batch))
+    finally:
+        if upcoming is not None:
+            upcoming.cancel()
+    return out
 
 
 async def to_buffer(buffer, ref: BatchRef, values: torch.Tensor) -> None:

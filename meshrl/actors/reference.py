@@ -2,13 +2,13 @@
 
 It is placed as the trainer is (meshrl/actors/distributed.py): `reference.device`, and with
 `reference.ranks` > 1 sharded over that many processes by torchtitan's FSDP2, every rank answering
-for its own micro-batch of each round. Frozen, it holds its weights in `reference.dtype`: bf16 (half
+for its own micro-batches of each mini-batch, all of them in one call. Frozen, it holds its weights in `reference.dtype`: bf16 (half
 the memory of fp32) where its forward runs in bf16 autocast anyway (meshrl/models/memory.py).
 """
 
 from monarch.actor import Actor, endpoint
 
-from meshrl.actors.distributed import from_buffer, join, load_on_ranks, memory_of, to_buffer
+from meshrl.actors.distributed import each_micro_batch, join, load_on_ranks, memory_of, to_buffer
 from meshrl.actors.reference_config import ReferenceConfig
 from meshrl.losses import policy_logprobs
 from meshrl.types import BatchRef
@@ -33,9 +33,10 @@ class ReferenceModel(Actor):
         """Answer, changing nothing: whether this actor is still there (a restart's probe, meshrl/restarts.py)."""
 
     @endpoint
-    async def logprobs(self, ref: BatchRef) -> None:
-        """log p_ref of every target token [B, T] of the micro-batch `ref` names, put back into the replay
-        buffer as its field `ref.into`."""
-        micro = await from_buffer(self.buffer, ref)
-        values = policy_logprobs(self.model, micro.to(self.device), self.config.bf16_autocast).cpu()
-        await to_buffer(self.buffer, ref, values)
+    async def logprobs(self, refs: list[BatchRef]) -> None:
+        """log p_ref of every target token [B, T] of each micro-batch `refs` names, in order, put back into the
+        replay buffer as its field `ref.into`."""
+        async def compute(ref: BatchRef, micro) -> None:
+            values = policy_logprobs(self.model, micro.to(self.device), self.config.bf16_autocast).cpu()
+            await to_buffer(self.buffer, ref, values)
+        await each_micro_batch(self.buffer, refs, compute)

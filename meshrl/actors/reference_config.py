@@ -21,7 +21,7 @@ class ReferenceConfig:
     num_threads: int = 2  # torch threads of each rank
     cpus: str = ""  # pin to these cores ("1"; per rank: "0;1"); "" leaves placement to the OS
     hosts: str = ""  # the job.hosts group the ranks go on, spread evenly over its hosts; "": the controller's host
-    timeout_s: float = 1800.0  # one call (a micro-batch's logprobs): past it the reference is restarted
+    timeout_s: float = 1800.0  # one call, per micro-batch it carries (their logprobs): past it the reference is restarted
     max_restarts: int = 3  # a dead or hung reference is restarted (meshrl/restarts.py); more failures than this in a row, each within controller.restart_window_s of its start, stop the run
 
     def check(self) -> None:

@@ -112,16 +112,16 @@ class Trainer(Protocol):
     async def ping(self) -> None:
         """Answer at once, changing nothing: a restart's probe of whether it is still there (meshrl/restarts.py)."""
 
-    async def forward_backward(self, ref: BatchRef) -> dict:
-        """Accumulate the loss's gradient over the micro-batch `ref` names (taken from the replay buffer);
-        returns its metric sums (meshrl/losses.py). Logprobs are taken from logits / `batch.temperature`:
-        the distribution the tokens were sampled from."""
+    async def forward_backward(self, refs: list[BatchRef]) -> list[dict]:
+        """Accumulate the loss's gradient over each micro-batch `refs` names, in order (taken from the replay
+        buffer: a rank's share of a mini-batch in one call); returns each one's metric sums (meshrl/losses.py).
+        Logprobs are taken from logits / `batch.temperature`: the distribution the tokens were sampled from."""
 
-    async def logprobs(self, ref: BatchRef) -> None:
-        """The current policy's logprob of every target token [B, T] of `ref`'s micro-batch, without training,
-        attached to it in the replay buffer (as `ref.into`)."""
+    async def logprobs(self, refs: list[BatchRef]) -> None:
+        """The current policy's logprob of every target token [B, T] of each micro-batch `refs` names, without
+        training, attached to it in the replay buffer (as `ref.into`)."""
 
-    async def base_logprobs(self, ref: BatchRef) -> None:
+    async def base_logprobs(self, refs: list[BatchRef]) -> None:
         """Needed only for a KL penalty with LoRA (no reference process then): as `logprobs`, of the frozen
         base with the adapter switched off, the initial policy."""
 
@@ -170,8 +170,9 @@ class Reference(Protocol):
     async def ping(self) -> None:
         """As the trainer's: answer, changing nothing."""
 
-    async def logprobs(self, ref: BatchRef) -> None:
-        """log p_ref of every target token [B, T] of `ref`'s micro-batch, attached to it in the replay buffer."""
+    async def logprobs(self, refs: list[BatchRef]) -> None:
+        """log p_ref of every target token [B, T] of each micro-batch `refs` names, attached to it in the replay
+        buffer."""
 
 
 class ReplayBuffer(Protocol):

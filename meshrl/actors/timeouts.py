@@ -43,7 +43,7 @@ class Timeouts:
     start: Timeout | None = None  # a generator replica's start: vLLM loading the model
     relay: Timeout | None = None  # a weight relay attaching to the trainer's rings (generators bound their own pulls)
     grade: Timeout | None = None
-    trainer: Timeout | None = None  # one trainer call: a micro-batch, an optimizer step, a publish, the save
+    trainer: Timeout | None = None  # one trainer call: per micro-batch it carries, an optimizer step, a publish, the save
     reference: Timeout | None = None
     buffer: Timeout | None = None  # one replay-buffer call: adding a group, a step's plan, a micro-batch
     stop: Timeout | None = None  # each call made while stopping: the stop's checkpoint, the save, stopping meshes

@@ -25,6 +25,7 @@ actor.
 """
 
 import asyncio
+import contextlib
 import math
 import time
 import warnings
@@ -35,8 +36,8 @@ from monarch.actor import Actor, ActorError, endpoint
 from torch.distributed.tensor import DTensor
 
 from meshrl.actors import resident_gb, return_free_memory
-from meshrl.actors.distributed import (all_gather, from_buffer, head_kept_gathered, join, load_on_ranks, local, memory_of,
-                                      to_buffer)
+from meshrl.actors.distributed import (all_gather, each_micro_batch, head_kept_gathered, join, load_on_ranks, local,
+                                      memory_of, to_buffer)
 from meshrl.actors.trace import ActorClock
 from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.checkpoint import SafeReader, load_safely
@@ -98,12 +99,14 @@ class TitanTrainer(Actor):
         """Answer, changing nothing: whether this actor is still there (a restart's probe, meshrl/restarts.py)."""
 
     @endpoint
-    async def forward_backward(self, ref: BatchRef) -> dict:
-        """Accumulate the loss's gradient over the micro-batch `ref` names (taken from the replay buffer);
-        returns the loss's metric sums. Logprobs are taken from logits / the batch's sampling temperature:
-        the distribution its tokens came from, `trainer.logprob_chunk_tokens` positions at a time."""
-        batch = await from_buffer(self.buffer, ref, self.clock, self.policy_version)
-        return self._train_on(batch)
+    async def forward_backward(self, refs: list[BatchRef]) -> list[dict]:
+        """Accumulate the loss's gradient over each micro-batch `refs` names, in order (taken from the replay
+        buffer, the next while this one trains); returns each one's loss metric sums. Logprobs are taken from
+        logits / the batch's sampling temperature: the distribution its tokens came from,
+        `trainer.logprob_chunk_tokens` positions at a time."""
+        async def train(ref: BatchRef, batch: TrainBatch) -> dict:
+            return self._train_on(batch)
+        return await each_micro_batch(self.buffer, refs, train, self.clock, self.policy_version)
 
     def _train_on(self, batch: TrainBatch) -> dict:
         """forward_backward's work on the micro-batch it took (a test's trainer may spoil it first)."""
@@ -119,26 +122,27 @@ class TitanTrainer(Actor):
         return metrics
 
     @endpoint
-    async def logprobs(self, ref: BatchRef) -> None:
-        """The current policy's logprob of every target token [B, T] of the micro-batch `ref` names, without
+    async def logprobs(self, refs: list[BatchRef]) -> None:
+        """The current policy's logprob of every target token [B, T] of each micro-batch `refs` names, without
         training: put back into the replay buffer as its field `ref.into`."""
-        micro = await from_buffer(self.buffer, ref, self.clock, self.policy_version)
-        with self.clock.span("logprobs", self.policy_version):
-            values = policy_logprobs(self.model, micro.to(self.device), self.config.bf16_autocast,
-                                     self.config.logprob_chunk_tokens).cpu()
-        await to_buffer(self.buffer, ref, values)
+        await self._logprobs(refs, "logprobs", contextlib.nullcontext)
 
     @endpoint
-    async def base_logprobs(self, ref: BatchRef) -> None:
+    async def base_logprobs(self, refs: list[BatchRef]) -> None:
         """With LoRA, the KL penalty's reference for free: as `logprobs`, of the frozen base with the adapter
         switched off (the initial policy, exactly)."""
         if not self.lora:
             raise ValueError("base_logprobs is the reference of a LoRA trainer: this one trains full weights")
-        micro = await from_buffer(self.buffer, ref, self.clock, self.policy_version)
-        with self.clock.span("reference", self.policy_version), adapter_off(self.model):
-            values = policy_logprobs(self.model, micro.to(self.device), self.config.bf16_autocast,
-                                     self.config.logprob_chunk_tokens).cpu()
-        await to_buffer(self.buffer, ref, values)
+        await self._logprobs(refs, "reference", lambda: adapter_off(self.model))
+
+    async def _logprobs(self, refs: list[BatchRef], span: str, switch) -> None:
+        """Each micro-batch's logprobs (under `switch()`), timed as `span`, put back into the replay buffer."""
+        async def compute(ref: BatchRef, micro: TrainBatch) -> None:
+            with self.clock.span(span, self.policy_version), switch():
+                values = policy_logprobs(self.model, micro.to(self.device), self.config.bf16_autocast,
+                                         self.config.logprob_chunk_tokens).cpu()
+            await to_buffer(self.buffer, ref, values)
+        await each_micro_batch(self.buffer, refs, compute, self.clock, self.policy_version)
 
     @endpoint
     async def optim_step(self, skip: bool = False) -> dict:

@@ -36,7 +36,7 @@ class TrainerConfig:
     cpus: str = ""  # pin to these cores ("1", "2-3"; per rank: "0;1"); "" leaves placement to the OS
     seed: int = 0  # torch seed
     hosts: str = ""  # the job.hosts group the ranks go on, spread evenly over its hosts; "": the controller's host
-    timeout_s: float = 1800.0  # one trainer call (a micro-batch, an optimizer step, a publish, the save): past it the trainer is restarted
+    timeout_s: float = 1800.0  # one trainer call (per micro-batch it carries, an optimizer step, a publish, the save): past it the trainer is restarted
     max_bad_steps: int = 3  # steps in a row with a NaN or infinite loss or gradient norm (not applied) before the run stops
     max_restarts: int = 3  # a dead or hung trainer is restarted from the newest checkpoint and the batches trained since (meshrl/restarts.py); more failures than this in a row, each within controller.restart_window_s of its start, stop the run
 

@@ -22,7 +22,7 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 
 from meshrl import checkpoint
 from meshrl.actors import load_actor_class
-from meshrl.actors.distributed import from_buffer, to_buffer
+from meshrl.actors.distributed import each_micro_batch, to_buffer
 from meshrl.actors.held import HeldCompletions, take_held
 from meshrl.actors.replay_buffer import buffer_impl
 from meshrl.actors.replicas import Replica, ReplicaPool, sticky_slack
@@ -242,7 +242,7 @@ class FakeTrainer:
         self.copying: asyncio.Future | None = None  # a publish's copy into the ring, as the real trainer's
         self.clock = ActorClock()
         self.buffer = None
-        self.received: Counter = Counter()  # what the caller sent forward_backward and logprobs, by type
+        self.received: Counter = Counter()  # what the caller sent forward_backward and logprobs for each micro-batch, by type
 
     async def attach_buffer(self, buffer) -> None:
         self.buffer = buffer
@@ -250,9 +250,11 @@ class FakeTrainer:
     async def ping(self) -> None:
         pass
 
-    async def forward_backward(self, batch) -> dict:
-        self.received[type(batch).__name__] += 1
-        batch = await from_buffer(self.buffer, batch)
+    async def forward_backward(self, refs) -> list[dict]:
+        self.received.update(type(ref).__name__ for ref in refs)
+        return await each_micro_batch(self.buffer, refs, self._train_on)
+
+    async def _train_on(self, ref, batch) -> dict:
         rows = batch.loss_mask.any(-1)
         self.pending += [int(i) - PROMPT_ID for i in batch.input_ids[rows, 0]]
         tokens = int(batch.loss_mask.sum())
@@ -262,9 +264,9 @@ class FakeTrainer:
                 "clip_low": 0, "clip_high": 0, "behaviour_weight": float(tokens), "tis_truncated": 0,
                 "behaviour_kl": 0.0, "entropy": 0.0}
 
-    async def logprobs(self, batch) -> torch.Tensor | None:
-        self.received[type(batch).__name__] += 1
-        return await to_buffer(self.buffer, batch, (await from_buffer(self.buffer, batch)).behaviour_logprobs)
+    async def logprobs(self, refs) -> None:
+        self.received.update(type(ref).__name__ for ref in refs)
+        await each_micro_batch(self.buffer, refs, lambda ref, batch: to_buffer(self.buffer, ref, batch.behaviour_logprobs))
 
     async def drop_gradients(self) -> None:
         self.pending = []

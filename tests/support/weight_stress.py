@@ -41,7 +41,7 @@ async def _stress(trainer, generators: list, seconds: float, refs: list) -> dict
     async def train_and_publish():
         nonlocal published
         while time.monotonic() < end:
-            await each_rank(trainer, "forward_backward", refs)
+            await each_rank(trainer, "forward_backward", [[ref] for ref in refs])
             await trainer.optim_step.call()
             published = await first(trainer.publish_weights.call())
 

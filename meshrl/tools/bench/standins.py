@@ -17,7 +17,7 @@ from pathlib import Path
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
-from meshrl.actors.distributed import from_buffer, to_buffer
+from meshrl.actors.distributed import each_micro_batch, to_buffer
 from meshrl.actors.held import HeldCompletions, take_held
 from meshrl.actors.trace import ActorClock
 from meshrl.actors.weight_updates import WeightUpdates
@@ -110,8 +110,10 @@ class StandInTrainer(Actor):
         pass
 
     @endpoint
-    async def forward_backward(self, batch) -> dict:
-        batch = await from_buffer(self.buffer, batch, self.clock, self.version)
+    async def forward_backward(self, refs) -> list[dict]:
+        return await each_micro_batch(self.buffer, refs, self._train_on, self.clock, self.version)
+
+    async def _train_on(self, ref, batch) -> dict:
         tokens = int(batch.loss_mask.sum())
         self.fetched["micro_batches"] += 1
         self.fetched["tokens"] += int(batch.input_ids.numel())
@@ -120,8 +122,8 @@ class StandInTrainer(Actor):
                 "behaviour_kl": 0.0, "entropy": 0.0}
 
     @endpoint
-    async def logprobs(self, batch):
-        return await to_buffer(self.buffer, batch, (await from_buffer(self.buffer, batch)).behaviour_logprobs)
+    async def logprobs(self, refs) -> None:
+        await each_micro_batch(self.buffer, refs, lambda ref, batch: to_buffer(self.buffer, ref, batch.behaviour_logprobs))
 
     @endpoint
     async def drop_gradients(self) -> None:

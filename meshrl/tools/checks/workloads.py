@@ -143,8 +143,8 @@ async def on_batch(actor, endpoint: str, batch: TrainBatch):
     if not isinstance(actor.buffer, HeldBatches):
         actor.buffer = HeldBatches()
     ref = actor.buffer.hold(batch)
-    result = await standins.call(actor, endpoint, ref)
-    return result if endpoint == "forward_backward" else actor.buffer.values.pop(ref.batch)
+    result = await standins.call(actor, endpoint, [ref])
+    return result[0] if endpoint == "forward_backward" else actor.buffer.values.pop(ref.batch)
 
 
 def free(device: torch.device) -> None:
