@@ -138,9 +138,12 @@ class Controller:
             if self.rollouts:
                 self.rollouts.cancel()
                 await asyncio.gather(self.rollouts, return_exceptions=True)
+            # a replica's report rides on its answers: those whose calls are stopped now lose theirs, and only they
+            # have loads and busy time no answer reported
+            unanswered = [r for r in self.generators.replicas if r.load > 0]
             await bounded(self.collector.stop(), self.timeouts.stop, "stopping the groups in flight")
             waiting = [self.bookkeeping] if self.bookkeeping else []  # then the last reports, for the trace
-            await bounded(asyncio.gather(*waiting, self._bookkeeping(generators=True), return_exceptions=True),
+            await bounded(asyncio.gather(*waiting, self._bookkeeping(unanswered), return_exceptions=True),
                           self.timeouts.stop,
                           "the last loads and spans (for the trace)")
         if self.rows.done and not self.signals.held:
@@ -422,11 +425,11 @@ class Controller:
         if self.bookkeeping is None or self.bookkeeping.done():
             self.bookkeeping = asyncio.ensure_future(self._bookkeeping())
 
-    async def _bookkeeping(self, generators: bool = False) -> None:
+    async def _bookkeeping(self, generators: list | None = None) -> None:
         """The trainer's and the replay buffer's spans (into the trace) and the weights' egress, since the last
-        time; with `generators` (the run's end), what every replica did since its last answer (loads into the
-        trace and `figures`: an idle replica's loads too); a role failing now is for the loops to find."""
-        asked = [gather_reports(self.generators.replicas, self.timeouts.generate, self.tracer, self.figures,
+        time; with `generators` (the run's end: the replicas whose calls it stopped), what each did since its
+        last answer (loads into the trace and `figures`); a role failing now is for the loops to find."""
+        asked = [gather_reports(generators, self.timeouts.generate, self.tracer, self.figures,
                                 self.updates)] if generators else []
         await asyncio.gather(
             *asked, self._spans(self.trainer, "trainer", self.timeouts.trainer),

@@ -9,50 +9,34 @@ A group whose call raised an error of its own (vLLM rejecting its prompt, an env
 fails: it is counted, its prompt named once in the log, and the run goes on. A replica that died or
 hung is replaced by its pool and the call redone elsewhere (meshrl/actors/replicas.py).
 
-No token passes through here: a generator answers each completion's key and what the rules need
-(`Generated`); the grader takes the completions from that generator, and a training group's are
-staged in the replay buffer (`stage`), which takes them from the generators itself. Every answer
-the controller receives is counted (the step's `controller_bytes_in`). A generator that
-dies holding a group's completions before the buffer took them costs the group: it is generated
-again (the step's `groups_regenerated`). What the buffer does not take is let go.
-
-Multi-turn rollouts: each conversation of a group is carried turn by turn by `converse` (meshrl/tasks/
-conversation.py). A stateless environment's turns go to any grader replica; a session environment's group
-(`Attempt.sessions`) opens its sessions on one replica, steps and closes them there: its death costs the group,
-which is generated again (`groups_regenerated`), and its sessions are closed whichever way the group ends.
+Each try at a group is an `Attempt` (meshrl/attempt.py: its calls, and the tokens it leaves with the
+generators until the replay buffer takes them). A try whose tokens died with their generator (or a
+session environment's replica) before the buffer took them costs the group: it is generated again (the
+step's `groups_regenerated`), up to MAX_REGENERATIONS times.
 """
 
 import asyncio
-import contextlib
-import dataclasses
 import itertools
 import logging
-import math
-import pickle
-import uuid
 from typing import Callable
 
-from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
-from monarch.actor import ActorError
 from tqdm import tqdm
 
 from meshrl.actors.generator_config import GeneratorConfig
-from meshrl.actors.held import take_held
-from meshrl.actors.replicas import CallFailed, Replica, ReplicaPool
+from meshrl.actors.replicas import CallFailed, ReplicaPool
 from meshrl.actors.roles import TokensLost
-from meshrl.actors.timeouts import CallTimeout, Timeouts, deadline
+from meshrl.actors.timeouts import Timeouts
+from meshrl.attempt import EXAMPLES, LETTING_GO, Attempt
 from meshrl.buffer_calls import Stages
 from meshrl.configs import ControllerConfig
 from meshrl.episodes import bootstrap_interval, check_rates
-from meshrl.tasks import Sample, is_environment, is_session
-from meshrl.tasks.conversation import SessionRoom, converse
-from meshrl.types import Generated, Generation, Prompt, Sampling, ScoredCompletion, Trajectory, model_turns
+from meshrl.tasks import Sample
+from meshrl.tasks.conversation import SessionRoom
+from meshrl.types import Sampling
 from meshrl.work_buffer import Group, WorkBuffer
 
 logger = logging.getLogger(__name__)
 MAX_REGENERATIONS = 2  # times a group whose tokens died with their generator is generated again
-EXAMPLES = 3  # eval prompts whose first reply is printed
-LETTING_GO: set[asyncio.Task] = set()  # `forget` calls on their way (not awaited: bookkeeping)
 
 
 class RolloutCollector:
@@ -213,186 +197,3 @@ class RolloutCollector:
             except CallFailed as e:
                 e.tokens += lost
                 raise
-
-
-class Attempt:
-    """One try at a group: its calls, timed and counted, and the generators holding what it made until
-    the replay buffer takes it (or, at the end, it is let go)."""
-
-    def __init__(self, collector: RolloutCollector, index: int, what: str, launched: float):
-        self.c, self.index, self.what, self.launched = collector, index, what, launched
-        # this try's number, unique to the run's controller: the buffer stages its sequences under (index, id), so a
-        # discard or an add meant for one try can never touch another try's at the same prompt, whatever the order
-        # their calls arrive in
-        self.id = next(collector.attempts)
-        self.spans: list[dict] = []  # each generate call's
-        self.tokens, self.oldest = 0, math.inf
-        self.served_by: Replica | None = None  # the previous turn's replica: its prefix cache holds the group
-        self.holders: dict[int, Replica] = {}  # each completion's key -> the replica holding it
-        self.staged: set[int] = set()  # keys the replay buffer took
-
-    async def run(self, sample: Sample, sampling: Sampling) -> Group:
-        c = self.c
-        try:
-            if is_session(c.task):
-                scored, failed = await self.sessions(sample, sampling)
-                completions = len(scored) + failed
-            elif is_environment(c.task):
-                scored, failed = await converse(
-                    self.index, c.task.opening(sample), dataclasses.replace(sampling, stop=list(c.task.stop)),
-                    c.controller.max_turns, c.generator.max_model_len, c.tokenizer,
-                    lambda prompts, s: self.generate(prompts, s, text=True),
-                    lambda conversations, last: self.grade("step", sample, conversations, last))
-                completions = len(scored) + failed
-            else:
-                first = await self.generate([Prompt(self.index, c.tokenizer.encode_chat(sample.prompt))], sampling)
-                scores = await self.grade("score", sample, self.holders[first[0].key].actor, [g.key for g in first])
-                scored = [ScoredCompletion(g, *score) for g, score in zip(first, scores) if score is not None]
-                completions = len(first)
-            if self.what == "generate" and scored:
-                await self.stage(scored)
-            elif self.what == "evaluate" and self.index < EXAMPLES and scored:
-                await self.example(scored[0].completion)
-        except CallFailed as e:
-            e.tokens = self.tokens  # generated, and now not trained
-            raise
-        finally:
-            self.let_go()
-        return Group(self.index, scored, completions, self.tokens, self.oldest, self.launched, self.spans[0]["start"],
-                     self.spans[-1]["end"], attempt=self.id)
-
-    def meter(self, answer):
-        """An answer a training group received, counted in the controller's bytes in."""
-        if self.what == "generate":
-            self.c.counts["controller_bytes_in"] += len(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
-        return answer
-
-    async def generate(self, prompts: list[Prompt], sampling: Sampling, text: bool = False) -> list[Generated]:
-        """Completions from a generator replica, from the newest published version on; a later turn's prompt
-        names the earlier turn, and the replica holding it when that is not the one called."""
-        c, version = self.c, self.c.latest
-        for p in prompts:
-            if p.prefix is not None and not self.holders[p.prefix].healthy:
-                raise TokensLost(f"generator {self.holders[p.prefix].index}, holding its previous turns, died")
-
-        async def on(replica: Replica):
-            self.served_by = replica
-            sent = [p if p.prefix is None or self.holders[p.prefix] is replica
-                    else dataclasses.replace(p, prefix_holder=self.holders[p.prefix].actor) for p in prompts]
-            async with c.tracer.span("generator", self.what, version, replica.index,
-                                     timeout=c.timeouts.generate) as span:
-                answer: Generation = self.meter(await replica.actor.generate.call_one(
-                    sent, sampling=sampling, min_version=version, text=text))
-                c.report(replica.index, answer.report)
-                out = answer.completions
-                # the version served (its first tokens'), not the one asked for
-                span["min_version"], span["policy_version"] = version, min((g.policy_version for g in out),
-                                                                           default=version)
-                return out, span
-
-        out, span = await c.generators.call(on, prefer=self.served_by)
-        self.spans.append(span)
-        for g in out:
-            self.holders[g.key] = self.served_by
-        self.tokens += sum(g.num_tokens for g in out)
-        self.oldest = min(self.oldest, *(g.sampled_version(c.staleness) for g in out))
-        return out
-
-    async def sessions(self, sample: Sample, sampling: Sampling) -> tuple[list[ScoredCompletion], int]:
-        """A session environment's group: a session per conversation, all on one grader replica (they live
-        there: its death costs the group, TokensLost, which is generated again), stepped with each model turn
-        and closed there on every path (ended, truncated, stopped, failed)."""
-        c = self.c
-        await c.session_room.take(sampling.n)  # the task's max_sessions, if it has one
-        try:
-            replica = await c.graders.pick()
-        except BaseException:
-            await c.session_room.give(sampling.n)
-            raise
-        sessions = [f"{self.index}-{uuid.uuid4().hex}" for _ in range(sampling.n)]
-
-        def step(conversations: list[list[dict]], last: bool, ids: list[str]):
-            # a conversation whose last message is the environment's (out of context) ends with no new turn
-            replies = [m[-1]["content"] if m[-1]["role"] == "assistant" else None for m in conversations]
-            return self.grade("step_sessions", ids, replies, last, on=replica)
-
-        try:
-            opening = await self.grade("open_sessions", sample, sessions, on=replica)
-            tokenizer = c.tokenizer.offering(opening.tools) if opening.tools else c.tokenizer  # tools= in every render
-            return await converse(self.index, opening.messages, dataclasses.replace(sampling, stop=list(c.task.stop)),
-                                  c.controller.max_turns, c.generator.max_model_len, tokenizer,
-                                  lambda prompts, s: self.generate(prompts, s, text=True), step, sessions=sessions)
-        finally:  # those ended are closed already: closing again is a no-op
-            task = asyncio.ensure_future(close_on(replica, sessions, c.timeouts, c.session_room))
-            LETTING_GO.add(task)
-            task.add_done_callback(LETTING_GO.discard)
-
-    def grade(self, endpoint: str, *args, on: Replica | None = None):
-        """A reward (score) or an environment's answer (step) from a grader replica (`on`: that one alone, which
-        holds the group's sessions): a "grade" span."""
-        c = self.c
-
-        async def call(replica: Replica):
-            async with c.tracer.span("grader", "grade", replica=replica.index, timeout=c.timeouts.grade,
-                                     lock=replica.calls):
-                return self.meter(await getattr(replica.actor, endpoint).call_one(*args))
-        return c.graders.call(call) if on is None else c.graders.call_on(on, call)
-
-    async def stage(self, scored: list[ScoredCompletion]) -> None:
-        """The scored sequences' completions into the replay buffer, which takes them from their generators;
-        TokensLost if a generator holding them died (or the buffer could not take them)."""
-        sequences = [[(self.holders[t.key].actor, t.key) for t in model_turns(s.completion)] for s in scored]
-        buffer = self.c.buffer()
-        try:  # with the other groups graded while a stage is on its way (meshrl/buffer_calls.py's Stages)
-            taken = self.meter(await self.c.stages.stage(self.index, self.id, sequences))
-        except (ActorError, SupervisionError, CallTimeout) as e:
-            # the buffer failed, not the group: the training loop has it restarted (which stops this group, its
-            # prompt started again); past the buffer's timeout with no restart, the group is generated again
-            self.c.buffer_error = self.c.buffer_error or (e, buffer)
-            self.c.batch_ready.set()
-            timeout = self.c.timeouts.buffer
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.c.replaced(buffer), timeout.seconds if timeout and timeout.seconds > 0
-                                       else None)
-            raise TokensLost(f"the replay buffer could not take them: {str(e).splitlines()[0]}") from None
-        if not taken:
-            raise TokensLost("a generator holding them died before the replay buffer took them")
-        self.staged = {key for turns in sequences for _, key in turns}
-
-    async def example(self, completion: Generated | Trajectory) -> None:
-        """An eval example's text, taken from its generator (the controller prints it); TokensLost if that
-        generator died meanwhile (the eval group is generated again)."""
-        if completion.text is None:
-            [whole] = await take_held(self.holders[completion.key].actor, [completion.key])
-            completion.text = whole.text
-
-    def let_go(self) -> None:
-        """Every completion the buffer did not take is forgotten by its generator (not awaited)."""
-        keys: dict[Replica, list[int]] = {}
-        for key, replica in self.holders.items():
-            if key not in self.staged and replica.healthy:
-                keys.setdefault(replica, []).append(key)
-        for replica, forget in keys.items():
-            task = asyncio.ensure_future(forget_on(replica, forget, self.c.timeouts))
-            LETTING_GO.add(task)
-            task.add_done_callback(LETTING_GO.discard)
-
-
-async def close_on(replica: Replica, sessions: list[str], timeouts: Timeouts, room: SessionRoom) -> None:
-    """A group's sessions closed on their replica (if it still serves), then their room given back."""
-    try:
-        if replica.healthy:
-            async with deadline(timeouts.grade, "grader", "close_sessions"):
-                await replica.actor.close_sessions.call_one(sessions)
-    except Exception:  # a replica failing now is the pool's to find
-        pass
-    finally:
-        await room.give(len(sessions))
-
-
-async def forget_on(replica: Replica, keys: list[int], timeouts: Timeouts) -> None:
-    try:
-        async with deadline(timeouts.generate, "generator", "forget"):
-            await replica.actor.forget.call_one(keys)
-    except Exception:  # a replica failing now is the pool's to find
-        pass

@@ -6,7 +6,8 @@ knows rewards, the controller knows groups and advantages. The trainer sees only
 
 Tokens travel actor to actor, not through the controller: a generator keeps each Completion it made
 and answers with a `Generated` (its key there and what the controller decides with: lengths, finish
-reason, versions); the grader and the replay buffer take the Completion from that generator by key.
+reason, versions); it sends the grader what a reward reads (a `Reply`), and the replay buffer takes the
+Completion from that generator by key.
 The controller's own answers stay the same size however long the sequences grow.
 """
 
@@ -106,14 +107,41 @@ class Generated:
 
 
 @dataclass
+class Reply:
+    """What a reward function reads of a completion: all a generator sends the grader of it."""
+
+    text: str
+    finish_reason: str
+
+
+@dataclass
+class Grading:
+    """A single-turn group's grading, carried by its generate call: the generator sends the grader replica the
+    controller picked the completions' `Reply`s itself and answers their scores with them, so the controller
+    sends no score message and no token leaves the generator twice."""
+
+    grader: object  # the grader replica's actor mesh
+    sample: Sample
+    timeout_s: float = 0.0  # how long the generator waits for the grader's answer (0: no limit)
+
+
+@dataclass
 class Generation:
     """A generate call's answer: its Completions, each held by the generator and answered as a Generated, and
     the generator's report since its previous answer or report (roles.Generator.weight_updates' dict: its
     loads, busy seconds, prompt tokens): the step's generator figures ride on the answers the controller
-    waits for anyway, not on a call to every replica every step."""
+    waits for anyway, not on a call to every replica every step. With a `Grading`, their scores too."""
 
     completions: list[Generated]
     report: dict
+    # with a Grading: the grader's answer, each completion's (reward, checks) or None where its reward function
+    # raised; None if not graded, and then `grade_error` says why: the grader failed (`grader_failed`: it died,
+    # hung or said it is broken; the controller replaces it and has the group graded on another), or the call did
+    # (its reward function raised on most completions: the group fails)
+    scores: list[tuple[float, dict[str, float]] | None] | None = None
+    grade_error: str = ""
+    grader_failed: bool = False
+    graded: tuple[float, float] | None = None  # when the grader was asked, and answered (time.time() here)
 
 
 @dataclass

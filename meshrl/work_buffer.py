@@ -40,7 +40,7 @@ class Group:
     gen_start: float = 0.0
     gen_end: float = 0.0
     lost_tokens: int = 0  # of `tokens`, those of attempts whose generator died holding them (generated again)
-    attempt: int = 0  # the try that made it (meshrl/rollout.py's Attempt.id): what the replay buffer staged it as
+    attempt: int = 0  # the try that made it (meshrl/attempt.py's Attempt.id): what the replay buffer staged it as
 
 
 @dataclass

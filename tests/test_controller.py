@@ -256,9 +256,28 @@ def test_no_completion_is_left_held_by_a_generator_or_staged_in_the_buffer_at_th
     assert done.controller.buffer.actors[0].staged == {}
 
 
+def test_a_grader_that_dies_at_the_grading_a_generator_sent_it_is_replaced_and_the_group_graded_on_another(tmp_path):
+    # the generator finds its grader dead and says so in its answer: the controller replaces the grader and has
+    # the group graded on the replacement (one grader), nothing generated again
+    done = run(fake_config(steps=3, prompts=2), tmp_path, Script(die_at={"score": 3}))
+    assert done.rows[-1]["grader_restarts"] == 1 and done.graders == [0, 0]
+    assert done.rows[-1]["generator_restarts"] == 0 and done.spawned == [0, 1]
+    assert all(r["groups_failed"] == 0 and r["groups_regenerated"] == 0 for r in done.rows)
+    assert_each_group_trained_once(done.trainer.trained, range(6), 2)
+
+
+def test_a_reward_function_that_raises_fails_its_group_and_its_grader_serves_on(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        done = run(fake_config(steps=3, prompts=2), tmp_path, Script(unscorable={2}))
+    assert sum(r["groups_failed"] for r in done.rows) == 1
+    assert done.rows[-1]["grader_restarts"] == 0 and done.graders == [0]
+    assert_each_group_trained_once(done.trainer.trained, [p for p in range(7) if p != 2], 2)
+    assert "the group of prompt 2 failed and is not trained" in caplog.text and "reward function raised" in caplog.text
+
+
 def test_a_generator_that_dies_holding_a_groups_tokens_costs_the_group_which_is_generated_again(tmp_path):
-    # a replica dies at the sixth time a grader or the buffer takes completions from it (the first eval's
-    # two prompts take two): what it held is lost
+    # a replica dies at the sixth time completions are taken from it (the buffer's stages, and the first eval's
+    # two example prompts, whose replies are printed): what it held is lost
     config = fake_config(steps=4, prompts=3, max_policy_age=1)
     done = run(config, tmp_path, Script(die_at={"completions": 6}))
     regenerated = sum(r["groups_regenerated"] for r in done.rows)

@@ -25,7 +25,7 @@ LAYERS = (  # bottom first; a module is in the layer of its longest matching nam
     ("models", ("meshrl.models",)),
     ("components", ("meshrl.actors", "meshrl.tasks", "meshrl.weight_sync", "meshrl.losses", "meshrl.checkpoint",
                     "meshrl.train_step")),
-    ("core", ("meshrl.controller", "meshrl.buffer_calls", "meshrl.rollout", "meshrl.restarts", "meshrl.configs")),
+    ("core", ("meshrl.controller", "meshrl.buffer_calls", "meshrl.rollout", "meshrl.attempt", "meshrl.restarts", "meshrl.configs")),
     ("runtime", ("meshrl.runtime",)),
     ("tools", ("meshrl.tools", "meshrl.__main__")),
 )

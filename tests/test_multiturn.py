@@ -21,7 +21,7 @@ from meshrl.configs import ControllerConfig
 from meshrl.configs.named import load_config
 from meshrl.episodes import build_episodes
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
-from meshrl.rollout import converse
+from meshrl.tasks.conversation import converse
 from meshrl.runtime.launch import actor_classes
 from meshrl.tasks.zorplex import Zorplex, ZorplexConfig, calculate
 from meshrl.types import Completion, Generated, Prompt, Sampling, ScoredCompletion, Trajectory

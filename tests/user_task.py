@@ -98,8 +98,8 @@ class ScoreOnlyGrader(Actor):
     """A user's grader written for single-turn tasks: no `step` endpoint (never spawned in the tests)."""
 
     @endpoint
-    async def score(self, sample, holder, keys):
-        return [None] * len(keys)
+    async def score(self, sample, replies):
+        return [None] * len(replies)
 
 
 class SlippingDataset(DatasetTask):

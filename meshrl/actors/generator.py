@@ -47,11 +47,11 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint
 from meshrl.actors.adapters import MergedAdapter, ServedAdapter, lora_options, serves_adapters
 from meshrl.actors.engine import start_vllm
 from meshrl.actors.generator_config import WEIGHT_UPDATES, GeneratorConfig
-from meshrl.actors.held import HeldCompletions, take_held
+from meshrl.actors.held import HeldCompletions, graded, take_held
 from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.weight_updates import WeightUpdates
 from meshrl.models.lora import LoraConfig
-from meshrl.types import Completion, Generation, Prompt, Sampling
+from meshrl.types import Completion, Generation, Grading, Prompt, Sampling
 from meshrl.weight_sync import WeightSyncConfig, published_weights
 from meshrl.weight_sync.disk import DiskHandle, DiskReader
 from meshrl.weight_sync.handoff import Handoff
@@ -141,9 +141,10 @@ class VLLMGenerator(Actor):
 
     @concurrent_endpoint
     async def generate(self, prompts: list[Prompt], *, sampling: Sampling | None = None,
-                       min_version: int = 0, text: bool = False) -> Generation:
+                       min_version: int = 0, text: bool = False, grading: Grading | None = None) -> Generation:
         """`sampling.n` completions per prompt, their first tokens from version `min_version` or newer, each
-        held here and answered as a Generated (with its text if `text`), with the report since the last."""
+        held here and answered as a Generated (with its text if `text`), with the report since the last;
+        with `grading`, scored by its grader first (meshrl/actors/held.py's `graded`)."""
         prompts = [await self._whole(p) for p in prompts]
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -180,8 +181,8 @@ class VLLMGenerator(Actor):
         if self.driver is None or self.driver.done():
             self.driver = asyncio.create_task(self._drive())
         await asyncio.gather(*(r.done for r in requests))
-        return Generation([self.held.keep(self._completion(r.prompt, seq), text) for r in requests
-                           for seq in r.sequences], self._report())
+        made = [self._completion(r.prompt, seq) for r in requests for seq in r.sequences]
+        return await graded(Generation([self.held.keep(c, text) for c in made], self._report()), made, grading)
 
     async def _whole(self, prompt: Prompt) -> Prompt:
         """`prompt` with its prefix's tokens in front (the held turn it names, here or on its holder)."""

@@ -1,7 +1,7 @@
 """The grader: scores completions with the task's reward function, and hosts a multi-turn environment
 (its answers to the model's turns, its reward at the end), so user code runs in an actor that is
-replaced if it dies, not in the controller. It takes the completions it scores from the generator
-holding them and answers only their rewards and checks: no token or text goes back to the controller.
+replaced if it dies, not in the controller. The generator holding the completions it scores sends it
+their text and finish reason (a `Reply`: no token), and it answers their rewards and checks there.
 
 A session environment (meshrl/tasks/__init__.py's SessionEnvironment, e.g. OpenEnv's) keeps its conversations'
 state here: `open_sessions`, `step_sessions` and `close_sessions` are called on the one replica that holds a
@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 from monarch.actor import Actor, endpoint
 
 from meshrl.actors.grader_config import GraderConfig
-from meshrl.actors.held import take_held
 from meshrl.tasks import make_task
-from meshrl.types import Completion, Sample
+from meshrl.types import Reply, Sample
 
 logger = logging.getLogger(__name__)
 
@@ -91,17 +90,17 @@ class TaskGrader(Actor):
                          type(error).__name__, exc_info=error)
 
     @endpoint
-    async def score(self, sample: Sample, holder, keys: list[int]) -> list[tuple[float, dict[str, float]] | None]:
-        """The completions `keys` names, taken from the generator `holder`: (reward, checks) of each, None
-        where its reward function raised (logged; the caller counts them). UserCodeFailed if it raised on
-        most of them."""
-        return self.scores(await take_held(holder, keys), sample)
+    async def score(self, sample: Sample, replies: list[Reply]) -> list[tuple[float, dict[str, float]] | None]:
+        """(reward, checks) of each reply (a completion's text and finish reason, sent by the generator holding
+        it), None where its reward function raised (logged; the caller counts them). UserCodeFailed if it
+        raised on most of them."""
+        return self.scores(replies, sample)
 
-    def scores(self, completions: list[Completion], sample: Sample) -> list[tuple[float, dict[str, float]] | None]:
+    def scores(self, completions: list[Reply], sample: Sample) -> list[tuple[float, dict[str, float]] | None]:
         """`score`'s answer for `completions`: here, the task's reward function's."""
         return [None if reward is None else (reward, checks) for reward, checks in self.rewards(completions, sample)]
 
-    def rewards(self, completions: list[Completion], sample: Sample) -> list[tuple[float | None, dict]]:
+    def rewards(self, completions: list[Reply], sample: Sample) -> list[tuple[float | None, dict]]:
         """The task's (reward, checks) of each completion, its checks with `truncated` (cut off at its token
         limit, not rewarded) added; (None, {}) where its reward function raised (logged). With
         `zero_truncated` a truncated completion scores 0 (verifiers' zero_truncated_completions): a reply

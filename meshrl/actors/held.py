@@ -1,12 +1,19 @@
 """The completions a generator made and keeps (issue 54's data plane): each under a key unique to the run,
 answered to the controller as a `Generated`, until the replay buffer takes it or the controller lets it
-go. One owner of that bookkeeping for every generator: vLLM's, the benches' stand-ins and the tests' fakes."""
+go. One owner of that bookkeeping for every generator: vLLM's, the benches' stand-ins and the tests' fakes;
+and of the grading a generate call may carry (`graded`): the completions' replies go from here to the
+grader, whose scores ride on the answer."""
 
+import asyncio
 import itertools
 import random
+import time
 
-from meshrl.actors.roles import TokensLost
-from meshrl.types import Completion, Generated
+from monarch.actor import ActorError
+
+from meshrl.actors.replicas import error_line
+from meshrl.actors.roles import ReplicaBroken, TokensLost
+from meshrl.types import Completion, Generated, Generation, Grading, Reply
 
 
 class HeldCompletions:
@@ -46,3 +53,24 @@ async def take_held(holder, keys: list[int], forget: bool = False) -> list[Compl
         return await holder.completions.call_one(keys, forget=forget)
     except Exception as e:  # the holder died or lost them: the caller's group is generated again
         raise TokensLost(f"the generator holding them is gone: {e}") from None
+
+
+async def graded(generation: Generation, completions: list[Completion], grading: Grading | None) -> Generation:
+    """`generation` with `completions`' scores from `grading`'s grader, sent there from here (their `Reply`s
+    only), if the call carried a grading. Where the grading failed, `grade_error` says why, and
+    `grader_failed` whether the grader did (its process died, it did not answer within `grading.timeout_s`, it
+    said it is broken: the replica pool's own rules, meshrl/actors/replicas.py) rather than the call."""
+    if grading is None:
+        return generation
+    start = time.time()
+    try:
+        call = grading.grader.score.call_one(grading.sample, [Reply(c.text, c.finish_reason) for c in completions])
+        generation.scores = await (asyncio.wait_for(call, grading.timeout_s) if grading.timeout_s > 0 else call)
+    except (TimeoutError, asyncio.TimeoutError):
+        generation.grade_error = f"the grader did not answer within {grading.timeout_s:g} s"
+        generation.grader_failed = True
+    except Exception as e:  # the grader's death, or its call's own error: the answer tells the controller which
+        generation.grade_error = error_line(e)
+        generation.grader_failed = not isinstance(e, ActorError) or isinstance(e.exception, ReplicaBroken)
+    generation.graded = (start, time.time())
+    return generation

@@ -18,7 +18,7 @@ from meshrl.actors.engine import start_vllm
 from meshrl.actors.grader import TaskGrader
 from meshrl.actors.grader_config import GraderConfig, check_rubric
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
-from meshrl.types import Completion, Sample
+from meshrl.types import Reply, Sample
 
 RUBRIC = """You are grading a reply to a question against the reference answer.
 
@@ -55,7 +55,7 @@ class JudgeGrader(TaskGrader):
                               memory_fraction=self.judge.memory_fraction, seed=0, num_threads=self.judge.num_threads,
                               cpus=self.judge.cpus, kv_cache_gib=self.judge.kv_cache_gib, devices=self.judge.devices)
 
-    def scores(self, completions: list[Completion], sample: Sample) -> list[tuple[float, dict[str, float]] | None]:
+    def scores(self, completions: list[Reply], sample: Sample) -> list[tuple[float, dict[str, float]] | None]:
         """The judge's score of each; None where the task's reward raises (logged), as with the rule grader."""
         rules = self.rewards(completions, sample)
         verdicts = self.verdicts([c.text for c in completions], sample)

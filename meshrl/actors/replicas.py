@@ -17,13 +17,14 @@ configuration fault, which a fresh process would only repeat: the pool gives up 
 """
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from monarch.actor import Actor, ActorError, endpoint
@@ -217,6 +218,21 @@ class ReplicaPool:
     async def pick(self) -> Replica:
         """The least-loaded healthy replica, for work pinned to one replica (`call_on`)."""
         return await self._least_loaded()
+
+    @contextlib.asynccontextmanager
+    async def lent(self) -> AsyncIterator[Replica]:
+        """The least-loaded healthy replica, counted as one call busier while the caller holds it: for work
+        another actor sends it (a generator has its group graded there), so the next picks spread."""
+        replica = await self._least_loaded()
+        replica.load += 1
+        try:
+            yield replica
+        finally:
+            replica.load -= 1
+
+    async def replace(self, replica: Replica, why: str) -> None:
+        """`replica` failed at work another actor sent it (`lent`): replaced as a failed call's replica is."""
+        await self._replace(replica, RuntimeError(why))
 
     async def call_on(self, replica: Replica, fn: Callable[[Replica], Awaitable[T]]) -> T:
         """`fn` on `replica` alone: work whose state lives there (a group's environment sessions). A replica that

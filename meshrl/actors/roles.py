@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from meshrl.types import BatchRef, Completion, Generated, GroupEpisodes, Prompt, Sampling, TrainBatch
+from meshrl.types import BatchRef, Completion, Generation, Grading, GroupEpisodes, Prompt, Sampling, TrainBatch
 
 if TYPE_CHECKING:  # the contracts name tensors; a grader's process (which reads this module) never loads torch
     import torch
@@ -37,18 +37,20 @@ class Generator(Protocol):
     called before each synchronous step trains: free the device's memory until the next call or load."""
 
     async def generate(self, prompts: list[Prompt], *, sampling: Sampling | None = None,
-                       min_version: int = 0, text: bool = False) -> list[Generated]:
+                       min_version: int = 0, text: bool = False, grading: Grading | None = None) -> Generation:
         """`sampling.n` completions per prompt, their first tokens sampled from version `min_version` or newer
         (loaded first if need be), each with the versions its tokens were sampled from (`Completion.versions`)
         and the logprob of each sampled token under the distribution it was sampled from (at
         `sampling.temperature`: vLLM's processed logprobs). Each Completion is kept here under a key unique to
         the run, and answered as a `Generated` (with its text if `text`); a prompt with a `prefix` starts with
         the held Completion it names (its `prefix_holder`'s, taken from that generator, when not this one's).
+        The answer is a `Generation`, with the replica's report since its last. With `grading`, the completions'
+        `Reply`s go to its grader and its scores ride on the answer (meshrl/actors/held.py's `graded` does it).
         The controller sends one prompt's group per call, many calls at once: make it a
         `concurrent_endpoint` that batches them, or throughput falls to one group at a time."""
 
     async def completions(self, keys: list[int], forget: bool = False) -> list[Completion]:
-        """The held Completions `keys` name (the grader scores them, the replay buffer trains them), forgotten
+        """The held Completions `keys` name (the replay buffer trains them), forgotten
         here with `forget`. A concurrent endpoint: it must answer while generation runs. `KeyError` for a key
         not held."""
 
@@ -79,10 +81,11 @@ class Grader(Protocol):
     """Scores one prompt's group. Constructed with (task name, task config, GraderConfig). Raising
     (rather than leaving a completion out) fails the group."""
 
-    async def score(self, sample, holder, keys: list[int]) -> list[tuple[float, dict[str, float]] | None]:
+    async def score(self, sample, replies: list) -> list[tuple[float, dict[str, float]] | None]:
         """Scores the completions of one prompt (`sample`: the task's Sample, with the prompt and the
-        reference answer), taken from the generator `holder` (an actor mesh following Generator) by their
-        `keys`: one (reward, checks) each, None where the reward function raised (the caller counts them)."""
+        reference answer), each given as a `Reply` (its text and finish reason; the generator holding them
+        sends them): one (reward, checks) each, None where the reward function raised (the caller counts
+        them)."""
 
     async def step(self, sample, conversations: list[list[dict]], last: bool) -> list:
         """Needed only for a multi-turn task (an `Environment`): one `EnvReply` per conversation, the environment's

@@ -1,5 +1,5 @@
 """Multi-turn rollouts: the controller's side of one group's conversations with an environment (`converse`,
-called by meshrl/rollout.py for each group of an environment task).
+called by meshrl/attempt.py for each group of an environment task).
 
 The generator only generates, one call per turn, from exact token ids; the environment (in a grader replica)
 answers each turn, given the whole conversation (the stateless form) or its session and latest turn (the session

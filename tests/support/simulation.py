@@ -17,13 +17,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
 from meshrl import checkpoint
 from meshrl.actors import load_actor_class
 from meshrl.actors.distributed import each_micro_batch, to_buffer
-from meshrl.actors.held import HeldCompletions, take_held
+from meshrl.actors.held import HeldCompletions, graded
 from meshrl.actors.replay_buffer import buffer_impl
 from meshrl.actors.replicas import Replica, ReplicaPool, sticky_slack
 from meshrl.actors.roles import ReplicaBroken
@@ -78,6 +77,7 @@ class Script:
     equal: set[int] = field(default_factory=set)  # prompts whose completions all get reward 1: no signal
     late: dict[int, int] = field(default_factory=dict)  # prompt -> its first generation ends once this version is out (and loaded in flight)
     behind: set[int] = field(default_factory=set)  # prompts whose first generation says it served the version before the one asked for
+    unscorable: set[int] = field(default_factory=set)  # training prompts whose reward function raises on every completion
     die_at: dict[str, int] = field(default_factory=dict)  # "generate": the replica dies at this call of it
     hang_at: dict[str, int] = field(default_factory=dict)  # "generate": this call never answers
     calls: list[str] = field(default_factory=list)
@@ -132,7 +132,8 @@ class FakeGenerator:
         self.held.forget(keys)
 
     @concurrent
-    async def generate(self, prompts, *, sampling=None, min_version: int = 0, text: bool = False) -> Generation:
+    async def generate(self, prompts, *, sampling=None, min_version: int = 0, text: bool = False,
+                       grading=None) -> Generation:
         if self.version < min_version:
             await self._load()
         if self.version < min_version:  # as the real generator: it cannot serve what it was asked for
@@ -158,7 +159,7 @@ class FakeGenerator:
             if not self.running:
                 self.book.done()
         versions = self._versions(start, time.monotonic(), first, length)
-        out = []
+        made = []
         for p in prompts:
             index = p.token_ids[0] - PROMPT_ID
             self.script.late.pop(index, None)
@@ -167,11 +168,10 @@ class FakeGenerator:
             # a generator that served an older version than it was asked for (the controller finds the group stale)
             served = min_version - 1 if index in self.script.behind else first
             self.script.behind.discard(index)
-            out += [self.held.keep(Completion(p.index, p.token_ids, list(range(7, 7 + length)), [-0.5] * length,
-                                              "1" if index in self.script.equal else str(j % 2), served, "stop",
-                                              versions if served == first else [], -0.5 * length), text)
-                    for j in range(sampling.n)]
-        return Generation(out, self.book.report())
+            made += [Completion(p.index, p.token_ids, list(range(7, 7 + length)), [-0.5] * length,
+                                "1" if index in self.script.equal else str(j % 2), served, "stop",
+                                versions if served == first else [], -0.5 * length) for j in range(sampling.n)]
+        return await graded(Generation([self.held.keep(c, text) for c in made], self.book.report()), made, grading)
 
     def _versions(self, start: float, end: float, first: int, length: int) -> list[list[int]]:
         """[token offset, version] of each load during [start, end]; [] if none."""
@@ -225,10 +225,16 @@ class FakeGenerator:
 
 
 class FakeGrader:
-    """roles.Grader: a completion's reward is the number its text is."""
+    """roles.Grader: a completion's reward is the number its text is; the Script's `unscorable` prompts' reward
+    function raises on each (the real grader's UserCodeFailed)."""
 
-    async def score(self, sample, holder, keys: list[int]) -> list[tuple[float, dict[str, float]] | None]:
-        return text_rewards(await take_held(holder, keys))
+    def __init__(self, script: Script):
+        self.script = script
+
+    async def score(self, sample, replies: list) -> list[tuple[float, dict[str, float]] | None]:
+        if sample.prompt in {f"prompt {i}" for i in self.script.unscorable}:
+            raise RuntimeError(f"the reward function raised on {len(replies)} of {len(replies)} completions (fake)")
+        return text_rewards(replies)
 
 
 class FakeTrainer:
@@ -408,7 +414,7 @@ async def run_fake(config: Config, run_dir: Path, script: Script | None = None, 
 
     async def grader(index: int) -> Replica:
         graded.append(index)
-        return Replica(index, FakeProcs(), FakeMesh([FakeGrader()], script), "fake", os.getpid())
+        return Replica(index, FakeProcs(), FakeMesh([FakeGrader(script)], script), "fake", os.getpid())
 
     generators = ReplicaPool("generator", generator, config.generator.replicas, config.generator.max_restarts,
                              restart_window_s=config.controller.restart_window_s,

@@ -17,10 +17,11 @@ from typing import Iterator
 from monarch._src.actor.actor_mesh import ActorMesh
 
 # The budget: the Monarch messages the controller may send per group routed (trained and evaluated), held by
-# tests/test_message_budget.py at 64 generator actors (3.07 measured there, 2026-11-28: generate and score one
-# each, the trainer's forward_backward 0.49, the run's last weight_updates 0.33, stage and add 0.09);
-# docs/performance.md gives each endpoint's share at larger runs.
-MESSAGES_PER_GROUP = 3.5
+# tests/test_message_budget.py at 64 generator actors (1.22 measured there, 2026-11-28: generate 1, its grading
+# riding on it; stage and add 0.05; the trainer's calls, one per rank per update, and the step's other calls
+# 0.17; no weight_updates, as no call was stopped at the end); docs/performance.md gives each endpoint's share
+# at larger runs. Was 5.19 (2026-11-27), 3.07 before the trainer's and the grader's calls were folded.
+MESSAGES_PER_GROUP = 1.5
 ADVERBS = ("call", "call_one", "choose", "stream", "broadcast")  # those that send to `size` actors (one for the last three)
 
 

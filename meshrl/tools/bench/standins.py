@@ -18,10 +18,10 @@ from pathlib import Path
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.actors.distributed import each_micro_batch, to_buffer
-from meshrl.actors.held import HeldCompletions, take_held
+from meshrl.actors.held import HeldCompletions, graded
 from meshrl.actors.trace import ActorClock
 from meshrl.actors.weight_updates import WeightUpdates
-from meshrl.types import Completion, Generation
+from meshrl.types import Completion, Generation, Reply
 
 
 def text_rewards(completions: list[Completion]) -> list[tuple[float, dict[str, float]]]:
@@ -39,7 +39,8 @@ class StandInGenerator(Actor):
         self.canned: dict[int, tuple[list[int], list[float]]] = {}  # length -> (tokens, logprobs), made once
 
     @concurrent_endpoint
-    async def generate(self, prompts, *, sampling=None, min_version: int = 0, text: bool = False) -> Generation:
+    async def generate(self, prompts, *, sampling=None, min_version: int = 0, text: bool = False,
+                       grading=None) -> Generation:
         if self.version < min_version:  # as if the version had been read at once
             start, self.version = time.time(), min_version
             self.book.loaded(start, min_version, in_flight=self.running > 0)
@@ -50,14 +51,13 @@ class StandInGenerator(Actor):
             if length not in self.canned:
                 self.canned[length] = (list(range(7, 7 + length)), [-0.5] * length)
             tokens, logprobs = self.canned[length]
-            made = [self.held.keep(Completion(p.index, p.token_ids, tokens, logprobs, str(j % 2), self.version,
-                                              "length", [], -0.5 * length), text)
-                    for p in prompts for j in range(sampling.n)]
+            made = [Completion(p.index, p.token_ids, tokens, logprobs, str(j % 2), self.version, "length", [],
+                               -0.5 * length) for p in prompts for j in range(sampling.n)]
         finally:
             self.running -= 1
             if not self.running:
                 self.book.done()
-        return Generation(made, self.book.report())
+        return await graded(Generation([self.held.keep(c, text) for c in made], self.book.report()), made, grading)
 
     @concurrent_endpoint
     async def completions(self, keys: list[int], forget: bool = False) -> list[Completion]:
@@ -88,8 +88,8 @@ class StandInGrader(Actor):
     """roles.Grader: a completion's reward is the number its text is."""
 
     @endpoint
-    async def score(self, sample, holder, keys: list[int]) -> list[tuple[float, dict[str, float]] | None]:
-        return text_rewards(await take_held(holder, keys))
+    async def score(self, sample, replies: list[Reply]) -> list[tuple[float, dict[str, float]] | None]:
+        return text_rewards(replies)
 
 
 class StandInTrainer(Actor):
