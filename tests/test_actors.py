@@ -18,7 +18,7 @@ from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.models.model import ChatTokenizer, resolve_checkpoint
 from meshrl.tasks import Sample
 from meshrl.tasks.sum_digits import SumDigitsConfig
-from meshrl.types import Completion, Prompt, Sampling
+from meshrl.types import Completion, Grading, Prompt, Sampling
 from meshrl.weight_sync import WeightSyncConfig
 
 pytestmark = pytest.mark.processes
@@ -86,8 +86,9 @@ def test_trainer_weights_reach_vllm_and_change_its_output(source, generator_clas
 
 
 def test_grader_scores_a_group_skips_malformed_completions_and_zeroes_truncated_ones_when_asked():
-    """The grader takes the group's completions from the generator holding them (a fake one holding given
-    Completions) by their keys, and answers a (reward, checks) for each, None where the reward raised."""
+    """The generator holding a group's completions (a fake one holding given Completions, grading them as a
+    generate call carrying a Grading has a generator do) sends the grader their replies, and the grader
+    answers a (reward, checks) for each, None where the reward raised."""
     def c(text, finish_reason="stop"):
         return Completion(0, [1], [2], [-0.1], text, 0, finish_reason)
 
@@ -98,8 +99,9 @@ def test_grader_scores_a_group_skips_malformed_completions_and_zeroes_truncated_
                               GraderConfig(zero_truncated=True))
         holder_procs, holder = spawn("holder", FakeHolder, held)
         try:
-            scores = await grader.score.call_one(Sample("What is 3 + 4?", "7"), holder, [0, 1, 2, 3, 4])
-            return scores, await holder.keys.call_one()
+            answer = await holder.grade.call_one(Grading(grader, Sample("What is 3 + 4?", "7"), 30.0))
+            assert answer.grade_error == "" and not answer.grader_failed
+            return answer.scores, await holder.keys.call_one()
         finally:
             await procs.stop()
             await holder_procs.stop()
