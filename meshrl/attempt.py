@@ -2,6 +2,23 @@
 turns through the graders), the replay buffer's stage of what it made, and the let-go of the rest. The
 collector (meshrl/rollout.py) runs a group's tries.
 
+A group's life, and who sends each of its messages (-> a message; the controller's modules on the left):
+
+    work_buffer.start          prompt p may start (the staleness gate)
+    attempt   generate ------> generator: completions made and held there, keyed
+                                  `-- score(replies) --> grader (the Grading the call carried)
+              <- Generation: keys, lengths, versions, scores, the replica's report
+    attempt   stage ---------> replay buffer (buffer_calls.Stages: those graded meanwhile, one message)
+                                  `-- completions(keys, forget) --> generator: the tokens, taken once
+    work_buffer.finish         kept, equal-reward, stale or failed (what it does to its batch)
+    controller add ----------> replay buffer: a kept group's advantages (buffer_calls: one message a batch,
+                               within FLUSH_S); a stale or dropped try's discard rides in it
+    attempt   forget --------> generator: what the buffer did not take (a failed or evaluated group's)
+    controller sample, trained -> replay buffer; trainer's ranks take micro-batches from it by BatchRef
+
+A try is staged under (prompt, attempt id): an add or a discard names its try, so a stale try's discard
+can never touch the next try at the same prompt, whatever order their messages arrive in.
+
 No token passes through here: a generator answers each completion's key and what the rules need
 (`Generated`), and a single-turn group's scores: its generate call carries the grading (`Grading`), the
 generator sending the grader the completions' text and finish reason itself (a group costs the
@@ -107,8 +124,8 @@ class Attempt:
         wait = grade.seconds if grade and grade.seconds > 0 else generate.seconds if generate else 0.0
         async with c.graders.lent() as grader:
             answer = await self.generate([prompt], sampling, grading=Grading(grader.actor, sample, wait))
-        if answer.graded is not None:
-            c.tracer.add("grader", "grade", *answer.graded, replica=grader.index)
+        if answer.graded is not None:  # on the generator's lane: its wait for the grader (queued there included)
+            c.tracer.add("generator", "grade", *answer.graded, replica=self.served_by.index)
         if answer.scores is not None:
             return answer.completions, answer.scores
         if not answer.grader_failed:  # its reward function's error: the group's, as a call's own error is

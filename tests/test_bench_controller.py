@@ -50,7 +50,9 @@ def test_controller_bench_on_real_processes_counts_its_groups_carries_no_tokens_
         assert run["groups_regenerated"] == 0
         # the trainer stand-in took every trained token from the replay buffer, by BatchRef
         assert run["trainer_fetched"]["tokens"] >= 3 * 4 * 8 * tokens
-        assert 0 < run["controller_cpu_ms_per_group"] and 0 < run["main_thread_cpu_ms_per_group"]
+        assert 0 < run["main_thread_cpu_ms_per_group"] < run["controller_cpu_ms_per_group"]
+        assert run["groups_per_core_s"] == pytest.approx(1000 / run["controller_cpu_ms_per_group"])
+        assert run["messages"]["generate"] >= run["groups"] and "score" not in run["messages"]  # graded on the way
         kill = run["supervision"]  # a generator process killed: its two replicas replaced on a fresh one
         assert kill["replicas_on_process"] == 2 and kill["serving_again"] == 2 and kill["restarts"] == 2
         assert kill["noticed_s"] <= kill["replaced_s"]

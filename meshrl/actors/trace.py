@@ -14,9 +14,11 @@ step, so the timeline shows what really overlapped on the trainer; the controlle
 are drawn in a lane of their own beside them ("trainer 0 asked"). A generator's loads are
 actor-timed too.
 
-An actor that serves one call at a time (a grader) is sent one call at a time too, under a lock its
-replica owns (a replacement has a fresh one): a span then covers the actor's own work, not time spent
-queued behind another call. A generator batches its calls (continuous batching): its `generate` spans
+An actor that serves one call at a time (a grader, stepping an environment) is sent one call at a time
+too, under a lock its replica owns (a replacement has a fresh one): a span then covers the actor's own
+work, not time spent queued behind another call. A single-turn group's grading is its generator's call to
+the grader: a "grade" span on that generator's lane, as the generator timed it (queued at the grader
+included). A generator batches its calls (continuous batching): its `generate` spans
 overlap. A span also bounds its calls by their role's timeout (meshrl/actors/timeouts.py): a call that does
 not answer in time raises CallTimeout instead of hanging the run.
 """

@@ -4,7 +4,8 @@ Each group passes the buffer three times in a run: `stage` (its Completions take
 holding them), `add` (the controller's decision: its episodes flattened from them) and `sample` (its batch
 composed and cut into micro-batches), then `trained` lets it go. Here the real FifoBuffer runs on a
 process of its own, the completions wait on generator stand-ins (meshrl/tools/bench/standins.py, on
-processes of their own, made before the clock starts), and this process asks as the controller does: each
+processes of their own, made before the clock starts; each completion's tokens and logprobs random and its
+own, as real ones are: canned lists shared by a message's completions would be pickled once), and this process asks as the controller does: each
 group's stage as its group is graded (all of a batch at once here; the controller's Stages sends those
 waiting together), one add for the batch, its sample and trained. Reported per completion
 length: groups/s over the timed batches (`stage_add_sample`), the buffer process's CPU per group, and the
@@ -48,7 +49,7 @@ async def one_length(tokens: int, batches: int, batch_size: int, group_size: int
     """Groups/s of `batches` batches of `batch_size` groups of `tokens`-token completions through one buffer."""
     trainer = TrainerConfig(micro_batch_size=16)
     buffer_procs, buffer = spawn("bench_buffer", FifoBuffer, ReplayBufferConfig(), trainer, batch_size, 1 << 30, 0)
-    meshes = [spawn(f"bench_holder{i}", StandInGenerator, i) for i in range(2)]
+    meshes = [spawn(f"bench_holder{i}", StandInGenerator, i, True) for i in range(2)]  # distinct tokens, as real ones
     holders = [actor for _, actor in meshes]
     try:
         [(_, pid)] = await processes(buffer_procs, "bench_buffer")

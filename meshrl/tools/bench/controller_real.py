@@ -9,7 +9,9 @@ BatchRef as the real trainer does. The controller (this process) runs the real C
 RolloutCollector, WorkBuffer and ReplicaPools over them.
 
 Each run reports: the controller process's CPU per group (`time.process_time()` over the run: its
-Python and Monarch's threads, divided by the groups routed, evals included), `controller_bytes_in` per
+Python and Monarch's threads, divided by the groups routed, evals included), and its main thread's; the
+groups/s one controller core could route (1 / that CPU per group); the Monarch messages the controller
+sent per group and by endpoint (meshrl/tools/bench/messages.py); `controller_bytes_in` per
 training group (the step rows' sum / the steps' groups), groups/s, the seconds until every replica
 answered its first call (spawn), and one kill: a generator process SIGKILLed after the run, the
 seconds until the pool noticed (its first replacement counted) and until every replica it held served
@@ -156,6 +158,8 @@ async def real_cost(actors: int, tokens: int, group_size: int, steps: int, proce
                   "wall_s": wall, "groups_per_s": routed / wall, "controller_cpu_ms_per_group": 1000 * cpu / routed,
                   # of which its main thread's (the loops, Python's side of each call); the rest is Monarch's runtime
                   "main_thread_cpu_ms_per_group": 1000 * main / routed,
+                  # what one controller core could route, were its CPU the only bound: 1 / CPU per group
+                  "groups_per_core_s": routed / cpu if cpu > 0 else math.inf,
                   # the Monarch messages it sent (a call to a mesh of n actors: n), per group and by endpoint
                   "messages_per_group": sum(sent.values()) / routed, "messages": sent,
                   "controller_bytes_in_per_group": sum(r["controller_bytes_in"] for r in rows.rows) / trained,
@@ -283,13 +287,14 @@ def report(result: dict) -> str:
     lines = [f"the controller on real Monarch processes ({result['cpu']}), groups of {result['group_size']}, "
              "beside the in-process bench (fakes in one process, one core):",
              f"  {'actors':>6s} {'tokens':>6s} {'procs':>5s} {'groups':>6s} {'groups/s':>8s} {'CPU ms/group':>12s} "
-             f"{'msgs/group':>10s} {'bytes in/group':>14s} {'spawn s':>7s} {'kill noticed/replaced s':>23s} | "
+             f"{'1 core groups/s':>15s} {'msgs/group':>10s} {'bytes in/group':>14s} {'spawn s':>7s} {'kill noticed/replaced s':>23s} | "
              f"{'in-process groups/s':>19s} {'CPU ms/group':>12s}"]
     for r, f in zip(result["real"], result["in_process"]):
         s = r["supervision"]
         kill = f"{s['noticed_s'] or float('nan'):.1f} / {s['replaced_s'] or float('nan'):.1f}"
         lines.append(f"  {r['actors']:6d} {r['max_tokens']:6d} {r['processes']:5d} {r['groups']:6d} "
-                     f"{r['groups_per_s']:8.0f} {r['controller_cpu_ms_per_group']:12.3f} {r['messages_per_group']:10.2f} "
+                     f"{r['groups_per_s']:8.0f} {r['controller_cpu_ms_per_group']:12.3f} {r['groups_per_core_s']:15.0f} "
+                     f"{r['messages_per_group']:10.2f} "
                      f"{r['controller_bytes_in_per_group']:14.0f} {r['spawn_s']:7.1f} {kill:>23s} | "
                      f"{f['groups_per_s']:19.0f} {f['cpu_ms_per_group']:12.3f}")
     lines.append(f"processes left after the runs: {len(result['processes_left'])}")

@@ -4,14 +4,16 @@ controller --real` (meshrl/tools/bench/controller_real.py): they follow their ro
 replay buffer and Monarch's messages between processes, at hundreds of actors (many to a process).
 
 - StandInGenerator answers each prompt with `sampling.n` canned completions of `sampling.max_tokens`
-  tokens (rewards alternating 0 and 1 in their text, so every group has a learning signal), keeps
-  them under run-unique keys as the real generator does, and hands them to whoever asks by key. It
+  tokens (rewards alternating 0 and 1 in their text, so every group has a learning signal; random ones of
+  their own with `distinct`), keeps them under run-unique keys as the real generator does, and hands them
+  to whoever asks by key; a call carrying a Grading has them scored as the real generator does. It
   "loads" any version asked for at once (no weights move).
-- StandInGrader takes the completions it scores from their generator, as the real grader does.
+- StandInGrader scores the replies a generator sends it, as the real grader does.
 - StandInTrainer takes each micro-batch from the replay buffer by its BatchRef (as the real trainer,
   meshrl/actors/distributed.py) and trains nothing.
 """
 
+import random
 import time
 from pathlib import Path
 
@@ -31,12 +33,21 @@ def text_rewards(completions: list[Completion]) -> list[tuple[float, dict[str, f
 
 
 class StandInGenerator(Actor):
-    """roles.Generator with canned completions; `index` makes its keys unique in the run."""
+    """roles.Generator with canned completions; `index` makes its keys unique in the run. With `distinct`, each
+    completion's tokens and logprobs are lists of their own, random (pickle sends a list shared by several
+    completions of one message once: canned ones understate what moving real completions costs)."""
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, distinct: bool = False):
         self.held = HeldCompletions(index << 32)
         self.version, self.running, self.book = 0, 0, WeightUpdates()
         self.canned: dict[int, tuple[list[int], list[float]]] = {}  # length -> (tokens, logprobs), made once
+        self.random = random.Random(index) if distinct else None
+
+    def _sampled(self, tokens: list[int], logprobs: list[float]) -> tuple[list[int], list[float]]:
+        """A completion's tokens and logprobs: the canned ones, or (`distinct`) random ones of the same length."""
+        if self.random is None:
+            return tokens, logprobs
+        return ([self.random.randrange(32, 49152) for _ in tokens], [-3 * self.random.random() for _ in logprobs])
 
     @concurrent_endpoint
     async def generate(self, prompts, *, sampling=None, min_version: int = 0, text: bool = False,
@@ -51,8 +62,8 @@ class StandInGenerator(Actor):
             if length not in self.canned:
                 self.canned[length] = (list(range(7, 7 + length)), [-0.5] * length)
             tokens, logprobs = self.canned[length]
-            made = [Completion(p.index, p.token_ids, tokens, logprobs, str(j % 2), self.version, "length", [],
-                               -0.5 * length) for p in prompts for j in range(sampling.n)]
+            made = [Completion(p.index, p.token_ids, *self._sampled(tokens, logprobs), str(j % 2), self.version,
+                               "length", [], -0.5 * length) for p in prompts for j in range(sampling.n)]
         finally:
             self.running -= 1
             if not self.running:
