@@ -1,9 +1,10 @@
 """The reference model: the frozen initial policy, whose logprobs the KL penalty pulls toward.
 
 It is placed as the trainer is (meshrl/actors/distributed.py): `reference.device`, and with
-`reference.ranks` > 1 sharded over that many processes by torchtitan's FSDP2, every rank answering
-for its own micro-batches of each mini-batch, all of them in one call. Frozen, it holds its weights in `reference.dtype`: bf16 (half
-the memory of fp32) where its forward runs in bf16 autocast anyway (meshrl/models/memory.py).
+`reference.ranks` > 1 sharded over that many processes by torchtitan's FSDP2, every rank answering for
+its own share of the step's micro-batches, all of them in one call. Frozen, it holds its weights in
+`reference.dtype`: bf16 (half the memory of fp32) where its forward runs in bf16 autocast anyway
+(meshrl/models/memory.py).
 """
 
 from monarch.actor import Actor, endpoint
