@@ -9,10 +9,8 @@ import itertools
 import random
 import time
 
-from monarch.actor import ActorError
-
-from meshrl.actors.replicas import error_line
-from meshrl.actors.roles import ReplicaBroken, TokensLost
+from meshrl.actors.replicas import error_line, replica_fault
+from meshrl.actors.roles import TokensLost
 from meshrl.types import Completion, Generated, Generation, Grading, Reply
 
 
@@ -58,8 +56,8 @@ async def take_held(holder, keys: list[int], forget: bool = False) -> list[Compl
 async def graded(generation: Generation, completions: list[Completion], grading: Grading | None) -> Generation:
     """`generation` with `completions`' scores from `grading`'s grader, sent there from here (their `Reply`s
     only), if the call carried a grading. Where the grading failed, `grade_error` says why, and
-    `grader_failed` whether the grader did (its process died, it did not answer within `grading.timeout_s`, it
-    said it is broken: the replica pool's own rules, meshrl/actors/replicas.py) rather than the call."""
+    `grader_failed` whether the grader did (it did not answer within `grading.timeout_s`, or `replica_fault`:
+    the replica pool's own rule, meshrl/actors/replicas.py) rather than the call."""
     if grading is None:
         return generation
     start = time.time()
@@ -71,6 +69,6 @@ async def graded(generation: Generation, completions: list[Completion], grading:
         generation.grader_failed = True
     except Exception as e:  # the grader's death, or its call's own error: the answer tells the controller which
         generation.grade_error = error_line(e)
-        generation.grader_failed = not isinstance(e, ActorError) or isinstance(e.exception, ReplicaBroken)
+        generation.grader_failed = replica_fault(e)
     generation.graded = (start, time.time())
     return generation

@@ -66,6 +66,14 @@ def error_line(error: BaseException) -> str:
     return first if len(lines) == 1 else f"{first.rstrip(':')}: {lines[-1]}"
 
 
+def replica_fault(error: BaseException) -> bool:
+    """Whether `error`, raised by a call to a replica, is the replica's fault (its process died, the call timed
+    out, it said its engine is broken: it is replaced) rather than the call's own."""
+    if isinstance(error, ActorError):
+        return isinstance(error.exception, ReplicaBroken)
+    return isinstance(error, (SupervisionError, CallTimeout))
+
+
 async def processes(procs, name: str) -> list[tuple[str, int]]:
     """(host name, process id) of each process of a proc mesh, in rank order."""
     return await in_rank_order(procs.spawn(f"{name}_info", ProcessInfo).where.call())
@@ -207,7 +215,7 @@ class ReplicaPool:
         except ActorError as e:
             if isinstance(e.exception, TokensLost):  # the work's tokens died elsewhere: the caller's to redo
                 raise TokensLost(str(e.exception)) from None
-            if not isinstance(e.exception, ReplicaBroken):
+            if not replica_fault(e):
                 raise CallFailed(error_line(e)) from None
             return None, e
         except (SupervisionError, CallTimeout) as e:  # CancelledError is not retried
