@@ -24,6 +24,7 @@ that would run code is refused; a damaged one (a missing or truncated file) is n
 previous complete one is used if there is one.
 """
 
+import array
 import json
 import os
 import pickle
@@ -197,8 +198,9 @@ def _reading(path: Path):
 
 
 def load_safely(path: Path, classes: list[type] = ()):
-    """`torch.load` of `path` allowing tensors, plain containers and `classes` only."""
-    with _reading(path), torch.serialization.safe_globals(list(classes)):
+    """`torch.load` of `path` allowing tensors, plain containers, arrays (meshrl.types' token sequences: built
+    from a typecode and bytes, nothing else) and `classes` only."""
+    with _reading(path), torch.serialization.safe_globals([array.array, array._array_reconstructor, *classes]):
         return torch.load(path, weights_only=True)
 
 

@@ -4,6 +4,7 @@ functions: the controller's side of the data, after the grader and before the tr
 
 import json
 import math
+from array import array
 import random
 import statistics
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from meshrl.advantages import STEP_WISE, estimator, population_std, step_wise
-from meshrl.types import Completion, Episode, GroupEpisodes, ScoredCompletion, Trajectory, model_turns
+from meshrl.types import LOGPROB, MASK, Completion, Episode, GroupEpisodes, ScoredCompletion, Trajectory, model_turns
 from meshrl.work_buffer import Batch, Filling
 
 
@@ -61,15 +62,16 @@ def episode(turns: list[Completion], advantage: float, group_id: int, temperatur
     """The last turn's prompt and tokens, trained on the tokens of each of `turns` (the environment's
     and the prompt's tokens are masked out); its version the oldest of its turns' unless given."""
     last = turns[-1]
-    tokens = last.prompt_token_ids + last.token_ids
     context = len(last.prompt_token_ids)
-    loss_mask, logprobs = [False] * context + [True] * len(last.token_ids), [0.0] * context + last.logprobs
+    loss_mask = array(MASK, [0]) * context + array(MASK, [1]) * len(last.token_ids)
+    logprobs = array(LOGPROB, [0.0]) * context + last.logprobs
     for turn in turns[:-1]:  # the earlier turns of a trajectory, inside the last turn's prompt
         start, end = len(turn.prompt_token_ids), len(turn.prompt_token_ids) + len(turn.token_ids)
-        loss_mask[start:end], logprobs[start:end] = [True] * len(turn.token_ids), turn.logprobs
+        loss_mask[start:end], logprobs[start:end] = array(MASK, [1]) * len(turn.token_ids), turn.logprobs
     if version is None:
         version = min(t.policy_version for t in turns)
-    return Episode(tokens, loss_mask, logprobs, advantage, version, group_id, temperature)
+    return Episode(last.prompt_token_ids + last.token_ids, loss_mask, logprobs, advantage, version, group_id,
+                   temperature)
 
 
 def check_rates(checks: list[dict[str, float]], total: int, prefix: str,

@@ -29,12 +29,12 @@ def test_build_episodes_masks_prompt_and_aligns_logprobs():
     group, sequences = two_scored()
     episodes = build_episodes(group, 7, ControllerConfig(advantage_eps=0.0), 1.0, sequences=sequences)
     first, second = episodes
-    assert first.tokens == [1, 2, 3, 4]
-    assert first.loss_mask == [False, False, True, True]
-    assert first.behaviour_logprobs == [0.0, 0.0, -0.5, -0.25]
+    assert first.tokens.tolist() == [1, 2, 3, 4]
+    assert first.loss_mask.tolist() == [False, False, True, True]
+    assert first.behaviour_logprobs.tolist() == [0.0, 0.0, -0.5, -0.25]
     assert (first.advantage, second.advantage) == (1.0, -1.0)
     assert first.policy_version == 3 and first.group_id == 7
-    assert second.tokens == [1, 2, 5] and second.num_response_tokens == 1
+    assert second.tokens.tolist() == [1, 2, 5] and second.num_response_tokens == 1
 
 
 def test_a_batch_trains_its_groups_in_prompt_order_whatever_order_they_finished_in():
@@ -75,6 +75,65 @@ def test_collate_shifts_targets_and_pads():
     assert batch.loss_mask.tolist() == [[False, True, True], [False, True, False]]
     assert torch.equal(batch.behaviour_logprobs, torch.tensor([[0.0, -0.5, -0.25], [0.0, -2.0, 0.0]]))
     assert batch.advantages.tolist() == [1.0, -1.0] and (batch.loss_tokens, batch.loss_sequences) == (3, 2)
+
+
+def test_a_completions_tokens_travel_as_bytes_and_collate_to_what_the_lists_would():
+    """Made from lists, a Completion holds arrays: pickled, its 1,000 tokens and logprobs are 4 bytes each plus a
+    few hundred for the rest (a list's are 3 and 9 bytes, each its own object); collated, the arrays give the
+    tensors torch makes of the lists (int64 ids; each float64 logprob rounded once to float32)."""
+    import pickle
+    import random
+
+    rng = random.Random(0)
+    ids, logprobs = [rng.randrange(2**31) for _ in range(1000)], [-rng.expovariate(1.0) for _ in range(1000)]
+    c = Completion(0, [5, 6], ids, logprobs, "text", 0, "length")
+    sent = pickle.dumps(c, protocol=5)
+    assert len(sent) <= 8 * 1000 + 400
+    back = pickle.loads(sent)
+    assert (back.token_ids.typecode, back.logprobs.typecode) == ("i", "f") and back == c
+    assert back.token_ids.tolist() == ids
+
+    short = Completion(1, [5, 6], ids[:3], logprobs[:3], "text", 0, "stop")
+    episodes = build_episodes([scored(1.0), scored(0.0)], 0, ControllerConfig(), 1.0, sequences=[[c], [short]])
+    batch = TrainBatch.collate(episodes, loss_tokens=1003, loss_sequences=2, pad_id=7)
+    assert torch.equal(batch.input_ids, torch.tensor([[5, 6, *ids[:-1]], [5, 6, *ids[:2], *[7] * 997]]))
+    assert torch.equal(batch.target_ids, torch.tensor([[6, *ids], [6, *ids[:3], *[7] * 997]]))
+    assert torch.equal(batch.behaviour_logprobs, torch.tensor([[0.0, *logprobs], [0.0, *logprobs[:3], *[0.0] * 997]],
+                                                              dtype=torch.float32))
+    assert batch.loss_mask.sum(1).tolist() == [1000, 3] and episodes[1].num_response_tokens == 3
+
+
+def test_a_takes_completions_pickle_as_a_few_columns_whatever_their_number_and_come_back_whole():
+    """`Completions` (a generator's answer to the replay buffer's take): Monarch's pickler (cloudpickle's) calls
+    back into Python once per object it reduces; for Completions that is the same handful for 10 or 1,000
+    completions (a plain list: several more for each). Unpickled: the same Completions, versions and sums included."""
+    import io
+    import pickle
+
+    import cloudpickle
+
+    from meshrl.types import Completions
+
+    made = [Completion(i, [1, 2, i], list(range(i % 7 + 1)), [-0.5] * (i % 7 + 1), f"reply {i}", i % 3,
+                       "stop" if i % 2 else "length", [[0, 1], [2, 2]] if i % 5 == 0 else [], None if i % 4 else -1.5)
+                  for i in range(1000)]
+
+    def reductions(obj) -> int:
+        calls = []
+
+        class Counting(cloudpickle.Pickler):
+            def reducer_override(self, o):
+                calls.append(type(o))
+                return super().reducer_override(o)
+
+        Counting(io.BytesIO()).dump(obj)
+        return len(calls)
+
+    assert reductions(Completions(made[:10])) == reductions(Completions(made)) < 20
+    assert reductions(made) >= 4 * len(made)  # a plain list: each Completion and its three arrays
+    back = pickle.loads(cloudpickle.dumps(Completions(made)))
+    assert type(back) is list and back == made
+    assert back[5].versions == [[0, 1], [2, 2]] and back[5].logprob_sum is None and back[0].logprob_sum == -1.5
 
 
 def test_check_rates_average_each_check_and_count_unscored_completions_as_zero():

@@ -226,6 +226,36 @@ def test_free_heap_memory_scattered_below_a_live_block_goes_back_to_the_system()
 
 
 @pytest.mark.processes
+def test_a_process_tuned_for_throughput_keeps_freed_heap_memory_and_collects_less_often():
+    """The replay buffer's process (meshrl/actors/__init__.py: for_throughput): 125 MB of messages freed stay in
+    its heap for the next ones (an untuned process gives them back, and faults them in again), and its young
+    generation is collected every 50,000 new objects. Each side in a fresh interpreter."""
+    script = """if True:
+        import ctypes, gc, sys
+        from meshrl.actors import for_throughput, resident_gb
+        if sys.argv[1] == "tuned":
+            for_throughput()
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+        before = resident_gb()
+        blocks = [libc.malloc(64 * 1024) for _ in range(2000)]
+        for block in blocks:
+            ctypes.memset(block, 1, 64 * 1024)
+        for block in reversed(blocks):  # the heap's top last: all of it free
+            libc.free(block)
+        print((resident_gb() - before) * 1024, gc.get_threshold()[0])
+    """
+    kept = {}
+    for side in ("plain", "tuned"):
+        done = subprocess.run([sys.executable, "-c", script, side], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        mb, threshold = done.stdout.split()
+        kept[side] = (float(mb), int(threshold))
+    assert kept["plain"][0] < 10 and kept["plain"][1] == 700
+    assert kept["tuned"][0] > 100 and kept["tuned"][1] == 50_000
+
+
+@pytest.mark.processes
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_smoke_trains_on_the_gpu(tmp_path):
     result = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path),

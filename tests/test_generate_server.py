@@ -110,23 +110,23 @@ def test_a_scripted_client_runs_a_two_turn_session_recorded_with_its_exact_token
     for answer, turn in zip(answers, session.turns):
         [choice] = answer["choices"]
         c = turn.completion
-        assert choice["token_ids"] == c.token_ids and len(c.token_ids) > 0
-        assert [x["token_id"] for x in choice["logprobs"]["content"]] == c.token_ids
+        assert choice["token_ids"] == c.token_ids.tolist() and len(c.token_ids) > 0
+        assert [x["token_id"] for x in choice["logprobs"]["content"]] == c.token_ids.tolist()
         # and in the form older token-in/token-out clients read (verifiers 0.4.0's renderers)
         assert [x["token"] for x in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in c.token_ids]
-        assert [x["logprob"] for x in choice["logprobs"]["content"]] == c.logprobs
+        assert [x["logprob"] for x in choice["logprobs"]["content"]] == c.logprobs.tolist()
         assert per_token(choice["weight_versions"]) == turn.token_versions() == token_versions(c)
         assert answer["usage"]["prompt_tokens"] == len(c.prompt_token_ids)
     one, two = (t.completion for t in session.turns)
-    assert one.prompt_token_ids == first
-    assert two.prompt_token_ids == one.prompt_token_ids + one.token_ids + harness  # token ids exactly
+    assert one.prompt_token_ids.tolist() == first
+    assert two.prompt_token_ids.tolist() == (one.prompt_token_ids + one.token_ids).tolist() + harness  # token ids exactly
     assert set(session.turns[0].token_versions()) == {0} and set(session.turns[1].token_versions()) == {1}
     assert len(one.token_ids) <= 6 and len(two.token_ids) <= 5  # each turn's own max_tokens
     # one Episode: the second turn's sequence, trained on both replies and not on the harness's tokens
     e = session.episode(advantage=1.0, group_id=3)
     assert e.tokens == two.prompt_token_ids + two.token_ids
     trained = [t for t, m in zip(e.tokens, e.loss_mask) if m]
-    assert trained == one.token_ids + two.token_ids and e.policy_version == 0
+    assert trained == (one.token_ids + two.token_ids).tolist() and e.policy_version == 0
     assert refusals["no_session"][0] == 400 and "X-Session-Id" in refusals["no_session"][1]
     assert refusals["unserved"][0] == 400 and "top_k" in refusals["unserved"][1]
     assert refusals["n"][0] == 400 and "n must be 1" in refusals["n"][1]

@@ -64,15 +64,15 @@ def test_episodes_of_trajectories_and_step_wise_advantages_by_hand():
              ScoredCompletion(Trajectory([Generated.of(2, b1)], ""), 0.0)]
 
     whole = build_episodes(group, 9, ControllerConfig(advantage="rloo"), 1.0, sequences=held)  # rloo: 1 - 0 = 1 and 0 - 1 = -1
-    assert [e.tokens for e in whole] == [[1, 2, 3, 4, 5, 6], [1, 2, 7, 8]]
-    assert whole[0].loss_mask == [False, False, True, False, True, True]
-    assert whole[0].behaviour_logprobs == [0.0, 0.0, -3.0, 0.0, -5.0, -6.0]
+    assert [e.tokens.tolist() for e in whole] == [[1, 2, 3, 4, 5, 6], [1, 2, 7, 8]]
+    assert whole[0].loss_mask.tolist() == [False, False, True, False, True, True]
+    assert whole[0].behaviour_logprobs.tolist() == [0.0, 0.0, -3.0, 0.0, -5.0, -6.0]
     assert [e.advantage for e in whole] == [1.0, -1.0]
     assert [e.policy_version for e in whole] == [2, 3]  # a trajectory is as old as its oldest turn
 
     steps = build_episodes(group, 9, ControllerConfig(advantage="step_wise_rloo"), 1.0, sequences=held)
-    assert [e.tokens for e in steps] == [[1, 2, 3], [1, 2, 3, 4, 5, 6], [1, 2, 7, 8]]
-    assert [e.loss_mask for e in steps] == [[False, False, True], [False, False, False, False, True, True],
+    assert [e.tokens.tolist() for e in steps] == [[1, 2, 3], [1, 2, 3, 4, 5, 6], [1, 2, 7, 8]]
+    assert [e.loss_mask.tolist() for e in steps] == [[False, False, True], [False, False, False, False, True, True],
                                             [False, False, True, True]]
     assert [e.advantage for e in steps] == [1.0, 1.0, -1.0]  # the trajectory's advantage on each of its turns
     assert [e.policy_version for e in steps] == [2, 2, 3]
@@ -221,9 +221,9 @@ def test_smollm2_looks_up_in_the_environment_and_only_its_own_tokens_are_trained
         assert failed == 0 and len(scored) == 1
         opening = tokenizer.encode_messages(env.opening(sample))
         for s, turns, whole in zip(scored, held, build_episodes(scored, 0, ControllerConfig(), 1.0, sequences=held)):
-            assert whole.tokens[:len(opening)] == opening and not any(whole.loss_mask[:len(opening)])
+            assert whole.tokens[:len(opening)].tolist() == opening and not any(whole.loss_mask[:len(opening)])
             trained = [t for t, m in zip(whole.tokens, whole.loss_mask) if m]
-            assert decode(trained) == "".join(decode(t.token_ids) for t in turns)  # the model's tokens, all of them
+            assert decode(trained) == "".join(decode(t.token_ids.tolist()) for t in turns)  # the model's tokens, all of them
             assert [lp for lp, m in zip(whole.behaviour_logprobs, whole.loss_mask) if m] == [
                 lp for t in turns for lp in t.logprobs]
             between = [t for t, m in zip(whole.tokens[len(opening):], whole.loss_mask[len(opening):]) if not m]
@@ -235,7 +235,7 @@ def test_smollm2_looks_up_in_the_environment_and_only_its_own_tokens_are_trained
                 assert f"tool\n{value}" in s.completion.text
             step_wise = build_episodes([s], 0, ControllerConfig(advantage="step_wise_grpo"), 1.0, sequences=[turns])
             assert [decode([t for t, m in zip(e.tokens, e.loss_mask) if m]) for e in step_wise] == [
-                decode(t.token_ids) for t in turns]
+                decode(t.token_ids.tolist()) for t in turns]
     assert looked_up >= 2  # greedy SmolLM2 looks up most words after the worked example
 
 
@@ -398,12 +398,12 @@ def test_a_later_turn_sends_only_its_new_tokens_and_a_replica_that_did_not_make_
                 await procs.stop()
 
     first, turn1, new, on_a, on_b, whole_a, whole_b = asyncio.run(run())
-    conversation = turn1.prompt_token_ids + turn1.token_ids + new
+    conversation = (turn1.prompt_token_ids + turn1.token_ids).tolist() + new
     assert first.prompt_tokens + first.num_tokens == len(turn1.prompt_token_ids + turn1.token_ids)
     assert len(conversation) + greedy.max_tokens < 128 and 0 < len(new) < len(conversation)
     # what each replica generated from: the whole conversation, though only `new` was sent
     assert on_a.prompt_tokens == on_b.prompt_tokens == len(conversation)
-    assert whole_a.prompt_token_ids == whole_b.prompt_token_ids == conversation
+    assert whole_a.prompt_token_ids.tolist() == whole_b.prompt_token_ids.tolist() == conversation
     assert len(whole_a.token_ids) > 0 and whole_b.token_ids == whole_a.token_ids
     assert (on_b.num_tokens, on_b.policy_version) == (on_a.num_tokens, on_a.policy_version)
 

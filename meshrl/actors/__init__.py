@@ -131,6 +131,24 @@ def return_free_memory() -> bool:
         return False
 
 
+def for_throughput(gc_threshold: int = 50_000, heap_pad_mb: int = 256) -> None:
+    """Tune this process for taking in thousands of sequences a second (the replay buffer's): Python's
+    collector runs its young generation every `gc_threshold` new objects, not every 700 (each message unpickled
+    makes thousands, and a collection also walks the groups held: 30% of the buffer's CPU); glibc grows its heap
+    `heap_pad_mb` at a time and keeps what is freed (up to 4x that) for the next message, not returning it to the
+    system and faulting it in again (unpickling 1,024 completions of 1,024 tokens: 34 us each, 8 us kept)."""
+    import ctypes
+    import gc
+
+    gc.set_threshold(gc_threshold, *gc.get_threshold()[1:])
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-2, heap_pad_mb << 20)  # M_TOP_PAD
+        libc.mallopt(-1, heap_pad_mb << 22)  # M_TRIM_THRESHOLD
+    except AttributeError:  # not glibc (musl, macOS)
+        pass
+
+
 def resident_gb() -> float:
     """This process's resident memory (host RAM), GiB."""
     with open("/proc/self/statm") as statm:

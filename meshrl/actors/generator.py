@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
+from meshrl.actors import for_throughput
 from meshrl.actors.adapters import MergedAdapter, ServedAdapter, lora_options, serves_adapters
 from meshrl.actors.engine import start_vllm
 from meshrl.actors.generator_config import WEIGHT_UPDATES, GeneratorConfig
@@ -96,6 +97,7 @@ class VLLMGenerator(Actor):
         """`lora` (the trainer's, when it trains an adapter): vLLM serves the base with the trainer's adapter,
         loaded in place at each version (meshrl/actors/adapters.py)."""
         self.config = config
+        for_throughput()  # the replay buffer takes its completions a thousand at a time
         # processed logprobs: those of the distribution each token was sampled from (after the temperature),
         # which the trainer's logprobs of logits / temperature are compared with
         # the run plans each replica's GPUs (meshrl/runtime/gpu_plan.py): none on a CPU-only host
@@ -192,7 +194,7 @@ class VLLMGenerator(Actor):
             [before] = self.held.take([prompt.prefix])
         else:
             [before] = await take_held(prompt.prefix_holder, [prompt.prefix])
-        return Prompt(prompt.index, before.prompt_token_ids + before.token_ids + prompt.token_ids)
+        return Prompt(prompt.index, (before.prompt_token_ids + before.token_ids).tolist() + prompt.token_ids)
 
     @concurrent_endpoint
     async def completions(self, keys: list[int], forget: bool = False) -> list[Completion]:

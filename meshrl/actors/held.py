@@ -11,7 +11,7 @@ import time
 
 from meshrl.actors.replicas import error_line, replica_fault
 from meshrl.actors.roles import TokensLost
-from meshrl.types import Completion, Generated, Generation, Grading, Reply
+from meshrl.types import Completion, Completions, Generated, Generation, Grading, Reply
 
 
 class HeldCompletions:
@@ -27,9 +27,9 @@ class HeldCompletions:
         self.by_key[key] = completion
         return Generated.of(key, completion, text)
 
-    def take(self, keys: list[int], forget: bool = False) -> list[Completion]:
-        """The completions `keys` name (KeyError for one not held), let go with `forget`."""
-        taken = [self.by_key[k] for k in keys]
+    def take(self, keys: list[int], forget: bool = False) -> Completions:
+        """The completions `keys` name (KeyError for one not held), let go with `forget`; sent in columns."""
+        taken = Completions(self.by_key[k] for k in keys)
         if forget:
             for k in keys:
                 del self.by_key[k]

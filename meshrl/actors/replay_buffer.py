@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
-from meshrl.actors import pin_cpus
+from meshrl.actors import for_throughput, pin_cpus
 from meshrl.actors.held import take_held
 from meshrl.actors.replay_buffer_config import ReplayBufferConfig
 from meshrl.actors.roles import TokensLost
@@ -100,6 +100,7 @@ class FifoBuffer(Actor):
                  max_policy_age: int, pad_id: int):
         if config.cpus:
             pin_cpus(config.cpus, 1)
+        for_throughput()
         self.config, self.trainer, self.pad_id = config, trainer, pad_id
         self.prompts_per_step, self.max_policy_age = prompts_per_step, max_policy_age
         self.groups: dict[int, StoredGroup] = {}  # by group id (its prompt index)

@@ -279,11 +279,11 @@ class GenerateServer:
         session.turns.append(Turn(c, sampling))
         return GenerateTokensResponse(
             request_id=request.request_id, model=self.model_name, created=int(time.time()),
-            prompt_token_ids=c.prompt_token_ids if request.return_token_ids else None,
+            prompt_token_ids=c.prompt_token_ids.tolist() if request.return_token_ids else None,
             usage=UsageInfo(prompt_tokens=len(c.prompt_token_ids), completion_tokens=len(c.token_ids),
                             total_tokens=len(c.prompt_token_ids) + len(c.token_ids)),
             choices=[GenerateTokensChoice(
-                index=0, finish_reason=c.finish_reason, token_ids=c.token_ids, weight_versions=version_spans(c),
+                index=0, finish_reason=c.finish_reason, token_ids=c.token_ids.tolist(), weight_versions=version_spans(c),
                 logprobs=GenerateLogProbs(content=[GenerateLogProbsContent(token_id=t, logprob=lp)
                                                    for t, lp in zip(c.token_ids, c.logprobs)]))])
 
