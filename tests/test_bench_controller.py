@@ -76,5 +76,6 @@ def test_buffer_bench_puts_every_group_through_one_buffer_process_and_leaves_no_
         for run in length.values():  # two timed batches of 16 groups, each staged, added, sampled and trained
             assert run["groups"] == 32 and run["groups_per_s"] == run["groups"] / run["seconds"]
             assert run["buffer_cpu_ms_per_group"] > 0
+            assert run["groups_per_core_s"] == pytest.approx(1000 / run["buffer_cpu_ms_per_group"])
     assert "groups/s" in result.stdout
     assert not {p.pid for p in psutil.Process().children(recursive=True)} - before

@@ -8,8 +8,10 @@ processes of their own, made before the clock starts; each completion's tokens a
 own, as real ones are: canned lists shared by a message's completions would be pickled once), and this process asks as the controller does: each
 group's stage as its group is graded (all of a batch at once here; the controller's Stages sends those
 waiting together), one add for the batch, its sample and trained. Reported per completion
-length: groups/s over the timed batches (`stage_add_sample`), the buffer process's CPU per group, and the
-same with every micro-batch fetched and collated (what the trainer's ranks ask next, `with_fetch`).
+length: groups/s over the timed batches (`stage_add_sample`), the buffer process's CPU per group and what one
+core of it takes in at that cost (`groups_per_core_s`: the stand-ins and this process share the machine's cores
+with it, and in a run they are other hosts), and the same with every micro-batch fetched and collated (what the
+trainer's ranks ask next, `with_fetch`).
 """
 
 import asyncio
@@ -77,7 +79,8 @@ async def one_length(tokens: int, batches: int, batch_size: int, group_size: int
                 cpu += cpu_end.user + cpu_end.system - cpu_start.user - cpu_start.system
         groups_timed = batches * batch_size
         return {"max_tokens": tokens, "groups": groups_timed, "seconds": seconds, "groups_per_s": groups_timed / seconds,
-                "buffer_cpu_ms_per_group": 1000 * cpu / groups_timed}
+                "buffer_cpu_ms_per_group": 1000 * cpu / groups_timed,
+                "groups_per_core_s": groups_timed / cpu if cpu else None}
     finally:
         for procs in [buffer_procs, *(m for m, _ in meshes)]:
             await procs.stop()
@@ -98,10 +101,11 @@ def run(max_tokens: list[int], batches: int, batch_size: int, group_size: int) -
 def report(result: dict) -> str:
     lines = [f"one replay buffer process ({result['cpu']}, {result['cores']} cores), batches of {result['batch_size']} "
              f"groups of {result['group_size']}: stage + add + sample + trained, then with every micro-batch fetched",
-             f"  {'tokens':>6s} {'groups/s':>9s} {'buffer CPU ms/group':>19s} | {'with fetch groups/s':>19s} "
-             f"{'buffer CPU ms/group':>19s}"]
+             f"  {'tokens':>6s} {'groups/s':>9s} {'buffer CPU ms/group':>19s} {'groups/core-s':>13s} | "
+             f"{'with fetch groups/s':>19s} {'buffer CPU ms/group':>19s}"]
     for length in result["lengths"]:
         a, f = length["stage_add_sample"], length["with_fetch"]
-        lines.append(f"  {a['max_tokens']:6d} {a['groups_per_s']:9.0f} {a['buffer_cpu_ms_per_group']:19.3f} | "
+        lines.append(f"  {a['max_tokens']:6d} {a['groups_per_s']:9.0f} {a['buffer_cpu_ms_per_group']:19.3f} "
+                     f"{a['groups_per_core_s'] or 0:13.0f} | "
                      f"{f['groups_per_s']:19.0f} {f['buffer_cpu_ms_per_group']:19.3f}")
     return "\n".join(lines)

@@ -15,10 +15,12 @@ replay buffer and Monarch's messages between processes, at hundreds of actors (m
 
 import random
 import time
+from array import array
 from pathlib import Path
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
+from meshrl.actors import for_throughput
 from meshrl.actors.distributed import each_micro_batch, to_buffer
 from meshrl.actors.held import HeldCompletions, graded
 from meshrl.actors.trace import ActorClock
@@ -38,6 +40,7 @@ class StandInGenerator(Actor):
     completions of one message once: canned ones understate what moving real completions costs)."""
 
     def __init__(self, index: int, distinct: bool = False):
+        for_throughput()  # as the real generator's process
         self.held = HeldCompletions(index << 32)
         self.version, self.running, self.book = 0, 0, WeightUpdates()
         self.canned: dict[int, tuple[list[int], list[float]]] = {}  # length -> (tokens, logprobs), made once
@@ -47,7 +50,8 @@ class StandInGenerator(Actor):
         """A completion's tokens and logprobs: the canned ones, or (`distinct`) random ones of the same length."""
         if self.random is None:
             return tokens, logprobs
-        return ([self.random.randrange(32, 49152) for _ in tokens], [-3 * self.random.random() for _ in logprobs])
+        ids = array("i", array("H", self.random.randbytes(2 * len(tokens))))  # 0 to 65535, drawn at once
+        return ids, [-3 * self.random.random() for _ in logprobs]
 
     @concurrent_endpoint
     async def generate(self, prompts, *, sampling=None, min_version: int = 0, text: bool = False,
