@@ -228,8 +228,10 @@ def test_free_heap_memory_scattered_below_a_live_block_goes_back_to_the_system()
 @pytest.mark.processes
 def test_a_process_tuned_for_throughput_keeps_freed_heap_memory_and_collects_less_often():
     """The replay buffer's process (meshrl/actors/__init__.py: for_throughput): 125 MB of messages freed stay in
-    its heap for the next ones (an untuned process gives them back, and faults them in again), and its young
-    generation is collected every 50,000 new objects. Each side in a fresh interpreter."""
+    its heap for the next ones, and its young generation is collected every 50,000 new objects, not 700. Each side
+    in a fresh interpreter. What an untuned process gives back depends on what else its heap holds (glibc returns
+    only the heap's free top, past a threshold it moves by itself): 0 MB in one venv here, 112 MB in a fresh
+    clone's, so only the tuned side's memory is asserted."""
     script = """if True:
         import ctypes, gc, sys
         from meshrl.actors import for_throughput, resident_gb
@@ -251,7 +253,7 @@ def test_a_process_tuned_for_throughput_keeps_freed_heap_memory_and_collects_les
         assert done.returncode == 0, done.stderr
         mb, threshold = done.stdout.split()
         kept[side] = (float(mb), int(threshold))
-    assert kept["plain"][0] < 10 and kept["plain"][1] == 700
+    assert kept["plain"][1] == 700
     assert kept["tuned"][0] > 100 and kept["tuned"][1] == 50_000
 
 

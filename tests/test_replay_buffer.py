@@ -218,7 +218,7 @@ def test_stage_takes_a_groups_completions_from_their_generator_and_answers_false
 
     staged, left, micro, gone = asyncio.run(run())
     assert staged and left == [1]  # the two staged went to the buffer; the generator forgot them
-    tokens = [c.prompt_token_ids + c.token_ids for c in (held[0], held[2])]
+    tokens = [(c.prompt_token_ids + c.token_ids).tolist() for c in (held[0], held[2])]
     assert (micro.input_ids.tolist(), micro.target_ids.tolist()) == ([t[:-1] for t in tokens], [t[1:] for t in tokens])
     assert gone is False
 
