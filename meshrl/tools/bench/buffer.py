@@ -5,10 +5,9 @@ holding them), `add` (the controller's decision: its episodes flattened from the
 composed and cut into micro-batches), then `trained` lets it go. Here the real FifoBuffer runs on a
 process of its own, the completions wait on generator stand-ins (meshrl/tools/bench/standins.py, on
 processes of their own, made before the clock starts; each completion's tokens and logprobs random and its
-own, as real ones are: canned lists shared by a message's completions would be pickled once), and this process asks as the controller does: each
-group's stage as its group is graded (all of a batch at once here; the controller's Stages sends those
-waiting together), one add for the batch, its sample and trained. Reported per completion
-length: groups/s over the timed batches (`stage_add_sample`), the buffer process's CPU per group and what one
+own, as real ones are), and this process asks as the controller does: each group's stage as its group is
+graded (all of a batch at once here; the controller's Stages sends those waiting together), one add for the
+batch, its sample and trained. Reported per completion length: groups/s over the timed batches (`stage_add_sample`), the buffer process's CPU per group and what one
 core of it takes in at that cost (`groups_per_core_s`: the stand-ins and this process share the machine's cores
 with it, and in a run they are other hosts), and the same with every micro-batch fetched and collated (what the
 trainer's ranks ask next, `with_fetch`).

@@ -25,7 +25,7 @@ from meshrl.actors.distributed import each_micro_batch, to_buffer
 from meshrl.actors.held import HeldCompletions, graded
 from meshrl.actors.trace import ActorClock
 from meshrl.actors.weight_updates import WeightUpdates
-from meshrl.types import Completion, Generation, Reply
+from meshrl.types import LOGPROB, TOKEN, Completion, Generation, Reply
 
 
 def text_rewards(completions: list[Completion]) -> list[tuple[float, dict[str, float]]]:
@@ -35,22 +35,22 @@ def text_rewards(completions: list[Completion]) -> list[tuple[float, dict[str, f
 
 
 class StandInGenerator(Actor):
-    """roles.Generator with canned completions; `index` makes its keys unique in the run. With `distinct`, each
-    completion's tokens and logprobs are lists of their own, random (pickle sends a list shared by several
-    completions of one message once: canned ones understate what moving real completions costs)."""
+    """roles.Generator with canned completions (one token array and one logprob array per length, made once and
+    shared); `index` makes its keys unique in the run. With `distinct`, each completion's tokens and logprobs are
+    its own, random, as real ones are."""
 
     def __init__(self, index: int, distinct: bool = False):
         for_throughput()  # as the real generator's process
         self.held = HeldCompletions(index << 32)
         self.version, self.running, self.book = 0, 0, WeightUpdates()
-        self.canned: dict[int, tuple[list[int], list[float]]] = {}  # length -> (tokens, logprobs), made once
+        self.canned: dict[int, tuple[array, array]] = {}  # length -> (tokens, logprobs), made once
         self.random = random.Random(index) if distinct else None
 
-    def _sampled(self, tokens: list[int], logprobs: list[float]) -> tuple[list[int], list[float]]:
+    def _sampled(self, tokens: array, logprobs: array) -> tuple[array, array | list[float]]:
         """A completion's tokens and logprobs: the canned ones, or (`distinct`) random ones of the same length."""
         if self.random is None:
             return tokens, logprobs
-        ids = array("i", array("H", self.random.randbytes(2 * len(tokens))))  # 0 to 65535, drawn at once
+        ids = array(TOKEN, array("H", self.random.randbytes(2 * len(tokens))))  # 0 to 65535, drawn at once
         return ids, [-3 * self.random.random() for _ in logprobs]
 
     @concurrent_endpoint
@@ -64,7 +64,7 @@ class StandInGenerator(Actor):
         try:
             length = sampling.max_tokens
             if length not in self.canned:
-                self.canned[length] = (list(range(7, 7 + length)), [-0.5] * length)
+                self.canned[length] = (array(TOKEN, range(7, 7 + length)), array(LOGPROB, [-0.5]) * length)
             tokens, logprobs = self.canned[length]
             made = [Completion(p.index, p.token_ids, *self._sampled(tokens, logprobs), str(j % 2), self.version,
                                "length", [], -0.5 * length) for p in prompts for j in range(sampling.n)]
