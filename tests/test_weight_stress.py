@@ -22,6 +22,7 @@ from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.models.model import ChatTokenizer
 from meshrl.types import Prompt, Sampling
 from meshrl.weight_sync import WeightSyncConfig
+from meshrl.weight_sync.ring import complete_versions
 from support.weight_stress import stress_ring
 
 pytestmark = pytest.mark.processes
@@ -48,7 +49,7 @@ class TearingGenerator(VLLMGenerator):
         def slow_copy(reader, slot, begins, cancel):
             if len(slowed) < TEARS:
                 slowed.append(slot)
-                newest = lambda: max(reader.complete_versions(reader.header_now()), default=-1)  # noqa: E731
+                newest = lambda: max(complete_versions(reader.header_now()), default=-1)  # noqa: E731
                 held, until = newest(), time.monotonic() + TEAR_WAIT_S
                 while newest() < held + 2 and time.monotonic() < until:
                     time.sleep(0.01)
@@ -71,7 +72,7 @@ class SlowLoadGenerator(VLLMGenerator):
 
     def _newest_in_ring(self) -> int:
         [reader] = self.ring.readers  # one host, one ring: its ranks share it
-        return max(reader.complete_versions(reader.header_now()), default=-1)
+        return max(complete_versions(reader.header_now()), default=-1)
 
     @endpoint
     async def overtaken_by(self) -> list[int]:

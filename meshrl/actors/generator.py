@@ -54,6 +54,7 @@ from meshrl.actors.weight_updates import WeightUpdates
 from meshrl.models.lora import LoraConfig
 from meshrl.types import Completion, Generation, Grading, Prompt, Sampling
 from meshrl.weight_sync import WeightSyncConfig, published_weights
+from meshrl.weight_sync.device_ring import DeviceRingHandle, DeviceRingReader
 from meshrl.weight_sync.disk import DiskHandle, DiskReader
 from meshrl.weight_sync.handoff import Handoff
 from meshrl.weight_sync.relay import RelayHandle, RelayedReader, open_reader
@@ -120,7 +121,7 @@ class VLLMGenerator(Actor):
         if self.update not in WEIGHT_UPDATES:  # `auto` is the run's to choose (meshrl.configs.resolve)
             raise ValueError(f"generator.weight_update {self.update!r} is not resolved: a replica is given one of "
                              f"{', '.join(WEIGHT_UPDATES)}")
-        self.ring: ShardedReader | RelayedReader | DiskReader | None = None
+        self.ring: ShardedReader | RelayedReader | DiskReader | DeviceRingReader | None = None
         # versions reach vLLM's workers in processes of their own through shared memory (tensor parallelism)
         self.through_workers = config.tensor_parallel_size > 1
         self.handoff = Handoff()
@@ -277,17 +278,24 @@ class VLLMGenerator(Actor):
             if await self._within_timeout(self.ring.newest()) <= self.policy_version:  # headers only
                 return
             async with self.book.loading(drain=self.update == "drain"):
-                start, staged = time.time(), []
-                version = await self._within_timeout(
-                    self.ring.load_latest(lambda v, weights: staged.append(weights), newer_than=self.policy_version))
-                if version is None:
-                    return
-                read_s = time.time() - start
+                start, staged, read_s = time.time(), [], 0.0
+                in_place = isinstance(self.ring, DeviceRingReader)
+                if not in_place:
+                    version = await self._within_timeout(self.ring.load_latest(
+                        lambda v, weights: staged.append(weights), newer_than=self.policy_version))
+                    if version is None:
+                        return
+                    read_s = time.time() - start
                 # no engine step and no new request between the reload, the version's change and the cache
-                # reset: no await below but the swap's own (`_swap`)
+                # reset: no await below but the swap's own (`_swap`, `_swap_in_place`)
                 in_flight = bool(self.running)
                 self._wake()
-                await self._swap(staged[-1])
+                if in_place:
+                    version = await self._within_timeout(self._swap_in_place())
+                    if version is None:
+                        return
+                else:
+                    await self._swap(staged[-1])
                 self.policy_version = version
                 if in_flight and self.update == "in_flight":
                     reset = True  # running requests keep their prefixes' KV; new ones get a new cache salt
@@ -319,6 +327,27 @@ class VLLMGenerator(Actor):
             await asyncio.shield(swap)
         finally:  # the engine steps again once the workers are done, even if this wait was cancelled
             swap.add_done_callback(lambda _: self.swapped.set())
+
+    async def _swap_in_place(self) -> int | None:
+        """A ring in device memory (meshrl/weight_sync/device_ring.py): vLLM loads straight from the ring's slot,
+        and a load the trainer overtook is done again with a newer version; the engine takes no step until one
+        version is loaded whole (the workers' last load may outlive a cancelled wait: the engine waits for it)."""
+        self.swapped.clear()
+        swaps = []
+
+        async def load(version: int, weights: list[tuple[str, torch.Tensor]]) -> None:
+            if not self.through_workers or isinstance(self.adapter, ServedAdapter):
+                return self.reload(weights)
+            swaps.append(asyncio.ensure_future(asyncio.to_thread(self.reload, weights)))
+            await asyncio.shield(swaps[-1])
+
+        try:
+            return await self.ring.load_latest(load, newer_than=self.policy_version)
+        finally:
+            if swaps and not swaps[-1].done():
+                swaps[-1].add_done_callback(lambda _: self.swapped.set())
+            else:
+                self.swapped.set()
 
     def reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors into vLLM in place: handed to its one worker in this process, or with
@@ -369,7 +398,7 @@ class VLLMGenerator(Actor):
             self.asleep = False
 
     @endpoint
-    async def attach_weights(self, rings: list[RingHandle | DiskHandle | RelayHandle | None]) -> str:
+    async def attach_weights(self, rings: list[RingHandle | DeviceRingHandle | DiskHandle | RelayHandle | None]) -> str:
         """Pull weights from the trainer's rings (one per rank, in rank order) from now on, or from its host's
         relay of them (meshrl/weight_sync/relay.py), or from its directory of versions (transport disk);
         returns the transport chosen."""

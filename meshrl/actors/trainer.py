@@ -48,6 +48,7 @@ from meshrl.models.model import save_checkpoint
 from meshrl.types import BatchRef, TrainBatch
 from meshrl.weight_sync import WeightSyncConfig, published_weights
 from meshrl.weight_sync.disk import DiskHandle, write_version
+from meshrl.weight_sync.device_ring import DeviceMark, DeviceRingHandle, device_ring_for
 from meshrl.weight_sync.ring import RingHandle
 from meshrl.weight_sync.shards import host_ring, shard_layout
 from meshrl.weight_sync.staging import staging_for
@@ -73,12 +74,18 @@ class TitanTrainer(Actor):
         full, self.to_hf = published_weights(self.checkpoint, weight_sync.dtype, config.lora)
         self.published = [spec.name for spec in full.specs]
         self.dtype = full.specs[0].dtype
-        self.ring = None if weight_sync.transport == "disk" else host_ring(
-            full, self.rank, self.world, lambda x: all_gather(x, self.world), weight_sync.slots, weight_sync.chunk_mb,
-            weight_sync.checksums)
-        # how this rank's rows reach the ring: from CUDA, pinned staging and a side stream (weight_sync/staging.py)
-        self.staging = staging_for(weight_sync.staging, shard_layout(full, self.rank, self.world), self.device) \
-            if self.ring is not None else None
+        # In the host's memory, or in its GPUs' (weight_sync.memory device: meshrl/weight_sync/device_ring.py).
+        gather = lambda x: all_gather(x, self.world)  # noqa: E731
+        self.ring = self.staging = None
+        if weight_sync.transport != "disk" and weight_sync.memory == "device":
+            self.ring = device_ring_for(full, self.rank, self.world, gather, weight_sync.slots, weight_sync.checksums,
+                                        self.device)
+            self.staging = DeviceMark(self.ring)  # a side stream, ordered after the step
+        elif weight_sync.transport != "disk":
+            self.ring = host_ring(full, self.rank, self.world, gather, weight_sync.slots, weight_sync.chunk_mb,
+                                  weight_sync.checksums)
+            # how this rank's rows reach the ring: from CUDA, pinned staging and a side stream (weight_sync/staging.py)
+            self.staging = staging_for(weight_sync.staging, shard_layout(full, self.rank, self.world), self.device)
         # the plain path (meshrl/weight_sync/disk.py): the policy gathered and saved per version, instead or as a check
         self.disk = Path(weight_sync.disk_dir) if weight_sync.transport == "disk" or weight_sync.verify else None
         self.keep = weight_sync.slots
@@ -183,7 +190,7 @@ class TitanTrainer(Actor):
                 "memory_gb": resident_gb()}
 
     @endpoint
-    async def weight_ring(self) -> RingHandle | DiskHandle | None:
+    async def weight_ring(self) -> RingHandle | DeviceRingHandle | DiskHandle | None:
         """Where generators pull this rank's rows of each published version from: its host's ring (None
         from the host's other ranks, whose rows are in the first's); with transport disk, rank 0's
         directory of versions."""

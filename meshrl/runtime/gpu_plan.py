@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from meshrl.actors.engine import GPU_MEMORY_FRACTION
 from meshrl.runtime.jobs import RolePlacement
+from meshrl.weight_sync.device_ring import ring_memory
 
 SHARING = ("auto", "off")
 
@@ -41,12 +42,15 @@ class GpuPlan:
     shared: list[str] = field(default_factory=list)  # per group whose roles share GPUs: what shares them
     sleep: bool = False  # the generators share GPUs with ranks: vLLM's sleep mode while a synchronous step trains
     asked: bool = False  # not planned yet: the hosts are asked for their GPUs once attached (job.kind workers)
+    weight_memory: str = ""  # weight_sync.memory for this placement (device_ring.ring_memory); "": not planned
 
     def apply(self, config):
         """The config with the plan written into the roles' device settings (their own settings win:
         `generator.devices` or `generator.memory_fraction` set by the user, `generator.engine.sleep` other
         than auto, or a `trainer.device` other than auto)."""
         changes = {}
+        if self.weight_memory:
+            changes["weight_sync"] = dataclasses.replace(config.weight_sync, memory=self.weight_memory)
         g = config.generator
         if self.generators:
             sleep = "on" if self.sleep and config.controller.max_policy_age == 0 else "off"
@@ -70,6 +74,9 @@ class GpuPlan:
         lines += [f"gpus: {role} ranks on each host, local rank 0 first: " + " ".join(f"cuda:{g}" for g in gpus)
                   for role, gpus in (("trainer", self.trainer), ("reference", self.reference)) if gpus]
         lines += [f"gpus: shared (job.gpu_sharing auto): {what}" for what in self.shared]
+        if self.weight_memory == "device":
+            lines.append("gpus: the weight ring's slots in the trainer's GPU memory, read by the generators by CUDA IPC "
+                         "(weight_sync.memory)")
         if self.shared and self.generators:
             lines.append(f"gpus: vLLM takes {self.memory_fraction:.2f} of each GPU it shares (generator.memory_fraction"
                          " unless set)" + ("; it sleeps while a synchronous step trains (generator.engine.sleep auto)"
@@ -128,8 +135,13 @@ def plan_gpus(config, placement: dict[str, RolePlacement], gpus_per_host: int | 
         generators = [",".join(map(str, gpus_of["generator"][i // gen.hosts])) for i in range(config.generator.replicas)]
         busiest = max(load[gen.group][g] for gpus in gpus_of["generator"] for g in gpus)
         fraction = round(GPU_MEMORY_FRACTION / busiest, 4)
+    trainer = placement.get("trainer")
+    memory = config.weight_sync.memory
+    if trainer is not None and "generator" in placement:
+        memory = ring_memory(memory, "trainer" in gpus_of, trainer.hosts,
+                             placement["generator"].group == trainer.group, config.weight_sync.relay)
     return GpuPlan(generators, [g for [g] in gpus_of.get("trainer", [])], [g for [g] in gpus_of.get("reference", [])],
-                   fraction, shared, shared_ranks)
+                   fraction, shared, shared_ranks, weight_memory=memory)
 
 
 def _n(count: int, noun: str) -> str:

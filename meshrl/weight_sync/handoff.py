@@ -28,7 +28,7 @@ import torch
 from meshrl.weight_sync import WeightLayout
 from meshrl.weight_sync.ring import SharedMemory
 
-Region = tuple[int, int, int]  # (pid, fd, nbytes) of a memfd mapping, as SharedMemory.region() gives it
+Region = tuple  # (pid, fd, nbytes) of a memfd mapping, as SharedMemory.region() gives it, or a CUDA IPC region
 Entry = tuple[str, int, int, str, tuple[int, ...]]  # (name, region index, byte offset, dtype, shape)
 
 
@@ -90,7 +90,12 @@ def view(buffer: torch.Tensor, offset: int, dtype: str, shape: tuple[int, ...]) 
 
 
 def map_region(region: Region) -> torch.Tensor:
-    """Another process's memfd (same host), mapped here as flat bytes (the mapping lives as long as the tensor)."""
+    """Another process's memfd (same host), mapped here as flat bytes (the mapping lives as long as the tensor),
+    or its GPU memory, opened by CUDA IPC (a ring in device memory, meshrl/weight_sync/device_ring.py)."""
+    if region[0] == "cuda_ipc":
+        from meshrl.weight_sync.device_ring import open_region
+
+        return open_region(region)
     pid, fd, nbytes = region
     handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
     try:

@@ -31,6 +31,7 @@ from monarch.actor import Actor, concurrent_endpoint
 
 from meshrl.checks import AUTO_ON_OFF
 from meshrl.weight_sync import WeightLayout
+from meshrl.weight_sync.device_ring import DeviceRingHandle, DeviceRingReader
 from meshrl.weight_sync.disk import DiskHandle, DiskReader
 from meshrl.weight_sync.ring import RingHandle, WeightRing
 from meshrl.weight_sync.shards import ShardedReader, Weights
@@ -207,6 +208,11 @@ def open_reader(handles: list, layout: WeightLayout, to_hf: Callable[[dict], dic
     (`DiskReader`)."""
     if disk := [h for h in handles if isinstance(h, DiskHandle)]:
         return DiskReader(disk[0])
+    if device := [h for h in handles if isinstance(h, DeviceRingHandle)]:
+        if len(device) > 1:
+            raise ValueError(f"the trainer's ranks are on {len(device)} hosts: a weight ring in device memory is read "
+                             "on one (weight_sync.memory host)")
+        return DeviceRingReader(device[0], layout, to_hf)
     if relayed := [h for h in handles if isinstance(h, RelayHandle)]:
         return RelayedReader(relayed[0], layout, to_hf, transport)
     return ShardedReader(handles, layout, to_hf, transport)

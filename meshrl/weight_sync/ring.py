@@ -118,6 +118,13 @@ def _regions(memory: torch.Tensor, slots: int, writers: int, payload_bytes: int)
 Pieces = list[list[tuple[str, int, int]]]  # per writer: (tensor name, first byte, end byte) of the payload
 
 
+def complete_versions(header: list[list[list[int]]]) -> dict[int, int]:
+    """version -> slot, for the slots of `header` (per slot, a [begin, end, version, checksum] row per writer)
+    that every writer has completely written, with one version."""
+    return {rows[0][VERSION]: slot for slot, rows in enumerate(header)
+            if all(row[BEGIN] == row[END] > 0 and row[VERSION] == rows[0][VERSION] for row in rows)}
+
+
 def _crc(payload: torch.Tensor, pieces: list[tuple[str, int, int]] | None) -> int:
     """CRC32 of the whole payload, or of one writer's pieces of it in order."""
     if pieces is None:
@@ -260,11 +267,6 @@ class RingReader:
             chunk = handle.chunks[0][0].size()
             self.chunk_views = [self.bytes[i:i + chunk] for i in range(0, expected.nbytes, chunk)]
 
-    def complete_versions(self, header: list[list[list[int]]]) -> dict[int, int]:
-        """version -> slot, for the slots of `header` that every writer has completely written, with one version."""
-        return {rows[0][VERSION]: slot for slot, rows in enumerate(header)
-                if all(row[BEGIN] == row[END] > 0 and row[VERSION] == rows[0][VERSION] for row in rows)}
-
     def check_sum(self, rows: list[list[int]]) -> bool:
         """Whether this reader's copy matches each writer's checksum in its slot's `rows` (always, without
         checksums); a mismatch is counted."""
@@ -323,7 +325,7 @@ async def newest_together(readers: list[RingReader]) -> int:
 def _newest_common(readers: list[RingReader], headers: list[list[list[int]]], newer_than: int):
     """(version, each reader's slot holding it) for the newest version complete in every ring and newer
     than `newer_than`, or None."""
-    complete = [r.complete_versions(header) for r, header in zip(readers, headers)]
+    complete = [complete_versions(header) for header in headers]
     common = set(complete[0]).intersection(*complete[1:])
     if not common or max(common) <= newer_than:
         return None
