@@ -382,6 +382,7 @@ class Controller:
         # since the last row (gathered beside the loop, never waited for)
         row = {"step": step, "policy_version": version, **batch.stats, **counters, **cache_figures(figures), **train,
                "train_time_s": t2 - t1, "publish_wait_s": t3 - t2, "longest_load_s": figures["pull"],
+               "weight_transfer_s": figures["transfer"], "weight_load_s": figures["load"],
                "wait_time_s": t1 - start}
         row["generator_idle"] = max(0.0, 1 - figures["busy"] / self.config.generator.replicas
                                     / (time.perf_counter() - start))

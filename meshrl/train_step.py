@@ -158,6 +158,7 @@ async def train_updates(trainer, reference, updates: list[list[BatchRef]], confi
         async with span("trainer", "pi_old", version, timeout=per_micro_batch(timeouts.trainer, len(shares[0]))):
             await computed(trainer, shares, "old_logprobs")
     sums, clip_by_update, losses, grad_norms, skipped, memory, lr = defaultdict(float), [], [], [], 0, 0.0, None
+    published = {}  # the last version's publish, as the update that waited for it saw it
     for batches in updates:
         update = defaultdict(float)
         shares = dealt(batches, config.ranks)
@@ -176,6 +177,8 @@ async def train_updates(trainer, reference, updates: list[list[BatchRef]], confi
         skipped += result["skipped"]
         memory = max(memory, result.get("memory_gb", 0.0))
         lr = result.get("lr", lr)
+        if result.get("publish_s") is not None:  # optional in the contract (roles.Trainer.optim_step)
+            published = publish_figures(result["publish_s"], result["publish_blocked_s"])
         clip_by_update.append((update["clip_low"] + update["clip_high"]) / max(update["tokens"], 1))
         for k, v in update.items():
             sums[k] += v
@@ -198,4 +201,13 @@ async def train_updates(trainer, reference, updates: list[list[BatchRef]], confi
         "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
         **({"trainer_memory_gb": memory} if memory else {}),  # rank 0's resident memory after its updates
         **({"lr": lr} if lr is not None else {}),  # the learning rate of the step's last update
+        **published,
     }
+
+
+def publish_figures(seconds: float, blocked: float) -> dict:
+    """A version's publish (the trainer's copy into its ring, started after the step before trained it), as the
+    first update after it saw it: its seconds, and the share of them hidden behind the passes that ran
+    meanwhile (1: the update did not wait for it)."""
+    return {"weight_publish_s": seconds,
+            "weight_publish_hidden": min(1.0, max(0.0, 1 - blocked / seconds)) if seconds > 0 else 1.0}

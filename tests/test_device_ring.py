@@ -358,3 +358,7 @@ def test_a_run_on_two_ranks_loads_each_version_in_place_bit_for_bit(tmp_path):
     assert placement["generator"]["weight_transport"] == "device_standin"
     checks = [json.loads(line) for line in (run_dir / "weights" / "verified.jsonl").read_text().splitlines()]
     assert [c["version"] for c in checks] == [1, 2] and all(c["identical"] and c["tensors"] > 10 for c in checks)
+    # loaded in place: nothing read apart from the load, which the step rows report
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["weight_transfer_s"] == 0 for r in rows) and any(r["weight_load_s"] > 0 for r in rows)
+    assert all(r["weight_publish_s"] > 0 for r in rows[1:])

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.processes
 
 KEYS = {"step", "policy_version", "reward_mean", "reward_std", "accuracy", "format", "last_number", "copied", "loss",
         "updates", "tokens_generated", "tokens_trained", "tokens_processed", "step_time_s", "gen_time_s", "train_time_s",
-        "publish_wait_s", "longest_load_s",
+        "publish_wait_s", "longest_load_s", "weight_transfer_s", "weight_load_s",
         "logprob_mismatch", "clip_fraction_low", "clip_fraction_high", "clip_fraction_by_update",
         "behaviour_weight_mean", "tis_fraction", "behaviour_kl", "trainer_memory_gb", "lr", "truncated"}
 EVAL_KEYS = {"eval_accuracy", "eval_accuracy_low95", "eval_accuracy_high95", "eval_format", "eval_last_number", "eval_copied",
@@ -60,6 +60,8 @@ def test_smoke_run_on_two_ranks_writes_metrics_plot_and_a_final_policy_vllm_load
     assert all(KEYS | {"kl"} <= r.keys() for r in rows)
     # versions count published steps, not optimizer updates (two per step here)
     assert [r["policy_version"] for r in rows] == [1, 2, 3]
+    # a version's publish is reported by the first update after it: from step 2 on
+    assert "weight_publish_s" not in rows[0] and all(r["weight_publish_s"] > 0 for r in rows[1:])
     assert all(r["updates"] == 2 and len(r["clip_fraction_by_update"]) == 2 for r in rows)
     # a linear decay over the run's 6 updates, the last at the floor (0): each step's last update (1, 3, 5)
     # is 1/5, 3/5, 5/5 of the way down

@@ -10,7 +10,8 @@ from rounding import assert_within, rounding_bound
 
 from meshrl.actors.distributed import each_micro_batch
 from meshrl.actors.timeouts import Timeout
-from meshrl.train_step import dealt, micro_batches, micro_groups, padding_fraction, per_micro_batch, split
+from meshrl.actors.weight_updates import absorb, no_figures
+from meshrl.train_step import dealt, micro_batches, micro_groups, padding_fraction, per_micro_batch, publish_figures, split
 from meshrl.types import BatchRef, Episode, TrainBatch
 
 
@@ -126,3 +127,25 @@ def test_a_ranks_micro_batches_are_fetched_one_ahead_of_the_work_in_order():
     assert out == [1, 11, 21]
     assert events == [("fetch", 0), ("work", 0), ("fetch", 1), ("done", 0), ("work", 1), ("fetch", 2), ("done", 1),
                       ("work", 2), ("done", 2)]
+
+
+def test_a_versions_seconds_are_split_into_publish_transfer_and_load():
+    """The trainer's side: a 2 s copy the next update waited 0.5 s for hid 3/4 of itself; one it waited for
+    longer than it took (the update also waited on other work) hid nothing; an instant one hid all. The
+    generators' side: the longest read of the rings and the longest load into the engine, each over the
+    replicas' pulls (a pull in place reads nothing apart)."""
+    assert publish_figures(2.0, 0.5) == {"weight_publish_s": 2.0, "weight_publish_hidden": 0.75}
+    assert publish_figures(2.0, 3.0)["weight_publish_hidden"] == 0.0
+    assert publish_figures(0.0, 0.0)["weight_publish_hidden"] == 1.0
+
+    class Tracer:
+        def add(self, *args):
+            pass
+
+    figures, counts = no_figures(), {}
+    report = {"busy_s": 0.0, "pulls": [{"start": 10.0, "end": 13.0, "version": 1, "in_flight": False, "read_s": 2.5},
+                                      {"start": 20.0, "end": 20.75, "version": 2, "in_flight": True, "read_s": 0.0}]}
+    absorb(0, report, Tracer(), figures, counts)
+    absorb(1, {"busy_s": 0.0, "pulls": [{"start": 5.0, "end": 6.0, "version": 1, "in_flight": False,
+                                         "read_s": 0.25}]}, Tracer(), figures, counts)
+    assert (figures["pull"], figures["transfer"], figures["load"]) == (3.0, 2.5, 0.75)

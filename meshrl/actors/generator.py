@@ -39,7 +39,6 @@ import itertools
 import logging
 import time
 import zlib
-from dataclasses import dataclass, field
 
 import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
@@ -48,7 +47,7 @@ from meshrl.actors import for_throughput
 from meshrl.actors.adapters import MergedAdapter, ServedAdapter, lora_options, serves_adapters
 from meshrl.actors.engine import start_vllm
 from meshrl.actors.generator_config import WEIGHT_UPDATES, GeneratorConfig
-from meshrl.actors.held import HeldCompletions, graded, take_held
+from meshrl.actors.held import HeldCompletions, PartialCompletion, Request, graded, take_held
 from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.weight_updates import WeightUpdates
 from meshrl.models.lora import LoraConfig
@@ -64,32 +63,6 @@ from meshrl.weight_sync.verify import Verifier
 
 logger = logging.getLogger(__name__)
 HANDOFF_WORKER = "meshrl.weight_sync.handoff.SharedWeightsWorker"  # mixed into vLLM's workers: `hand_to_workers`
-
-
-@dataclass
-class PartialCompletion:
-    """One sequence of a request as its tokens arrive, each step's under the version then served: a Completion
-    in the making (not a task's Sample)."""
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    text: str = ""
-    versions: list[list[int]] = field(default_factory=list)  # [token offset, version] where it changes
-    finish_reason: str | None = None
-
-    def add(self, token_ids, logprobs, text: str, version: int) -> None:
-        if token_ids and (not self.versions or self.versions[-1][1] != version):
-            self.versions.append([len(self.token_ids), version])
-        self.token_ids += token_ids
-        self.logprobs += [step[token].logprob for step, token in zip(logprobs, token_ids)]
-        self.text += text
-
-
-@dataclass
-class Request:
-    prompt: Prompt
-    sequences: list[PartialCompletion]
-    done: asyncio.Future
 
 
 class VLLMGenerator(Actor):

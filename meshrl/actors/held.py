@@ -2,16 +2,44 @@
 answered to the controller as a `Generated`, until the replay buffer takes it or the controller lets it
 go. One owner of that bookkeeping for every generator: vLLM's, the benches' stand-ins and the tests' fakes;
 and of the grading a generate call may carry (`graded`): the completions' replies go from here to the
-grader, whose scores ride on the answer."""
+grader, whose scores ride on the answer. And a completion in the making (`PartialCompletion`, one sequence of
+a running `Request`), as an engine's steps bring its tokens."""
 
 import asyncio
 import itertools
 import random
 import time
+from dataclasses import dataclass, field
 
 from meshrl.actors.replicas import error_line, replica_fault
 from meshrl.actors.roles import TokensLost
-from meshrl.types import Completion, Completions, Generated, Generation, Grading, Reply
+from meshrl.types import Completion, Completions, Generated, Generation, Grading, Prompt, Reply
+
+
+@dataclass
+class PartialCompletion:
+    """One sequence of a request as its tokens arrive, each step's under the version then served: a Completion
+    in the making (not a task's Sample)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    versions: list[list[int]] = field(default_factory=list)  # [token offset, version] where it changes
+    finish_reason: str | None = None
+
+    def add(self, token_ids, logprobs, text: str, version: int) -> None:
+        if token_ids and (not self.versions or self.versions[-1][1] != version):
+            self.versions.append([len(self.token_ids), version])
+        self.token_ids += token_ids
+        self.logprobs += [step[token].logprob for step, token in zip(logprobs, token_ids)]
+        self.text += text
+
+
+@dataclass
+class Request:
+    prompt: Prompt
+    sequences: list[PartialCompletion]
+    done: asyncio.Future
 
 
 class HeldCompletions:

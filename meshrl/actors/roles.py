@@ -130,8 +130,10 @@ class Trainer(Protocol):
 
     async def optim_step(self, skip: bool = False) -> dict:
         """One optimizer update: {"updates", "grad_norm", "skipped"}, and optionally "lr" (the learning rate
-        it applied, or would have) and "memory_gb" (the process's resident memory after it, the step's
-        `trainer_memory_gb`). Not applied (the gradients dropped, `skipped` true) when `skip` says the loss
+        it applied, or would have), "memory_gb" (the process's resident memory after it, the step's
+        `trainer_memory_gb`), and "publish_s" and "publish_blocked_s" (the seconds of the last publish's copy
+        into the ring, once, and those this update waited for it: the step's `weight_publish_s` and
+        `weight_publish_hidden`). Not applied (the gradients dropped, `skipped` true) when `skip` says the loss
         was NaN or infinite, or the gradient norm is."""
 
     async def drop_gradients(self) -> None:

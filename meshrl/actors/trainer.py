@@ -92,6 +92,7 @@ class TitanTrainer(Actor):
         self.policy_version = 0  # versions published
         self.updates = 0  # optimizer updates taken
         self.publishing: asyncio.Future | None = None  # the copy into the ring of the newest version
+        self.copied: float | None = None  # seconds the last copy into the ring took, until an update reports it
         self.answering: set[asyncio.Task] = set()  # publishes answering once their copy ends
         self.clock = ActorClock()  # when each endpoint ran, here
         self.buffer = None  # the replay buffer BatchRefs name micro-batches of
@@ -168,7 +169,12 @@ class TitanTrainer(Actor):
         self.optimizer.zero_grad(set_to_none=True)
 
     async def _optim_step(self, skip: bool) -> dict:
+        waited = time.perf_counter()
         await self._published()  # the ring's copy of the weights this update changes
+        # the copy's seconds, and those of them this update waited for (the rest hid behind the passes since)
+        publish = {} if self.copied is None else {"publish_s": self.copied,
+                                                   "publish_blocked_s": time.perf_counter() - waited}
+        self.copied = None
         params = [p for p in self.model.parameters() if p.grad is not None]
         if not params:  # no micro-batch since the last update: nothing to apply, the schedule stays
             return {"updates": self.updates, "grad_norm": math.nan, "skipped": False,
@@ -187,7 +193,7 @@ class TitanTrainer(Actor):
         self.optimizer.zero_grad(set_to_none=True)
         return_free_memory()  # the step's activations and gradients, freed, go back to the system
         return {"updates": self.updates, "grad_norm": float(grad_norm), "skipped": skipped, "lr": lr,
-                "memory_gb": resident_gb()}
+                "memory_gb": resident_gb(), **publish}
 
     @endpoint
     async def weight_ring(self) -> RingHandle | DeviceRingHandle | DiskHandle | None:
@@ -257,8 +263,13 @@ class TitanTrainer(Actor):
             return asyncio.ensure_future(after_previous())
         start = time.time()
         copying = asyncio.get_running_loop().run_in_executor(None, self._write_ring, weights, version)
-        copying.add_done_callback(lambda _: self.clock.add("publish", start, time.time(), version))
+        copying.add_done_callback(lambda _: self._copy_done(start, version))
         return copying
+
+    def _copy_done(self, start: float, version: int) -> None:
+        end = time.time()
+        self.clock.add("publish", start, end, version)
+        self.copied = end - start
 
     def _write_ring(self, weights, version: int) -> None:
         """In the copy thread: device-to-host into the staging, if any (a side stream), then into the ring."""

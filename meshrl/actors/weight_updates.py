@@ -66,7 +66,8 @@ class WeightUpdates:
 
 def no_figures() -> dict:
     """The generators' figures before any report (`gather_reports`)."""
-    return {"pull": 0.0, "busy": 0.0, "prompts": 0, "cached": 0, "rates": [], "egress": 0}
+    return {"pull": 0.0, "transfer": 0.0, "load": 0.0, "busy": 0.0, "prompts": 0, "cached": 0, "rates": [],
+            "egress": 0}
 
 
 def cache_figures(f: dict) -> dict:
@@ -79,7 +80,8 @@ def cache_figures(f: dict) -> dict:
 
 def absorb(replica: int, updates: dict, tracer, figures: dict, counts: dict) -> None:
     """What generator replica `replica` reported (roles.Generator.weight_updates' dict): its loads become
-    `pull` spans of the trace; into `figures` (from `no_figures`): the longest load's seconds, the seconds its
+    `pull` spans of the trace; into `figures` (from `no_figures`): the longest load's seconds (`pull`), and the longest of its two parts: reading
+    the rings (`transfer`) and loading into the engine, which takes no step meanwhile (`load`); the seconds its
     engine had requests to run, its prompt tokens and those its prefix cache served, its share served from its
     cache (for `cache_figures`), and the bytes it read from the trainer's rings itself (`egress`; a relay's are
     its own); its swap and cache counts added to `counts`."""
@@ -93,6 +95,9 @@ def absorb(replica: int, updates: dict, tracer, figures: dict, counts: dict) -> 
     for pull in updates["pulls"]:
         tracer.add("generator", "pull", pull["start"], pull["end"], replica, pull["version"])
         f["pull"] = max(f["pull"], pull["end"] - pull["start"])
+        read = pull.get("read_s", 0.0)  # reading the rings, the engine stepping on (unless draining)
+        f["transfer"] = max(f["transfer"], read)
+        f["load"] = max(f["load"], pull["end"] - pull["start"] - read)  # into vLLM: the engine takes no step
     for key in counts:
         counts[key] += updates[key]
 
