@@ -204,6 +204,7 @@ def test_ring_memory_is_device_only_where_every_generator_can_open_it():
     assert ring_memory("auto", True, 1, True, "on") == "host"  # a relay republishes a host ring
     assert ring_memory("host", True, 1, True, "auto") == "host"
     assert ring_memory("device", False, 1, True, "auto") == "device"  # the CPU's stand-in, when asked
+    assert ring_memory("auto", True, 1, True, "auto", lora=True) == "host"  # an adapter: the host ring is enough
     for placement in ((True, 2, True, "auto"), (True, 1, False, "auto"), (True, 1, True, "on")):
         with pytest.raises(ValueError, match="weight_sync.memory host") as error:
             ring_memory("device", *placement)
@@ -221,7 +222,7 @@ def _config(memory="auto", **job):
 
 @pytest.mark.parametrize("placement, gpus, expected", [
     ({"generator": RolePlacement("", 1, 1), "trainer": RolePlacement("", 1, 2)}, 4, "device"),
-    ({"generator": RolePlacement("", 1, 1), "trainer": RolePlacement("", 1, 2)}, 0, "host"),
+    ({"generator": RolePlacement("", 1, 1), "trainer": RolePlacement("", 1, 2)}, 0, ""),  # no GPUs: auto, as given
     ({"generator": RolePlacement("gen", 1, 1), "trainer": RolePlacement("train", 1, 2)}, 4, "host"),
     ({"generator": RolePlacement("", 2, 1), "trainer": RolePlacement("", 2, 1)}, 4, "host"),
 ])
@@ -229,7 +230,7 @@ def test_the_gpu_plan_places_the_ring_per_placement_and_writes_it_into_the_confi
     config = _config()
     config.trainer.ranks = placement["trainer"].procs_per_host * placement["trainer"].hosts
     plan = plan_gpus(config, placement, gpus)
-    assert plan.weight_memory == expected and plan.apply(config).weight_sync.memory == expected
+    assert plan.weight_memory == expected and plan.apply(config).weight_sync.memory == (expected or "auto")
     assert any("CUDA IPC" in line for line in plan.describe()) == (expected == "device")
 
 

@@ -93,11 +93,14 @@ def test_one_gpu_is_shared_by_the_generator_the_trainer_and_the_reference():
     assert planned.generator.devices == "0" and planned.generator.memory_fraction == 0.3
     assert planned.generator.engine.sleep == "on"  # smoke trains synchronously (max_policy_age 0)
     assert (planned.trainer.device, planned.reference.device) == ("cuda:0", "cuda:0")
-    assert p.describe()[-2:] == [
+    assert p.describe()[-3:] == [
         "gpus: shared (job.gpu_sharing auto): each host of the controller's host has 1 GPU for 1 generator replica "
         "x tensor_parallel_size 1, 1 trainer rank, 1 reference rank",
         "gpus: vLLM takes 0.30 of each GPU it shares (generator.memory_fraction unless set); it sleeps while a "
-        "synchronous step trains (generator.engine.sleep auto)"]
+        "synchronous step trains (generator.engine.sleep auto)",
+        "gpus: the weight ring's slots in the trainer's GPU memory, read by the generators by CUDA IPC "
+        "(weight_sync.memory)"]
+    assert planned.weight_sync.memory == "device"  # the trainer and the generator on one host's GPU
     # two GPUs: the trainer gets one to itself, the reference wraps around to the generator's
     config, p = gpus(2, trainer__loss__kl_coef=0.1)
     assert (p.generators, p.trainer, p.reference, p.memory_fraction) == (["0"], [1], [0], 0.45)

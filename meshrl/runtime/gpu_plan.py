@@ -74,13 +74,13 @@ class GpuPlan:
         lines += [f"gpus: {role} ranks on each host, local rank 0 first: " + " ".join(f"cuda:{g}" for g in gpus)
                   for role, gpus in (("trainer", self.trainer), ("reference", self.reference)) if gpus]
         lines += [f"gpus: shared (job.gpu_sharing auto): {what}" for what in self.shared]
-        if self.weight_memory == "device":
-            lines.append("gpus: the weight ring's slots in the trainer's GPU memory, read by the generators by CUDA IPC "
-                         "(weight_sync.memory)")
         if self.shared and self.generators:
             lines.append(f"gpus: vLLM takes {self.memory_fraction:.2f} of each GPU it shares (generator.memory_fraction"
                          " unless set)" + ("; it sleeps while a synchronous step trains (generator.engine.sleep auto)"
                                            if self.sleep else ""))
+        if self.weight_memory == "device":
+            lines.append("gpus: the weight ring's slots in the trainer's GPU memory, read by the generators by CUDA IPC "
+                         "(weight_sync.memory)")
         return lines
 
 
@@ -135,11 +135,12 @@ def plan_gpus(config, placement: dict[str, RolePlacement], gpus_per_host: int | 
         generators = [",".join(map(str, gpus_of["generator"][i // gen.hosts])) for i in range(config.generator.replicas)]
         busiest = max(load[gen.group][g] for gpus in gpus_of["generator"] for g in gpus)
         fraction = round(GPU_MEMORY_FRACTION / busiest, 4)
-    trainer = placement.get("trainer")
-    memory = config.weight_sync.memory
+    trainer, memory = placement.get("trainer"), ""  # planned only with the trainer on GPUs (auto: host otherwise)
     if trainer is not None and "generator" in placement:
-        memory = ring_memory(memory, "trainer" in gpus_of, trainer.hosts,
-                             placement["generator"].group == trainer.group, config.weight_sync.relay)
+        resolved = ring_memory(config.weight_sync.memory, "trainer" in gpus_of, trainer.hosts,
+                               placement["generator"].group == trainer.group, config.weight_sync.relay,
+                               lora=config.trainer.lora.rank > 0)  # refuses device where it cannot be read
+        memory = resolved if "trainer" in gpus_of else ""
     return GpuPlan(generators, [g for [g] in gpus_of.get("trainer", [])], [g for [g] in gpus_of.get("reference", [])],
                    fraction, shared, shared_ranks, weight_memory=memory)
 

@@ -51,10 +51,13 @@ from meshrl.weight_sync.ring import (BEGIN, CHECKSUM, END, VERSION, Pieces, Shar
 Region = tuple  # what another process of the host opens a DeviceMemory with (`region()`, `open_region`)
 
 
-def ring_memory(memory: str, trainer_on_gpus: bool, trainer_hosts: int, generators_beside: bool, relay: str) -> str:
+def ring_memory(memory: str, trainer_on_gpus: bool, trainer_hosts: int, generators_beside: bool, relay: str,
+                lora: bool = False) -> str:
     """`weight_sync.memory` for a placement: device where every generator can open the ring by IPC (the trainer's
     ranks on one host, the generators on the trainer's hosts, no relay between them), and auto only where the
-    trainer is on GPUs; host otherwise. ValueError (one line) for device where the placement cannot read it."""
+    trainer is on GPUs and publishes the whole model (a LoRA adapter is a few MB: merging it on the trainer's
+    GPU would cost more than the host ring's copies); host otherwise. ValueError (one line) for device where
+    the placement cannot read it."""
     if memory not in MEMORIES:
         raise ValueError(f"unknown weight_sync.memory {memory!r}; known: {', '.join(MEMORIES)}")
     reachable = trainer_hosts == 1 and generators_beside and relay != "on"
@@ -62,7 +65,7 @@ def ring_memory(memory: str, trainer_on_gpus: bool, trainer_hosts: int, generato
         raise ValueError("weight_sync.memory device is opened by CUDA IPC, on one host: it needs the trainer's ranks "
                          "on one host and the generators on it (use weight_sync.memory host)")
     if memory == "auto":
-        return "device" if reachable and trainer_on_gpus else "host"
+        return "device" if reachable and trainer_on_gpus and not lora else "host"
     return memory
 
 
@@ -354,8 +357,9 @@ class DeviceRingReader:
             slot = complete[version]
             begins = [row[BEGIN] for row in header[slot]]
             await load(version, self.weights(slot))
-            if self.handle.device == "cuda":
-                torch.cuda.synchronize()  # the loads' copies are done before the header is looked at again
+            if self.handle.device == "cuda":  # the loads' copies are done before the header is looked at again
+                for device in {torch.cuda.current_device(), *(m.device for m in self.memories)}:
+                    torch.cuda.synchronize(device)
             fence()
             sums = self._sums(slot) if self.handle.checksums else None
             now = self.header_now()

@@ -120,3 +120,6 @@ class SharedWeightsWorker:
         memory = [mapped[tuple(r)] for r in regions]
         weights = ((name, view(memory[region], offset, dtype, shape)) for name, region, offset, dtype, shape in tensors)
         self.reload_weights(weights_iterator=weights)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # the copies out of the regions are done when this returns: a ring in GPU memory is checked after
+            torch.cuda.synchronize()
