@@ -123,7 +123,7 @@ def stub_trainer(schedule: LrScheduleConfig) -> SimpleNamespace:
         return None
 
     return SimpleNamespace(model=model, optimizer=optimizer, scheduler=lr_scheduler(optimizer, schedule), updates=0,
-                           config=SimpleNamespace(max_grad_norm=1.0), _published=published)
+                           config=SimpleNamespace(max_grad_norm=1.0), _published=published, copied=None)
 
 
 def test_an_optimizer_step_with_no_gradient_applies_nothing_and_leaves_the_lr_schedule_where_it_was():
