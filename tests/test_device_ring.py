@@ -21,7 +21,7 @@ from meshrl.runtime.gpu_plan import plan_gpus
 from meshrl.runtime.jobs import RolePlacement
 from meshrl.weight_sync import WeightLayout
 from meshrl.weight_sync.device_ring import (DeviceRing, DeviceRingReader, device_ring_for, ring_memory, segments,
-                                            span)
+                                            span, word_sum)
 from meshrl.weight_sync.ring import CorruptWeightsError, TornReadsError
 from meshrl.weight_sync.shards import shard_rows, writer_pieces
 
@@ -194,6 +194,22 @@ def test_checksums_catch_a_payload_changed_behind_the_seqlock():
     assert reader.corrupt_reads == 3
     publish(rings, 2)
     assert load_with(reader, newer_than=1)[0] == 2
+
+
+@pytest.mark.parametrize("start", [0, 1, 2, 3])
+def test_cudas_checksum_sums_the_words_of_a_piece_at_any_alignment(start):
+    """The checksum a CUDA ring computes on the device (run here on CPU tensors): the 32-bit words from the first
+    aligned one, and the bytes around them, equal to the sum taken in Python; one byte changed changes it."""
+    data = torch.randint(0, 256, (64,), dtype=torch.uint8, generator=torch.Generator().manual_seed(start))
+    piece = data[start:start + 41]
+    raw = bytes(piece.tolist())
+    head = -piece.data_ptr() % 4
+    body = (len(raw) - head) // 4 * 4
+    words = sum(int.from_bytes(raw[i:i + 4], "little", signed=True) for i in range(head, head + body, 4))
+    assert word_sum(piece) == words + sum(raw[:head]) + 257 * sum(raw[head + body:])
+    before = word_sum(piece)
+    piece[5] ^= 1
+    assert word_sum(piece) != before
 
 
 def test_ring_memory_is_device_only_where_every_generator_can_open_it():

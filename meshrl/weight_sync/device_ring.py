@@ -126,11 +126,20 @@ def segments(layout: WeightLayout, n: int) -> list[tuple[int, int]]:
 
 def device_checksum(payload: torch.Tensor) -> int:
     """A checksum of flat bytes that the device computes where they lie: CRC32 on the CPU (as the host ring),
-    on CUDA the int64 sum of its 32-bit words (order-free, so the same however the GPU reduces)."""
+    `word_sum` on CUDA."""
     if payload.device.type != "cuda":
         return zlib.crc32(memoryview(payload.numpy()))
-    words = payload[:payload.numel() // 4 * 4].view(torch.int32)
-    return int(words.sum(dtype=torch.int64)) + int(payload[words.numel() * 4:].sum(dtype=torch.int64))
+    return word_sum(payload)
+
+
+def word_sum(payload: torch.Tensor) -> int:
+    """The int64 sum of flat bytes' 32-bit words (order-free: the same however a GPU reduces), from the first
+    4-byte-aligned one (a piece may start at any even byte), plus the single bytes before and after them."""
+    head = min(-payload.data_ptr() % 4, payload.numel())
+    body = (payload.numel() - head) // 4 * 4
+    words = payload[head:head + body].view(torch.int32).sum(dtype=torch.int64)
+    edges = payload[:head].sum(dtype=torch.int64) + payload[head + body:].sum(dtype=torch.int64) * 257
+    return int(words) + int(edges)
 
 
 @dataclass
