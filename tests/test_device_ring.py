@@ -20,9 +20,9 @@ import torch
 from meshrl.runtime.gpu_plan import plan_gpus
 from meshrl.runtime.jobs import RolePlacement
 from meshrl.weight_sync import WeightLayout
-from meshrl.weight_sync.device_ring import (DeviceRing, DeviceRingReader, device_ring_for, ring_memory, segments,
-                                            span, word_sum)
-from meshrl.weight_sync.ring import CorruptWeightsError, TornReadsError
+from meshrl.weight_sync.device_ring import (DeviceRing, DeviceRingReader, device_ring_for, remote_handles,
+                                            ring_memory, segments, span)
+from meshrl.weight_sync.ring import CorruptWeightsError, TornReadsError, word_sum
 from meshrl.weight_sync.shards import shard_rows, writer_pieces
 
 SHAPES = {"embed": ((10, 8), torch.bfloat16), "norm": ((8,), torch.float32), "wq": ((12, 8), torch.bfloat16),
@@ -212,19 +212,18 @@ def test_cudas_checksum_sums_the_words_of_a_piece_at_any_alignment(start):
     assert word_sum(piece) != before
 
 
-def test_ring_memory_is_device_only_where_every_generator_can_open_it():
+def test_ring_memory_auto_is_device_only_where_every_generator_opens_it_by_ipc():
     assert ring_memory("auto", True, 1, True, "auto") == "device"
     assert ring_memory("auto", False, 1, True, "auto") == "host"  # the trainer on the CPU
     assert ring_memory("auto", True, 2, True, "auto") == "host"  # the trainer's ranks on two hosts
     assert ring_memory("auto", True, 1, False, "auto") == "host"  # generators on other hosts
     assert ring_memory("auto", True, 1, True, "on") == "host"  # a relay republishes a host ring
-    assert ring_memory("host", True, 1, True, "auto") == "host"
-    assert ring_memory("device", False, 1, True, "auto") == "device"  # the CPU's stand-in, when asked
     assert ring_memory("auto", True, 1, True, "auto", lora=True) == "host"  # an adapter: the host ring is enough
-    for placement in ((True, 2, True, "auto"), (True, 1, False, "auto"), (True, 1, True, "on")):
-        with pytest.raises(ValueError, match="weight_sync.memory host") as error:
-            ring_memory("device", *placement)
-        assert "\n" not in str(error.value)
+    assert ring_memory("host", True, 1, True, "auto") == "host"
+    for placement in ((False, 1, True, "auto"), (True, 2, False, "on")):  # asked: the CPU's stand-in, or RDMA
+        assert ring_memory("device", *placement) == "device"
+    with pytest.raises(ValueError, match="weight_sync.memory 'gpu'; known: auto, host, device"):
+        ring_memory("gpu", True, 1, True, "auto")
 
 
 def _config(memory="auto", **job):
@@ -250,10 +249,51 @@ def test_the_gpu_plan_places_the_ring_per_placement_and_writes_it_into_the_confi
     assert any("CUDA IPC" in line for line in plan.describe()) == (expected == "device")
 
 
-def test_device_memory_asked_where_generators_cannot_open_it_is_refused_by_the_plan():
-    placement = {"generator": RolePlacement("gen", 1, 1), "trainer": RolePlacement("train", 1, 1)}
-    with pytest.raises(ValueError, match="one host"):
-        plan_gpus(_config("device"), placement, 8)
+@pytest.mark.parametrize("checksums", [False, True])
+def test_readers_on_other_hosts_read_a_device_ring_over_rdma_whole_and_checked(checksums):
+    """A reader on another host cannot open the segments by IPC: it reads the same ring through Monarch RDMA
+    buffers over each writer's segment (chunks that follow the segments) and its header, as a host ring's
+    remote readers do (the same seqlock and reader): the newest version every writer completed, whole; with
+    checksums, a byte changed behind the seqlock is refused."""
+    from meshrl.weight_sync.shards import ShardedReader
+
+    rings = make_rings(2, checksums=checksums)
+    remote = rings[0].handle().remote
+    assert remote is not None and [c.size() for c in remote.chunks[0]] == [b - a for a, b in rings[0].bounds if b > a]
+    reader = ShardedReader(remote_handles([rings[0].handle(), None]), FULL, lambda d: d, "auto")
+    assert reader.transport == "rdma"  # never mapped as a host ring's memory
+    publish(rings, 1)
+    publish(rings, 2, writers=[0])
+    version, tensors = asyncio.run(reader.read_latest())
+    assert version == 1 and all(torch.equal(dict(tensors)[n], t) for n, t in weights(1).items())
+    publish(rings, 2, writers=[1])
+    version, tensors = asyncio.run(reader.read_latest(newer_than=1))
+    assert version == 2 and whole_version(tensors) == 2
+    if checksums:
+        rings[1].slot_views[0][-1][0] ^= 1  # slot 0 holds version 2
+        with pytest.raises(CorruptWeightsError):
+            asyncio.run(ShardedReader(remote_handles([rings[0].handle()]), FULL, lambda d: d, "rdma",
+                                      max_attempts=2).read_latest())
+
+
+def test_a_generator_opens_a_device_ring_by_ipc_on_its_host_and_over_rdma_elsewhere():
+    from meshrl.weight_sync.relay import open_reader
+    from meshrl.weight_sync.shards import ShardedReader
+
+    rings = make_rings(2)
+    handle = rings[0].handle()
+    assert isinstance(open_reader([handle, None], FULL, lambda d: d), DeviceRingReader)
+    handle.host = "another boot id/net:1/pid:1"  # as a generator on another host sees it
+    reader = open_reader([handle, None], FULL, lambda d: d)
+    assert isinstance(reader, ShardedReader) and reader.transport == "rdma"
+
+
+def test_a_device_ring_that_rdma_cannot_register_is_one_clear_error_for_remote_readers():
+    rings = make_rings(1)
+    handle = rings[0].handle()
+    handle.remote = None  # as where Monarch refuses to register the GPU's memory
+    with pytest.raises(RuntimeError, match="cannot be read over RDMA .* use weight_sync.memory host"):
+        remote_handles([handle])
 
 
 # -- processes: a reader or a writer dying mid-copy

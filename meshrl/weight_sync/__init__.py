@@ -33,16 +33,16 @@ class WeightSyncConfig:
     verify: bool = False  # also write each version to disk_dir and have every generator load it a second time from there and compare every tensor vLLM holds (meshrl/weight_sync/verify.py)
     disk_dir: str = ""  # disk and verify: where the versions' files go, on a filesystem the trainer and the generators share; "": RUN_DIR/weights
     relay: str = "auto"  # a relay on each generator host pulls each version once from the trainer's rings and its replicas read it there over shared memory (meshrl/weight_sync/relay.py): auto (on where a generator host runs 2+ replicas and the generators are not on the trainer's hosts) | on | off
-    memory: str = "auto"  # where the ring's slots live: host (shared host memory: every placement) | device (the trainer's GPUs; generators on its host load from them by CUDA IPC, device to device, meshrl/weight_sync/device_ring.py; on the CPU a memfd stands in) | auto (device where the GPU plan puts the trainer on one host's GPUs and the generators beside it, else host)
+    memory: str = "auto"  # where the ring's slots live: host (shared host memory) | device (the trainer's GPUs; generators on its host load from them by CUDA IPC, device to device, and those on other hosts read them by Monarch RDMA, meshrl/weight_sync/device_ring.py; on the CPU a memfd stands in) | auto (device where the GPU plan puts the trainer on one host's GPUs and the generators beside it, else host)
     staging: str = "auto"  # how a trainer rank's shard reaches its ring: auto (pinned on CUDA, pageable on the CPU) | pinned (device-to-host on a side CUDA stream into pinned memory, then a memcpy: the next forward and backward run meanwhile) | pageable (straight from the weights into the ring's memory, in the copy thread)
 
     def check(self) -> None:
         at_least(self, "weight_sync", slots=1, chunk_mb=1)
         one_of(self, "weight_sync", transport=RING_TRANSPORTS + ("disk",),
                dtype=("auto", "bfloat16", "float32", "float16"), staging=STAGINGS, relay=AUTO_ON_OFF, memory=MEMORIES)
-        if self.memory == "device" and (self.transport == "disk" or self.relay == "on"):
-            raise ValueError("weight_sync.memory device is read in place by the generators on the trainer's host: "
-                             "it takes no relay and no disk transport (weight_sync.relay off, transport auto)")
+        if self.memory == "device" and self.transport not in ("auto", "rdma"):
+            raise ValueError(f"weight_sync.memory device is read by CUDA IPC on the trainer's host and by RDMA on "
+                             f"others, not by {self.transport}: use weight_sync.transport auto")
         if self.transport == "disk" and self.relay == "on":
             raise ValueError("weight_sync.relay republishes the trainer's ring: it needs one (weight_sync.transport "
                              "auto, shm or rdma)")

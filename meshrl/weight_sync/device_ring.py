@@ -35,9 +35,9 @@ the same ring, the same protocol, the same readers. Readers on another host read
 (`route`): RDMA from GPU memory is not done yet (docs/gpu.md).
 """
 
+import logging
 import secrets
 import socket
-import zlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -45,28 +45,40 @@ import torch
 
 from meshrl.weight_sync import MEMORIES, WeightLayout
 from meshrl.weight_sync.ordering import fence, needs_checksums
-from meshrl.weight_sync.ring import (BEGIN, CHECKSUM, END, VERSION, Pieces, SharedMemory, TornReadsError,
-                                     CorruptWeightsError, complete_versions, host_id)
+from meshrl.weight_sync.ring import (BEGIN, CHECKSUM, END, VERSION, CorruptWeightsError, Pieces, RingHandle,
+                                     SharedMemory, TornReadsError, checksum_of, complete_versions, host_id)
 
+logger = logging.getLogger(__name__)
 Region = tuple  # what another process of the host opens a DeviceMemory with (`region()`, `open_region`)
 
 
 def ring_memory(memory: str, trainer_on_gpus: bool, trainer_hosts: int, generators_beside: bool, relay: str,
                 lora: bool = False) -> str:
-    """`weight_sync.memory` for a placement: device where every generator can open the ring by IPC (the trainer's
-    ranks on one host, the generators on the trainer's hosts, no relay between them), and auto only where the
-    trainer is on GPUs and publishes the whole model (a LoRA adapter is a few MB: merging it on the trainer's
-    GPU would cost more than the host ring's copies); host otherwise. ValueError (one line) for device where
-    the placement cannot read it."""
+    """`weight_sync.memory` for a placement. auto: device where every generator opens the ring by CUDA IPC (the
+    trainer's ranks on one host's GPUs, the generators beside them, no relay) and the trainer publishes the whole
+    model (a LoRA adapter is a few MB: merging it on the trainer's GPU would cost more than the host ring's
+    copies); host otherwise, since whether a NIC reads GPU memory is not known before the run (generators on
+    other hosts read a device ring by Monarch RDMA: `device` asks for it)."""
     if memory not in MEMORIES:
         raise ValueError(f"unknown weight_sync.memory {memory!r}; known: {', '.join(MEMORIES)}")
-    reachable = trainer_hosts == 1 and generators_beside and relay != "on"
-    if memory == "device" and not reachable:
-        raise ValueError("weight_sync.memory device is opened by CUDA IPC, on one host: it needs the trainer's ranks "
-                         "on one host and the generators on it (use weight_sync.memory host)")
     if memory == "auto":
-        return "device" if reachable and trainer_on_gpus and not lora else "host"
+        by_ipc = trainer_hosts == 1 and generators_beside and relay != "on"
+        return "device" if by_ipc and trainer_on_gpus and not lora else "host"
     return memory
+
+
+def remote_handles(handles: list) -> list:
+    """The trainer's ring handles as readers on other hosts (and relays) read them: a device ring's by Monarch
+    RDMA (its `remote`), a host ring's as it is. RuntimeError (one line) where a device ring cannot be read so."""
+    out = []
+    for h in handles:
+        if isinstance(h, DeviceRingHandle):
+            if h.remote is None:
+                raise RuntimeError(f"the weight ring in GPU memory of {h.hostname} cannot be read over RDMA from "
+                                   "another host (Monarch refused to register it): use weight_sync.memory host")
+            h = h.remote
+        out.append(h)
+    return out
 
 
 class DeviceMemory:
@@ -124,24 +136,6 @@ def segments(layout: WeightLayout, n: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def device_checksum(payload: torch.Tensor) -> int:
-    """A checksum of flat bytes that the device computes where they lie: CRC32 on the CPU (as the host ring),
-    `word_sum` on CUDA."""
-    if payload.device.type != "cuda":
-        return zlib.crc32(memoryview(payload.numpy()))
-    return word_sum(payload)
-
-
-def word_sum(payload: torch.Tensor) -> int:
-    """The int64 sum of flat bytes' 32-bit words (order-free: the same however a GPU reduces), from the first
-    4-byte-aligned one (a piece may start at any even byte), plus the single bytes before and after them."""
-    head = min(-payload.data_ptr() % 4, payload.numel())
-    body = (payload.numel() - head) // 4 * 4
-    words = payload[head:head + body].view(torch.int32).sum(dtype=torch.int64)
-    edges = payload[:head].sum(dtype=torch.int64) + payload[head + body:].sum(dtype=torch.int64) * 257
-    return int(words) + int(edges)
-
-
 @dataclass
 class DeviceRingHandle:
     """What a reader on the ring's host needs: picklable, passed between actors."""
@@ -159,6 +153,7 @@ class DeviceRingHandle:
     ranks: tuple[int, int] = (0, 1)
     world: int = 1
     device: str = "cpu"  # where the segments live: "cuda" or the CPU's stand-in
+    remote: RingHandle | None = None  # the same ring for readers on other hosts: Monarch RDMA (None: not here)
 
     @property
     def writers(self) -> int:
@@ -175,9 +170,10 @@ class DeviceRing:
 
     def __init__(self, layout: WeightLayout, slots: int, checksums: bool, pieces: Pieces | None,
                  ranks: tuple[int, int], world: int, writer: int, device: torch.device,
-                 gather: Callable[[object], list]):
+                 gather: Callable[[object], list], chunk_mb: int = 16, register: bool = True):
         """Collective over the host's writers: `gather(x)` returns each writer's x in writer order. Writer 0
-        creates the header; each writer allocates its own segment and opens the others'."""
+        creates the header; each writer allocates its own segment and opens the others'. With `register`, each
+        also registers its segment with Monarch RDMA in chunks of `chunk_mb`, for readers on other hosts."""
         if slots < 2:
             raise ValueError("a weight ring needs at least 2 slots, so readers never race the only copy")
         self.layout, self.slots, self.writer = layout, slots, writer
@@ -190,12 +186,16 @@ class DeviceRing:
         header = SharedMemory.create(_header_size(slots, writers)) if writer == 0 else None
         if header is not None:
             header.tensor[:8].view(torch.int64).fill_(secrets.randbits(62))
-        shared = gather((self.mine.region(), header.region() if header else None))
+        self.checksum_kind = "words" if torch.device(device).type == "cuda" else "crc32"  # `checksum_of`
+        chunks = _register(self.mine.tensor, slots, hi - lo, chunk_mb << 20) if register else None
+        shared = gather((self.mine.region(), header.region() if header else None, chunks))
         self.header_region = shared[0][1]
         self.header_memory = header or SharedMemory.attach(*self.header_region)
         self.token = int(self.header_memory.tensor[:8].view(torch.int64))
         self.rows = self.header_memory.tensor[8:].view(torch.int64).view(slots, writers, 4)
-        self.regions = [region for region, _ in shared]
+        self.regions = [region for region, _, _ in shared]
+        self.chunks = None if any(c is None for _, _, c in shared) else [  # per slot, every segment's in order
+            [chunk for _, _, c in shared for chunk in c[slot]] for slot in range(slots)]
         memories = [self.mine.tensor if k == writer else open_region(r) for k, r in enumerate(self.regions)]
         self.slot_views = [[m[s * (b - a):(s + 1) * (b - a)] for m, (a, b) in zip(memories, self.bounds)]
                            for s in range(slots)]
@@ -208,9 +208,17 @@ class DeviceRing:
         """The ring's handle, from its first writer (the others' None, as with the host ring)."""
         if self.writer:
             return None
+        remote = None
+        if self.chunks is not None:
+            from monarch.rdma import RDMABuffer
+
+            # pid -1: never mapped as a host ring's memory, so every reader of it reads over RDMA
+            remote = RingHandle(self.layout, self.slots, host_id(), socket.gethostname(), -1, -1, self.token,
+                                RDMABuffer(self.header_memory.tensor), self.chunks, self.checksums, self.pieces,
+                                self.ranks, self.world, self.checksum_kind)
         return DeviceRingHandle(self.layout, self.slots, host_id(), socket.gethostname(), self.header_region,
                                 self.token, self.bounds, self.regions, self.checksums, self.pieces, self.ranks,
-                                self.world, self.device.type)
+                                self.world, self.device.type, remote)
 
     def where(self, lo: int, hi: int, slot: int) -> torch.Tensor:
         return span(self.bounds, self.slot_views[slot], lo, hi)
@@ -243,7 +251,21 @@ class DeviceRing:
         row[END] = self.publishes
 
     def _sum(self, slot: int) -> int:
-        return piece_sum([self.where(lo, hi, slot) for _, lo, hi in self.pieces[self.writer]])
+        return checksum_of([self.where(lo, hi, slot) for _, lo, hi in self.pieces[self.writer]], self.checksum_kind)
+
+
+def _register(memory: torch.Tensor, slots: int, nbytes: int, chunk: int) -> list[list] | None:
+    """Monarch RDMA buffers over each slot of a segment (`slots` copies of `nbytes`), in chunks; None where this
+    memory cannot be registered (a GPU without RDMA from its memory here): readers on other hosts then have
+    no way in, and say so."""
+    try:
+        from monarch.rdma import RDMABuffer
+
+        return [[RDMABuffer(memory[s * nbytes + i:s * nbytes + min(i + chunk, nbytes)]) for i in range(0, nbytes, chunk)]
+                for s in range(slots)]
+    except Exception as e:  # Monarch refuses this memory: the ring still serves its own host
+        logger.warning("the weight ring's segment on %s cannot be read over RDMA: %s", memory.device, e)
+        return None
 
 
 def span(bounds: list[tuple[int, int]], views: list[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
@@ -253,14 +275,6 @@ def span(bounds: list[tuple[int, int]], views: list[torch.Tensor], lo: int, hi: 
         if a <= lo and hi <= b and (lo < b or lo == hi):
             return view[lo - a:hi - a]
     raise ValueError(f"bytes {lo}-{hi} cross a segment boundary")
-
-
-def piece_sum(pieces: list[torch.Tensor]) -> int:
-    """One writer's checksum: `device_checksum` of each of its pieces, combined in order."""
-    total = 0
-    for piece in pieces:
-        total = (total * 1_000_003 + device_checksum(piece)) & ((1 << 62) - 1)
-    return total
 
 
 class DeviceMark:
@@ -307,8 +321,8 @@ class DeviceRingReader:
     def __init__(self, handle: DeviceRingHandle, expected: WeightLayout, to_hf: Callable[[dict], dict],
                  max_attempts: int = 50):
         if handle.host != host_id():
-            raise RuntimeError(f"the weight ring in device memory of {handle.hostname} is not on this host: its "
-                               "generators read the host ring (weight_sync.memory host)")
+            raise RuntimeError(f"the weight ring in device memory of {handle.hostname} is not on this host: read it "
+                               "over RDMA (`remote_handles`)")
         handle.layout.check_matches(expected)
         self.handle, self.layout, self.to_hf, self.max_attempts = handle, expected, to_hf, max_attempts
         self.transport = "cuda_ipc" if handle.device == "cuda" else "device_standin"  # placement.json says which
@@ -391,7 +405,9 @@ class DeviceRingReader:
     def _sums(self, slot: int) -> list[int]:
         """Each writer's checksum of what `slot` holds now."""
         segs = self.views(slot)
-        return [piece_sum([span(self.handle.bounds, segs, lo, hi) for _, lo, hi in mine]) for mine in self.handle.pieces]
+        kind = "words" if self.handle.device == "cuda" else "crc32"
+        return [checksum_of([span(self.handle.bounds, segs, lo, hi) for _, lo, hi in mine], kind)
+                for mine in self.handle.pieces]
 
 
 @dataclass

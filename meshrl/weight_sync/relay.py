@@ -31,9 +31,9 @@ from monarch.actor import Actor, concurrent_endpoint
 
 from meshrl.checks import AUTO_ON_OFF
 from meshrl.weight_sync import WeightLayout
-from meshrl.weight_sync.device_ring import DeviceRingHandle, DeviceRingReader
+from meshrl.weight_sync.device_ring import DeviceRingHandle, DeviceRingReader, remote_handles
 from meshrl.weight_sync.disk import DiskHandle, DiskReader
-from meshrl.weight_sync.ring import RingHandle, WeightRing
+from meshrl.weight_sync.ring import RingHandle, WeightRing, host_id
 from meshrl.weight_sync.shards import ShardedReader, Weights
 
 logger = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class WeightRelay(Actor):
 
     def trainer_reader(self, rings: list, layout: WeightLayout) -> ShardedReader:
         """The reader of the trainer's rings: whole tensors under the trainer's names, as the rings hold them."""
-        return ShardedReader(rings, layout, lambda named: named, self.transport)
+        return ShardedReader(remote_handles(rings), layout, lambda named: named, self.transport)
 
     @concurrent_endpoint
     async def newest(self) -> int:
@@ -192,7 +192,8 @@ class RelayedReader:
             except SupervisionError as e:
                 reason = str(e).strip().splitlines()[-1].strip() if str(e).strip() else type(e).__name__
                 logger.warning("this host's weight relay is gone (%s): reading the trainer's rings directly", reason)
-                self.fallback = ShardedReader(self.handle.trainer, self.layout, self.to_hf, self.fallback_transport)
+                self.fallback = ShardedReader(remote_handles(self.handle.trainer), self.layout, self.to_hf,
+                                              self.fallback_transport)
         return await self.fallback.newest()
 
     async def read_latest(self, newer_than: int = -1) -> tuple[int, Weights] | None:
@@ -208,11 +209,11 @@ def open_reader(handles: list, layout: WeightLayout, to_hf: Callable[[dict], dic
     (`DiskReader`)."""
     if disk := [h for h in handles if isinstance(h, DiskHandle)]:
         return DiskReader(disk[0])
-    if device := [h for h in handles if isinstance(h, DeviceRingHandle)]:
-        if len(device) > 1:
-            raise ValueError(f"the trainer's ranks are on {len(device)} hosts: a weight ring in device memory is read "
-                             "on one (weight_sync.memory host)")
+    device = [h for h in handles if isinstance(h, DeviceRingHandle)]
+    if len(device) == 1 and device[0].host == host_id():  # the trainer's GPUs beside this replica: CUDA IPC
         return DeviceRingReader(device[0], layout, to_hf)
+    if device:  # on other hosts, or on several: over RDMA, as a host ring's readers there
+        return ShardedReader(remote_handles(handles), layout, to_hf, "rdma")
     if relayed := [h for h in handles if isinstance(h, RelayHandle)]:
         return RelayedReader(relayed[0], layout, to_hf, transport)
     return ShardedReader(handles, layout, to_hf, transport)

@@ -29,6 +29,7 @@ time, stopping early when the copy is abandoned or overtaken). "The same host" i
 """
 
 import asyncio
+import itertools
 import mmap
 import os
 import secrets
@@ -125,14 +126,31 @@ def complete_versions(header: list[list[list[int]]]) -> dict[int, int]:
             if all(row[BEGIN] == row[END] > 0 and row[VERSION] == rows[0][VERSION] for row in rows)}
 
 
-def _crc(payload: torch.Tensor, pieces: list[tuple[str, int, int]] | None) -> int:
-    """CRC32 of the whole payload, or of one writer's pieces of it in order."""
-    if pieces is None:
-        return checksum(payload)
-    crc = 0
-    for _, lo, hi in pieces:
-        crc = zlib.crc32(memoryview(payload[lo:hi].numpy()), crc)
-    return crc
+def _crc(payload: torch.Tensor, pieces: list[tuple[str, int, int]] | None, kind: str = "crc32") -> int:
+    """A writer's checksum (`checksum_of`) of the whole payload, or of its pieces of it in order."""
+    return checksum_of([payload] if pieces is None else [payload[lo:hi] for _, lo, hi in pieces], kind)
+
+
+def checksum_of(views: list[torch.Tensor], kind: str = "crc32") -> int:
+    """One checksum of flat bytes in order: CRC32 (the host ring's, and a device ring's on the CPU), or "words"
+    (a device ring's on CUDA, computed where the bytes lie: `word_sum` of each, combined in order)."""
+    total = 0
+    for view in views:
+        if kind == "words":
+            total = (total * 1_000_003 + word_sum(view)) & ((1 << 62) - 1)
+        else:
+            total = zlib.crc32(memoryview(view.numpy()), total)
+    return total
+
+
+def word_sum(payload: torch.Tensor) -> int:
+    """The int64 sum of flat bytes' 32-bit words (order-free: the same however a GPU reduces), from the first
+    4-byte-aligned one (a piece may start at any even byte), plus the single bytes before and after them."""
+    head = min(-payload.data_ptr() % 4, payload.numel())
+    body = (payload.numel() - head) // 4 * 4
+    words = payload[head:head + body].view(torch.int32).sum(dtype=torch.int64)
+    edges = payload[:head].sum(dtype=torch.int64) + payload[head + body:].sum(dtype=torch.int64) * 257
+    return int(words) + int(edges)
 
 
 @dataclass
@@ -152,6 +170,7 @@ class RingHandle:
     pieces: Pieces | None = None  # each writer's part of the payload; None: one writer writes it all
     ranks: tuple[int, int] = (0, 1)  # the trainer ranks [first, end) whose rows the ring holds
     world: int = 1  # of all the trainer's ranks
+    checksum_kind: str = "crc32"  # how the writers sum their pieces (`_crc`): "words" for a ring in GPU memory
 
     @property
     def writers(self) -> int:
@@ -264,15 +283,17 @@ class RingReader:
                 raise RuntimeError(f"the shared-memory weight ring of {handle.hostname} (pid {handle.pid}) is not "
                                    "this host's: use weight_sync.transport=rdma")
         else:
-            chunk = handle.chunks[0][0].size()
-            self.chunk_views = [self.bytes[i:i + chunk] for i in range(0, expected.nbytes, chunk)]
+            # a slot's chunks, one after another (the same sizes in every slot; a device ring's follow its segments)
+            starts = itertools.accumulate((c.size() for c in handle.chunks[0]), initial=0)
+            self.chunk_views = [self.bytes[lo:lo + c.size()] for lo, c in zip(starts, handle.chunks[0])]
 
     def check_sum(self, rows: list[list[int]]) -> bool:
         """Whether this reader's copy matches each writer's checksum in its slot's `rows` (always, without
         checksums); a mismatch is counted."""
         pieces = self.handle.pieces or [None]
         with self.copying:  # not while an abandoned copy still writes
-            if not self.handle.checksums or all(_crc(self.bytes, p) == row[CHECKSUM] for p, row in zip(pieces, rows)):
+            kind = self.handle.checksum_kind
+            if not self.handle.checksums or all(_crc(self.bytes, p, kind) == row[CHECKSUM] for p, row in zip(pieces, rows)):
                 return True
         self.corrupt_reads += 1  # torn in a way the seqlock missed: never loaded
         return False
