@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from meshrl.actors import has_bf16_math
-from meshrl.tools.checks import mfu, parity, workloads
+from meshrl.tools.checks import mfu, parity, weights, workloads
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +29,10 @@ def dry(tmp_path_factory):
 def test_the_dry_run_writes_every_section_and_says_what_ran_on_stand_ins(dry):
     result, stdout = dry
     assert result["dry"] and result["passed"] and result["machine"]["device"] == "cpu"
-    assert list(result["sections"]) == ["parity", "endpoints", "memory", "mfu", "publish", "smoke"]
+    assert list(result["sections"]) == ["parity", "endpoints", "memory", "mfu", "publish", "weights", "smoke"]
     assert {n: s["status"] for n, s in result["sections"].items()} == {
-        "parity": "pass", "endpoints": "pass", "memory": "ran", "mfu": "ran", "publish": "ran", "smoke": "skipped"}
+        "parity": "pass", "endpoints": "pass", "memory": "ran", "mfu": "ran", "publish": "ran", "weights": "pass",
+        "smoke": "skipped"}
     assert "dry mode" in result["sections"]["smoke"]["reason"]
     assert any(part.startswith("monarch") for part in result["stood_in"]) and not result["installed"]["monarch"]
     for name in result["sections"]:  # the table on stdout has a row for each
@@ -99,6 +100,62 @@ def test_the_dry_memory_mfu_and_publish_sections_run_the_same_passes_at_tiny_siz
     assert 0 <= publish["trainer"]["overlap"] <= 1 and publish["trainer"]["publish_weights_s"] > 0
 
 
+@pytest.mark.processes
+def test_the_dry_weights_section_loads_every_shape_in_a_second_process_bit_equal_and_untorn(dry):
+    """The writer and the reader are two processes besides the check's, the ring their memfd stand-in; every
+    shape's versions are each read as published (the reader's digests of its engine weights equal the
+    writer's of its sources, and differ from version to version, so a stale or mixed load would show)."""
+    result, stdout = dry
+    section = result["sections"]["weights"]
+    assert section["transport"] == "device_standin" and "not a GPU's figures" in section["figures"]
+    assert len(set(section["processes"].values())) == 2
+    assert list(section["shapes"]) == list(weights.SHAPES)
+    for name, shape in section["shapes"].items():
+        config = weights.tiny(weights.SHAPES[name])
+        assert shape["config"] == config and shape["bytes"] == weights.layout_of(config).nbytes > 0
+        assert shape["ring_bytes"] == weights.SLOTS * shape["bytes"] and shape["ring_allocated"] is None
+        assert shape["bit_equal"] and shape["unequal_tensors"] == [], name
+        assert shape["torn_reads"] == 0 == shape["corrupt_reads"]
+        rows = shape["per_version"]
+        assert [r["version"] for r in rows] == [r["read"] for r in rows] == list(range(1, section["versions"] + 1))
+        assert all(r["equal"] and r["writer_digest"] == r["reader_digest"] for r in rows)
+        assert len({r["writer_digest"] for r in rows}) == len(rows)
+        assert all(shape[k] > 0 for k in ("publish_s", "load_s", "end_to_end_s", "publish_gbps", "load_gbps"))
+        assert 0 <= shape["overlap"]["overlap"] <= 1 and shape["overlap"]["steps"] >= 1
+    assert stdout.count("bit-equal yes, torn 0") == len(weights.SHAPES)
+
+
+def test_the_weights_digest_changes_with_any_changed_or_moved_bits(monkeypatch):
+    t = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert weights.digest(t.clone()) == weights.digest(t)
+    flipped = t.clone()
+    flipped.view(torch.int16)[1, 7] ^= 1  # the lowest bit of one element
+    swapped = t.clone()
+    swapped[0, 0], swapped[2, 999] = t[2, 999], t[0, 0]
+    assert t[0, 0] != t[2, 999]
+    assert len({weights.digest(t), weights.digest(flipped), weights.digest(swapped)}) == 3
+    whole = weights.digest(t)
+    monkeypatch.setattr(weights, "CHUNK", 7)  # in pieces, each word keeps its position's weight
+    assert weights.digest(t) == whole
+
+
+def test_the_weights_shapes_are_what_the_trainer_publishes_for_those_qwen3_configs(tmp_path):
+    """Each config's tensors (scaled down: the rules, not the sizes) under HF names, as the trainer publishes
+    a Qwen3 model built from it (a tied head once); and the real sizes' parameter counts."""
+    from meshrl.models.model import read_hf_config, resolve_checkpoint
+    from meshrl.weight_sync import published_weights
+
+    base = read_hf_config(resolve_checkpoint("tiny_qwen3"))
+    for name, config in weights.SHAPES.items():
+        small = weights.tiny(config)
+        (tmp_path / "config.json").write_text(json.dumps(base | small))
+        layout, to_hf = published_weights(tmp_path, "bfloat16")
+        hf = to_hf({s.name: torch.empty(s.shape, device="meta") for s in layout.specs})
+        assert {n: tuple(t.shape) for n, t in hf.items()} == weights.hf_shapes(small), name
+    counts = {name: sum(math.prod(s) for s in weights.hf_shapes(c).values()) for name, c in weights.SHAPES.items()}
+    assert counts == {"qwen3-1.7b": 1_720_574_976, "qwen3-4b": 4_022_468_096, "qwen3-8b": 8_190_735_360}
+
+
 def workloads_sizes():
     from meshrl.tools.checks import memory
 
@@ -129,7 +186,7 @@ def test_the_peak_table_knows_gpus_by_name_and_longer_names_first():
 def test_an_unknown_section_is_one_clear_error(cli, tmp_path):
     code, out, err = cli("check", "gpu", "--json", tmp_path / "gpu.json", "--sections", "parity,nope")
     assert code == 2 and err.strip() == "meshrl: error: --sections: unknown nope; known: " + ", ".join(
-        ["parity", "endpoints", "memory", "mfu", "publish", "smoke"])
+        ["parity", "endpoints", "memory", "mfu", "publish", "weights", "smoke"])
     assert not (tmp_path / "gpu.json").exists()
 
 

@@ -6,7 +6,9 @@ parity (loss and gradients CPU vs the device, fp32 and bf16 autocast, four model
 trainer actor on 1 rank in a process group of world 1, FSDP2: load, logprobs, forward_backward,
 optim_step, publish_weights into a real ring read back), memory (peak memory at 4k, 8k, 16k tokens a
 micro-batch, the memory switches off and on), mfu (a ~1B model at 8k tokens), publish (device-to-host
-rates and the overlap with a forward and backward), smoke (`meshrl train --config smoke`).
+rates and the overlap with a forward and backward), weights (the weight ring in device memory between a
+writer and a reader process, CUDA IPC, at Qwen3-1.7B's, 4B's and 8B's shapes), smoke (`meshrl train --config
+smoke`).
 
 Without CUDA (or with --dry) it runs in a dry mode: the same code on the CPU at tiny sizes, the sections
 that need CUDA said skipped, in well under a minute (tests/test_check_gpu.py runs it). What the machine
@@ -23,7 +25,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SECTIONS = ("parity", "endpoints", "memory", "mfu", "publish", "smoke")
+SECTIONS = ("parity", "endpoints", "memory", "mfu", "publish", "weights", "smoke")
 
 
 def add_parser(sub) -> None:
