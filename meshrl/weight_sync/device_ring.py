@@ -261,8 +261,8 @@ def _register(memory: torch.Tensor, slots: int, nbytes: int, chunk: int) -> list
     try:
         from monarch.rdma import RDMABuffer
 
-        return [[RDMABuffer(memory[s * nbytes + i:s * nbytes + min(i + chunk, nbytes)]) for i in range(0, nbytes, chunk)]
-                for s in range(slots)]
+        return [[RDMABuffer(memory[s * nbytes + i:s * nbytes + min(i + chunk, nbytes)])
+                 for i in range(0, nbytes, chunk)] for s in range(slots)]
     except Exception as e:  # Monarch refuses this memory: the ring still serves its own host
         logger.warning("the weight ring's segment on %s cannot be read over RDMA: %s", memory.device, e)
         return None

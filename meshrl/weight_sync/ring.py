@@ -293,7 +293,8 @@ class RingReader:
         pieces = self.handle.pieces or [None]
         with self.copying:  # not while an abandoned copy still writes
             kind = self.handle.checksum_kind
-            if not self.handle.checksums or all(_crc(self.bytes, p, kind) == row[CHECKSUM] for p, row in zip(pieces, rows)):
+            if not self.handle.checksums or all(_crc(self.bytes, p, kind) == row[CHECKSUM]
+                                                for p, row in zip(pieces, rows)):
                 return True
         self.corrupt_reads += 1  # torn in a way the seqlock missed: never loaded
         return False
