@@ -24,6 +24,7 @@ from meshrl.models.families import family_of
 from meshrl.models.memory import NO_SAVINGS, MemoryChoice, apply_checkpointing, resolve
 from meshrl.models.model import build_policy, load_policy, load_weights, read_hf_config
 from meshrl.types import BatchRef, TrainBatch
+from meshrl.weight_sync.shards import shard_rows
 
 T = TypeVar("T")
 
@@ -72,11 +73,14 @@ def all_gather(value, world: int) -> list:
     return values
 
 
-def load_on_ranks(checkpoint, rank: Rank, lora=None, memory: MemoryChoice | None = None, frozen: bool = False):
+def load_on_ranks(checkpoint, rank: Rank, lora=None, memory: MemoryChoice | None = None, frozen: bool = False,
+                  whole_experts: bool = False):
     """The policy from the HF checkpoint on this rank's device, and its state-dict adapter. On one rank
     it is loaded whole; on several it is built on the meta device, sharded with the family's FSDP2
     plan, and each rank reads only its own rows from the safetensors files (torch.distributed
-    .checkpoint's Hugging Face reader), so the full model is never in one rank's memory.
+    .checkpoint's Hugging Face reader), so the full model is never in one rank's memory: MoE experts too,
+    each rank reading only its own experts' tensors (`expert_rows`). `whole_experts`: every rank reads
+    every expert whole and keeps its rows, as before 2026-11-28 (the bench and the test that compare the two).
 
     `memory` (meshrl/models/memory.py): torchtitan's activation checkpointing on its layers, and FSDP2's
     all-gathers in its dtype; a `frozen` model (the reference) with reference dtype bfloat16 holds its
@@ -104,8 +108,9 @@ def load_on_ranks(checkpoint, rank: Rank, lora=None, memory: MemoryChoice | None
     model.to_empty(device=rank.device)
     family.init_buffers(model, rank.device)  # RoPE tables; the weights come next
     state = model.state_dict()
-    titan = adapter.from_hf(read_hf_shards(checkpoint, state, adapter))
-    for name, value in titan.items():  # what the adapter transformed was read whole: keep this rank's rows
+    hf, experts = read_hf_shards(checkpoint, state, adapter, whole_experts)
+    titan = adapter.from_hf(hf) | {name: state[name] for name in experts}  # experts: read into the shards
+    for name, value in titan.items():  # what else the adapter transformed was read whole: keep this rank's rows
         if isinstance(state[name], DTensor) and not isinstance(value, DTensor):
             titan[name] = distribute_tensor(value.to(rank.device, state[name].dtype), state[name].device_mesh,
                                             state[name].placements, src_data_rank=None)
@@ -128,22 +133,46 @@ def bf16_matmul_weights(model: torch.nn.Module) -> None:
                 param.data = param.data.to(torch.bfloat16)
 
 
-def read_hf_shards(checkpoint, state: dict, adapter) -> dict:
-    """The checkpoint's tensors under HF names. A tensor the adapter only renames is read straight into
-    this rank's shard of the model's own (DTensor) parameter; one it transforms (Llama's q and k rows
-    are permuted by head, which a row shard cannot be) is read whole into a plain tensor. torchtitan
-    hands the adapter the DTensors themselves: that reads wrong rows for a permuted k with one KV head,
-    and fails where the heads do not split evenly over the ranks (SmolLM2's 3 KV heads on 2 ranks)."""
+def read_hf_shards(checkpoint, state: dict, adapter, whole_experts: bool = False) -> tuple[dict, list[str]]:
+    """The checkpoint's tensors under HF names, for the adapter's `from_hf`, and the names of the grouped
+    expert parameters read straight into this rank's shards (`expert_rows`; none with `whole_experts`).
+    A tensor the adapter only renames is read straight into this rank's shard of the model's own (DTensor)
+    parameter; one it transforms otherwise (Llama's q and k rows are permuted by head, which a row shard
+    cannot be) is read whole into a plain tensor. torchtitan hands the adapter the DTensors themselves:
+    that reads wrong rows for a permuted k with one KV head, and fails where the heads (or experts) do not
+    split evenly over the ranks (SmolLM2's 3 KV heads on 2 ranks)."""
     import torch.distributed.checkpoint as dcp
 
     meta = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in state.items()}
+    experts = {} if whole_experts else {name: rows for name, t in state.items()
+                                        if (rows := expert_rows(name, t, meta[name], adapter))}
     owner = {id(t): name for name, t in meta.items()}
     hf = {}
-    for hf_name, t in adapter.to_hf(meta).items():
+    for hf_name, t in adapter.to_hf({k: v for k, v in meta.items() if k not in experts}).items():
         name = owner.get(id(t))  # the very tensor passed in: renamed only
         hf[hf_name] = state[name] if name is not None else torch.empty(t.shape, dtype=t.dtype)
-    dcp.load(hf, storage_reader=adapter.get_hf_storage_reader(str(checkpoint)))
-    return hf
+    rows = {hf_name: row for name in experts for hf_name, row in experts[name].items()}
+    dcp.load(hf | rows, storage_reader=adapter.get_hf_storage_reader(str(checkpoint)))
+    return hf, list(experts)
+
+
+def expert_rows(name: str, param: torch.Tensor, meta: torch.Tensor, adapter) -> dict[str, torch.Tensor]:
+    """For a grouped experts parameter ([experts, ...], which the adapter splits into one HF tensor per
+    expert: Qwen3-MoE's `experts.E.gate_proj.weight`... into `w1_EFD`...) that FSDP2 shards on its expert
+    dim: the HF tensors of this rank's experts (FSDP2's rows: `shard_rows`), each the view of its row in this
+    rank's shard to read it into. Anything else: {}."""
+    from torch.distributed.tensor import Shard
+
+    if not isinstance(param, DTensor) or param.placements != (Shard(0),) or param.dim() < 2:
+        return {}
+    split = adapter.to_hf({name: meta})  # in expert order, as the adapter splits
+    if len(split) != param.shape[0] or any(t.shape != param.shape[1:] for t in split.values()):
+        return {}
+    rows = range(*shard_rows(len(split), param.device_mesh.get_local_rank(), param.device_mesh.size()))
+    mine = param.to_local().detach()
+    if mine.shape[0] != len(rows):
+        raise ValueError(f"{name}: {mine.shape[0]} local rows, not {len(rows)} of {len(split)} as FSDP2 splits")
+    return {hf_name: mine[i] for i, hf_name in enumerate(list(split)[rows.start:rows.stop])}
 
 
 def sharded(rank: Rank) -> bool:

@@ -126,6 +126,11 @@ def _parser() -> argparse.ArgumentParser:
     buffer.add_argument("--batches", type=int, default=8, help="timed batches per length (after one untimed)")
     buffer.add_argument("--batch-size", type=int, default=256, help="groups per batch")
     buffer.add_argument("--group-size", type=int, default=8, help="completions per group")
+    experts = bench.add_parser("experts", help="bytes each rank reads and memory its load adds, a tiny MoE sharded on "
+                               "1, 2, 4 ranks: each reading only its experts, and every expert whole as before "
+                               "(meshrl/tools/bench/experts.py)")
+    experts.add_argument("--json", type=Path, required=True, help="where to write the figures")
+    experts.add_argument("--ranks", default="1,2,4", help="rank counts, comma separated")
     control = bench.add_parser("controller", help="the controller's own cost with fake actors, and a placement's "
                                                   "predicted step time (from a repository checkout: the fakes "
                                                   "are its tests/support/)")
@@ -243,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
 
             _write_bench(args.json, buffer, buffer.run([int(t) for t in args.max_tokens.split(",")], args.batches,
                                                        args.batch_size, args.group_size))
+        elif args.command == "bench" and args.bench == "experts":
+            from meshrl.tools.bench import experts
+
+            _write_bench(args.json, experts, experts.run([int(r) for r in args.ranks.split(",")]))
         elif args.command == "bench" and args.bench == "multiturn":
             _bench_multiturn(args, rest)
         elif args.command == "bench":
