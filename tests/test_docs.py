@@ -67,7 +67,8 @@ def test_every_command_shown_is_one_the_command_line_takes(page, capsys):
         if words[0] == "train" and "--config" in words:
             i = words.index("--config")
             overrides = [w for j, w in enumerate(words[1:], 1)
-                         if j not in (i, i + 1) and w not in ("--dry-run",) and not (j > 0 and words[j - 1] == "--run-dir")
+                         if j not in (i, i + 1) and w not in ("--dry-run", "--plan-only")
+                         and not (j > 0 and words[j - 1] == "--run-dir")
                          and w != "--run-dir"]
             load_config(words[i + 1], overrides)  # raises on an unknown config or override
             continue

@@ -14,7 +14,9 @@ RECIPES = {
     "bench_smoke": "1cce5b5de009d882",
     "bench_smollm2": "cbdc8c5d3fbc38f4",
     "qwen3_0_6b_gsm8k": "b4615196d856f29d",
+    "qwen3_30b_a3b_gsm8k_one_node": "83f95f87884494db",
     "qwen3_8b_gsm8k": "dd73ff2d0caac8fd",
+    "qwen3_8b_gsm8k_one_node": "7ddcf073280f5fd1",
     "qwen3_smoke": "f9744dd7b525156a",
     "reasoning_gym_smollm2": "0dacd06e43b5045f",
     "smoke": "825957e7ea9e655f",
@@ -36,7 +38,10 @@ RECIPES = {
 # else changed (compared field by field with the defaults before).
 # 2026-11-28 (issue 63): new settings whose defaults keep what ran before: generator.engine.batch_invariant false,
 # sum_digits.split hash and sum_digits.max_term 0 (10**digits - 1, as before).
-DEFAULTS = "ed7697f833c9a190"
+# 2026-11-28 (issue 65): new settings whose defaults keep what ran before on the CPU: weight_sync.memory auto (the
+# host ring, unless the GPU plan puts the trainer on one host's GPUs beside the generators), job.gpu_memory_gib and
+# job.host_memory_gib 0 (this host's own; only the memory plan reads them).
+DEFAULTS = "bca9befdbd651a38"
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -5,6 +5,7 @@ run the tests train, the cluster examples and the benches' workloads. Each is a 
 from typing import Callable
 
 from meshrl.configs import Config, ControllerConfig
+from meshrl.configs.job import JobConfig
 from meshrl.configs.overrides import ConfigError, apply_overrides
 from meshrl.lr_schedule import LrScheduleConfig
 from meshrl.models import ModelConfig
@@ -274,4 +275,44 @@ def qwen3_8b_gsm8k() -> Config:
     config.generator.replicas, config.generator.tensor_parallel_size = 4, 2
     config.controller.prompts_per_step = 32
     config.trainer.micro_batch_size = 2
+    return config
+
+
+def _one_node(config: Config) -> Config:
+    """Every role on the one 8-GPU node `meshrl train` runs on (job.kind local): generator replicas from GPU 0 up,
+    the trainer's ranks on the GPUs after them (meshrl/runtime/gpu_plan.py); `meshrl train --config NAME
+    --plan-only` prints the placement and each GPU's memory (meshrl/runtime/memory_plan.py, docs/memory.md)."""
+    config.job = JobConfig(kind="local", gpus_per_host=8, gpu_memory_gib=80.0, host_memory_gib=1024.0)
+    config.trainer.hosts = config.generator.hosts = ""
+    return config
+
+
+@register
+def qwen3_8b_gsm8k_one_node() -> Config:
+    """Qwen3-8B on GSM8K on one node of 8 GPUs of 80 GB, fully fine-tuned: 4 generator replicas of tensor
+    parallel size 1 on GPUs 0-3, 4 trainer ranks (FSDP2) on GPUs 4-7, the weight ring in the trainer's GPU
+    memory (read by CUDA IPC). Expected memory per GPU (the memory plan, est.): GPUs 0-3 68.0 GiB (vLLM's
+    0.85 of 80); GPUs 4-7 50.9 GiB (forward_backward 42.3 at the loss of a 16,384-token micro-batch with full
+    checkpointing, optimizer step 39.5, weight ring 7.6, CUDA context 1). Seconds per version: not measured yet."""
+    config = _one_node(_gsm8k("Qwen3-8B"))
+    config.generator.replicas, config.trainer.ranks = 4, 4
+    config.controller.prompts_per_step = 32
+    return config
+
+
+@register
+def qwen3_30b_a3b_gsm8k_one_node() -> Config:
+    """Qwen3-30B-A3B on GSM8K on one node of 8 GPUs of 80 GB, as a LoRA adapter of rank 16 on the attention's
+    projections (its experts are no linear layers): full fine-tuning does not fit beside the generators by the
+    memory plan (30.5B parameters x 16 bytes of fp32 weights, gradients and AdamW moments is 455 GiB, 114 GiB
+    a GPU over 4 trainer ranks; docs/memory.md shows the refusal). 2 generator replicas of tensor parallel
+    size 2 on GPUs 0-3 (serving the adapter), 4 trainer ranks on GPUs 4-7 holding the frozen base in fp32.
+    Expected memory per GPU (the memory plan, est.): GPUs 0-3 68.0 GiB (vLLM's 0.85 of 80); GPUs 4-7 40.9 GiB
+    (forward_backward 39.9 at the last layer's backward of a 16,384-token micro-batch, CUDA context 1).
+    Seconds per version: not measured yet."""
+    config = _one_node(_gsm8k("Qwen3-30B-A3B"))
+    config.generator.replicas, config.generator.tensor_parallel_size, config.trainer.ranks = 2, 2, 4
+    config.controller.prompts_per_step = 32
+    config.trainer.lora = LoraConfig(rank=16, alpha=32.0, targets="q_proj,k_proj,v_proj,o_proj")
+    config.trainer.lr = 1e-5  # 10 times the full fine-tune's, as LoRA usually needs
     return config

@@ -35,7 +35,7 @@ from meshrl.actors.trace import Tracer
 from meshrl.configs import Config, resolve, to_dict
 from meshrl.configs.recipe import recipe_hash
 from meshrl.controller import Controller
-from meshrl.models.model import ChatTokenizer, resolve_checkpoint
+from meshrl.models.model import ChatTokenizer, read_hf_config, resolve_checkpoint
 from meshrl.restarts import Respawner
 from meshrl.rollout import RolloutCollector
 from meshrl.runtime.dtypes import Dtypes, choose_dtypes, run_roles
@@ -44,6 +44,7 @@ from meshrl.runtime.jobs import Hosts, gpus_per_host, host_gpus, make_job, plan
 from meshrl.runtime.launch import (Actors, actor_classes, generator_args, note_fault, spawn_actors, spawn_buffer,
                                    spawn_ranked)
 from meshrl.runtime.loggers import MetricLoggers
+from meshrl.runtime.memory_plan import refusal, refuse_unfitting
 from meshrl.runtime.metric_rows import MetricRows
 from meshrl.runtime.plot import plot_curves
 from meshrl.runtime.relays import Relays
@@ -73,6 +74,7 @@ class Run:
         self.task = make_task(config.task, task_config(config))
         self.classes = actor_classes(config)
         self.model_path = resolve_checkpoint(config.model.source)
+        refuse_unfitting(config, read_hf_config(self.model_path), gpus_per_host(config.job))  # each GPU's memory
         if config.trainer.lora.rank:  # its targets and rank checked against the model, on the meta device
             published_weights(self.model_path, "float32", config.trainer.lora)
         self.tokenizer = ChatTokenizer(self.model_path, config.model.chat_template)
@@ -177,8 +179,11 @@ class Run:
         """The job's hosts, every role's actors on them and the generator and grader pools."""
         self.hosts = await self._start_job()
         if self.gpus.asked:  # job.kind workers: each host says how many GPUs it has
-            self.gpus = plan_gpus(self.config, self.placement, await host_gpus(self.hosts))
+            counts = await host_gpus(self.hosts)
+            self.gpus = plan_gpus(self.config, self.placement, counts)
             tqdm.write("\n".join(self.gpus.describe()))
+            if line := refusal(self.config, read_hf_config(self.model_path), counts):
+                raise RoleFailed(line)  # before any role is spawned
         # every `auto` dtype decided once, here, and handed to the roles in their configs
         self.dtypes = await choose_dtypes(self.config, self.placement, self.hosts, run_roles(self.classes),
                                           self.gpus.apply(self.config))

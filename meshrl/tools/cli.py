@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
                             "checkpoints, timeouts)")
     train.add_argument("--dry-run", action="store_true", help="check the config, the model and the placement "
                                                               "of every role, print the plan, start nothing")
+    train.add_argument("--plan-only", action="store_true", help="print the placement, the GPU plan and each GPU's and "
+                       "host's memory (docs/memory.md) without the checkpoint or a GPU; exit 1 if it cannot fit")
     prepare = sub.add_parser("prepare-model", help="convert the embedded model once (cached) and print its path")
     prepare.add_argument("--source", default="smollm2", help=MODEL_HELP)
     sub.add_parser("configs", help="list the named configs")
@@ -256,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
             _bench_multiturn(args, rest)
         elif args.command == "bench":
             _bench_sync_vs_async(args, rest)
+        elif args.plan_only:  # train: the plans alone, from the checkpoint's published shape if it is not here
+            from meshrl.runtime.memory_plan import plan_only
+
+            return plan_only(load_config(args.config, rest)) if args.config else _error("--plan-only needs --config")
         else:  # bad input fails here, before anything starts; a failure during the run keeps its traceback
             run = (_prepare_resume(args.resume, rest) if args.resume else _prepare_train(args.config, rest, args.run_dir))
             if args.dry_run:
