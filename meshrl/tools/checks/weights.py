@@ -23,7 +23,7 @@ What it measures, per shape (random bf16 weights of Qwen3-1.7B's, Qwen3-4B's and
 - the ring's GPU memory: slots x bytes, and what the writer's allocator took for it.
 A shape the GPU has too little free memory for is skipped with a line saying so. In the dry mode (no
 CUDA) the same two processes run the same code on the memfd stand-in at tiny sizes (`tiny`); its figures
-are the CPU's, not a GPU's. The three configs (HF keys) belong in meshrl/models/shapes.py once it exists.
+are the CPU's, not a GPU's.
 """
 
 import gc
@@ -36,15 +36,8 @@ from pathlib import Path
 
 import torch
 
-# HF config keys of the Qwen3 models whose shapes the ring carries (from their config.json files)
-QWEN3_VOCAB = 151_936
-QWEN3_1_7B = {"hidden_size": 2048, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-              "head_dim": 128, "intermediate_size": 6144, "vocab_size": QWEN3_VOCAB, "tie_word_embeddings": True}
-QWEN3_4B = {"hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "head_dim": 128, "intermediate_size": 9728, "vocab_size": QWEN3_VOCAB, "tie_word_embeddings": True}
-QWEN3_8B = {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "head_dim": 128, "intermediate_size": 12288, "vocab_size": QWEN3_VOCAB, "tie_word_embeddings": False}
-SHAPES = {"qwen3-1.7b": QWEN3_1_7B, "qwen3-4b": QWEN3_4B, "qwen3-8b": QWEN3_8B}
+from meshrl.models.shapes import PUBLISHED
+SHAPES = {name.lower(): PUBLISHED[name] for name in ("Qwen3-1.7B", "Qwen3-4B", "Qwen3-8B")}  # their config.json's
 SLOTS = 2
 VERSIONS, DRY_VERSIONS = 5, 3  # the first of them a warm-up, left out of the averages
 REPEATS = 3  # the overlap's timings: the shortest of these
@@ -266,7 +259,8 @@ class Writer(Side):
         layout = layout_of(config)
         self.sources = {s.name: torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in layout.specs}
         before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
-        self.ring = DeviceRing(layout, SLOTS, False, None, (0, 1), 1, 0, self.device, lambda x: [x])
+        self.ring = DeviceRing(layout, SLOTS, False, None, (0, 1), 1, 0, self.device, lambda x: [x],
+                               register=False)  # read on this host only: no Monarch RDMA
         taken = None if before is None else torch.cuda.memory_allocated(self.device) - before
         self.mark, self.copier, self.version = DeviceMark(self.ring), ThreadPoolExecutor(1), 0
         return self.ring.handle(), taken
