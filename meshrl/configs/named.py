@@ -293,7 +293,8 @@ def qwen3_8b_gsm8k_one_node() -> Config:
     parallel size 1 on GPUs 0-3, 4 trainer ranks (FSDP2) on GPUs 4-7, the weight ring in the trainer's GPU
     memory (read by CUDA IPC). Expected memory per GPU (the memory plan, est.): GPUs 0-3 68.0 GiB (vLLM's
     0.85 of 80); GPUs 4-7 50.9 GiB (forward_backward 42.3 at the loss of a 16,384-token micro-batch with full
-    checkpointing, optimizer step 39.5, weight ring 7.6, CUDA context 1). Seconds per version: not measured yet."""
+    checkpointing, optimizer step 39.5, weight ring 7.6, CUDA context 1). Seconds per version (est., docs/gpu.md:
+    16.4 GB device to device by CUDA IPC): about 0.1 s; not measured yet."""
     config = _one_node(_gsm8k("Qwen3-8B"))
     config.generator.replicas, config.trainer.ranks = 4, 4
     config.controller.prompts_per_step = 32
@@ -309,7 +310,8 @@ def qwen3_30b_a3b_gsm8k_one_node() -> Config:
     size 2 on GPUs 0-3 (serving the adapter), 4 trainer ranks on GPUs 4-7 holding the frozen base in fp32.
     Expected memory per GPU (the memory plan, est.): GPUs 0-3 68.0 GiB (vLLM's 0.85 of 80); GPUs 4-7 40.9 GiB
     (forward_backward 39.9 at the last layer's backward of a 16,384-token micro-batch, CUDA context 1).
-    Seconds per version: not measured yet."""
+    Seconds per version (est., docs/gpu.md): the 27 MB adapter through the host ring, about 10 ms of copies and
+    vLLM's adapter load; not measured yet."""
     config = _one_node(_gsm8k("Qwen3-30B-A3B"))
     config.generator.replicas, config.generator.tensor_parallel_size, config.trainer.ranks = 2, 2, 4
     config.controller.prompts_per_step = 32
