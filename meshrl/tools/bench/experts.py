@@ -119,12 +119,13 @@ def _rank(rank: int, world: int, port: int, checkpoint: str, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from torchtitan.models.qwen3 import Qwen3StateDictAdapter
-
     from meshrl.actors.distributed import Rank, load_on_ranks, local
+    from meshrl.models.model import build_policy, read_hf_config
     from meshrl.tools.bench.trainer_memory import _Peak
 
-    Qwen3StateDictAdapter.get_hf_storage_reader = lambda self, path, from_quantized=False: CountingReader(path)
+    with torch.device("meta"):  # the family's adapter class (its registry's), reading through the counting reader
+        adapter = build_policy(read_hf_config(checkpoint))[1]
+    type(adapter).get_hf_storage_reader = lambda self, path, from_quantized=False: CountingReader(path)
     torch.distributed.init_process_group("gloo")
     me, cpu = Rank(rank, world, torch.device("cpu")), torch.device("cpu")
     try:
