@@ -311,6 +311,7 @@ class VLLMGenerator(Actor):
         async def load(version: int, weights: list[tuple[str, torch.Tensor]]) -> None:
             if not self.through_workers or isinstance(self.adapter, ServedAdapter):
                 return self.reload(weights)
+            self.book.admitting.clear()  # as `_swap`: no request added while the workers load in a thread
             swaps.append(asyncio.ensure_future(asyncio.to_thread(self.reload, weights)))
             await asyncio.shield(swaps[-1])
 

@@ -79,7 +79,7 @@ class TitanTrainer(Actor):
         self.ring = self.staging = None
         if weight_sync.transport != "disk" and weight_sync.memory == "device":
             self.ring = device_ring_for(full, self.rank, self.world, gather, weight_sync.slots, weight_sync.checksums,
-                                        self.device)
+                                        self.device, weight_sync.chunk_mb)
             self.staging = DeviceMark(self.ring)  # a side stream, ordered after the step
         elif weight_sync.transport != "disk":
             self.ring = host_ring(full, self.rank, self.world, gather, weight_sync.slots, weight_sync.chunk_mb,

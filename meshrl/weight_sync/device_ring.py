@@ -303,7 +303,7 @@ class DeviceMark:
 
 
 def device_ring_for(full: WeightLayout, rank: int, world: int, gather: Callable[[object], list], slots: int,
-                    checksums: bool, device: torch.device) -> DeviceRing:
+                    checksums: bool, device: torch.device, chunk_mb: int = 16) -> DeviceRing:
     """This rank's device ring: one per run of consecutive ranks on one host (as `host_ring`), each rank a
     writer of its rows and the holder of one segment. Collective over all ranks (`gather`: an all-gather)."""
     from meshrl.weight_sync.shards import same_host_run, shard_layout, writer_pieces
@@ -311,7 +311,7 @@ def device_ring_for(full: WeightLayout, rank: int, world: int, gather: Callable[
     first, end = same_host_run(gather(host_id()), rank)
     pieces = writer_pieces(full, first, end, world)
     return DeviceRing(shard_layout(full, first, world, end), slots, checksums, pieces, (first, end), world,
-                      rank - first, device, lambda x: gather(x)[first:end])
+                      rank - first, device, lambda x: gather(x)[first:end], chunk_mb)
 
 
 class DeviceRingReader:
