@@ -254,7 +254,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_where_it_stopped_and_samples_wh
 
 # the metrics that differ between two runs of the same steps: everything else must be equal
 MEASURED = {"step_time_s", "gen_time_s", "rollout_time_s", "train_time_s", "publish_wait_s", "longest_load_s",
-            "wait_time_s",
+            "wait_time_s", "weight_publish_s", "weight_publish_hidden", "weight_transfer_s", "weight_load_s",
             "generator_busy", "generator_idle", "trainer_busy", "trainer_memory_gb",
             "trainer_restarts", "restart_seconds",  # the restart's own: checked above
             "prompt_tokens_cached", "prompt_tokens_prefilled", "prefix_cache_hit_rate",
