@@ -158,7 +158,9 @@ async def train_updates(trainer, reference, updates: list[list[BatchRef]], confi
         async with span("trainer", "pi_old", version, timeout=per_micro_batch(timeouts.trainer, len(shares[0]))):
             await computed(trainer, shares, "old_logprobs")
     sums, clip_by_update, losses, grad_norms, skipped, memory, lr = defaultdict(float), [], [], [], 0, 0.0, None
-    published = {}  # the last version's publish, as the update that waited for it saw it
+    # the last version's publish, as the update that waited for it saw it; NaN where none came before this step's
+    # updates (a run's first step), as a step with nothing to train has a NaN loss: every row has the same keys
+    published = {"weight_publish_s": math.nan, "weight_publish_hidden": math.nan}
     for batches in updates:
         update = defaultdict(float)
         shares = dealt(batches, config.ranks)

@@ -6,6 +6,7 @@ Qwen3-MoE family, the plain path through files, and a checkpoint directory of an
 logging to W&B offline."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -60,8 +61,8 @@ def test_smoke_run_on_two_ranks_writes_metrics_plot_and_a_final_policy_vllm_load
     assert all(KEYS | {"kl"} <= r.keys() for r in rows)
     # versions count published steps, not optimizer updates (two per step here)
     assert [r["policy_version"] for r in rows] == [1, 2, 3]
-    # a version's publish is reported by the first update after it: from step 2 on
-    assert "weight_publish_s" not in rows[0] and all(r["weight_publish_s"] > 0 for r in rows[1:])
+    # a version's publish is reported by the first update after it: from step 2 on (none before step 1's: NaN)
+    assert math.isnan(rows[0]["weight_publish_s"]) and all(r["weight_publish_s"] > 0 for r in rows[1:])
     assert all(r["updates"] == 2 and len(r["clip_fraction_by_update"]) == 2 for r in rows)
     # a linear decay over the run's 6 updates, the last at the floor (0): each step's last update (1, 3, 5)
     # is 1/5, 3/5, 5/5 of the way down
