@@ -139,7 +139,7 @@ def plan_gpus(config, placement: dict[str, RolePlacement], gpus_per_host: int | 
     if trainer is not None and "generator" in placement:
         resolved = ring_memory(config.weight_sync.memory, "trainer" in gpus_of, trainer.hosts,
                                placement["generator"].group == trainer.group, config.weight_sync.relay,
-                               lora=config.trainer.lora.rank > 0)  # refuses device where it cannot be read
+                               lora=config.trainer.lora.rank > 0)
         memory = resolved if "trainer" in gpus_of else ""
     return GpuPlan(generators, [g for [g] in gpus_of.get("trainer", [])], [g for [g] in gpus_of.get("reference", [])],
                    fraction, shared, shared_ranks, weight_memory=memory)
