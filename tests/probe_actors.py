@@ -17,9 +17,9 @@ from meshrl.actors.trainer import TitanTrainer
 class SlowStepGenerator(VLLMGenerator):
     """Each engine step takes at least 20 ms more."""
 
-    def _take(self, outputs) -> None:
+    def _step(self) -> None:
         time.sleep(0.02)
-        super()._take(outputs)
+        super()._step()
 
 
 class ScalingTrainer(TitanTrainer):

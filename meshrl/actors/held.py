@@ -27,11 +27,12 @@ class PartialCompletion:
     versions: list[list[int]] = field(default_factory=list)  # [token offset, version] where it changes
     finish_reason: str | None = None
 
-    def add(self, token_ids, logprobs, text: str, version: int) -> None:
+    def add(self, token_ids: list[int], logprobs: list[float], text: str, version: int) -> None:
+        """A step's new tokens, the logprob of each, and the new text."""
         if token_ids and (not self.versions or self.versions[-1][1] != version):
             self.versions.append([len(self.token_ids), version])
         self.token_ids += token_ids
-        self.logprobs += [step[token].logprob for step, token in zip(logprobs, token_ids)]
+        self.logprobs += logprobs
         self.text += text
 
 
