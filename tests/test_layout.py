@@ -23,7 +23,7 @@ LAYERS = (  # bottom first; a module is in the layer of its longest matching nam
     ("rules", ("meshrl", "meshrl.types", "meshrl.advantages", "meshrl.checks", "meshrl.plugins", "meshrl.lr_schedule",
                "meshrl.work_buffer", "meshrl.episodes")),
     ("models", ("meshrl.models",)),
-    ("components", ("meshrl.actors", "meshrl.tasks", "meshrl.weight_sync", "meshrl.losses", "meshrl.checkpoint",
+    ("components", ("meshrl.actors", "meshrl.tasks", "meshrl.weight_sync", "meshrl.losses", "meshrl.exact", "meshrl.checkpoint",
                     "meshrl.train_step")),
     ("core", ("meshrl.controller", "meshrl.buffer_calls", "meshrl.rollout", "meshrl.attempt", "meshrl.restarts", "meshrl.configs")),
     ("runtime", ("meshrl.runtime",)),

@@ -41,7 +41,9 @@ RECIPES = {
 # 2026-11-28 (issue 65): new settings whose defaults keep what ran before on the CPU: weight_sync.memory auto (the
 # host ring, unless the GPU plan puts the trainer on one host's GPUs beside the generators), job.gpu_memory_gib and
 # job.host_memory_gib 0 (this host's own; only the memory plan reads them).
-DEFAULTS = "bca9befdbd651a38"
+# 2026-11-28 (issue 66): new settings whose defaults keep what ran before: generator.exact false,
+# generator.prefill_tokens 256 and trainer.per_sequence false (both read only by the torch generator's runs).
+DEFAULTS = "3ea3c8870108da1f"
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -10,13 +10,21 @@ from meshrl.checks import at_least, one_of
 from meshrl.types import Sampling
 
 WEIGHT_UPDATES = ("drain", "in_flight", "recompute")  # how a generator replica loads a new version
+# `generator.impl`'s short names: vLLM, or the trainer's own torchtitan model (meshrl/actors/torch_generator.py)
+IMPLEMENTATIONS = {"vllm": "meshrl.actors.generator:VLLMGenerator",
+                   "torch": "meshrl.actors.torch_generator:TorchGenerator"}
+
+
+def generator_impl(impl: str) -> str:
+    """The "module:Class" `generator.impl` names: vllm, torch, or the user's own."""
+    return IMPLEMENTATIONS.get(impl, impl)
 
 
 @dataclass
 class GeneratorConfig:
-    """The rollout generator (vLLM in process)."""
+    """The rollout generator: vLLM in process, or the trainer's own model (`impl torch`)."""
 
-    impl: str = "meshrl.actors.generator:VLLMGenerator"  # the actor class, module:Class
+    impl: str = "meshrl.actors.generator:VLLMGenerator"  # the actor class: vllm | torch (the trainer's torchtitan model, meshrl/actors/torch_generator.py) | module:Class
     max_tokens: int = 48  # tokens per completion at most
     temperature: float = 1.0  # sampling temperature of training rollouts
     max_model_len: int = 512  # vLLM's context length
@@ -38,10 +46,20 @@ class GeneratorConfig:
     start_timeout_s: float = 1800.0  # a replica's start (vLLM loading the model, from shared storage for a big one, and capturing CUDA graphs): past it the replica is replaced (0: no limit)
     weight_update: str = "auto"  # how a replica loads a new version: drain (waits for its running requests) | in_flight (between engine steps, requests go on) | recompute (in flight, running prefixes recomputed); auto: drain when controller.max_policy_age is 0, else in_flight (meshrl.configs.resolve)
     engine: EngineConfig = field(default_factory=EngineConfig)  # vLLM's options per device (meshrl/actors/engine.py)
+    exact: bool = False  # impl torch: each completion's behaviour logprobs re-scored in the trainer's numerics, one sequence at a time (meshrl/exact.py; turns trainer.per_sequence on, publishes float32): equal to the trainer's recomputation bit for bit; single-turn tasks
+    prefill_tokens: int = 256  # impl torch: prompt tokens prefilled per engine step (chunked prefill; requests decoding meanwhile go on)
 
     def check(self) -> None:
         at_least(self, "generator", replicas=1, max_tokens=1, num_threads=1, tensor_parallel_size=1, max_restarts=0,
-                 sticky_slack=0)
+                 sticky_slack=0, prefill_tokens=1)
+        torch_impl = generator_impl(self.impl) == IMPLEMENTATIONS["torch"]
+        if self.exact and not torch_impl:
+            raise ValueError("generator.exact samples in the trainer's own numerics: it needs generator.impl torch")
+        if self.exact and self.weight_update not in ("auto", "drain"):
+            raise ValueError("generator.exact re-scores a completion under the weights that sampled all of it: "
+                             f"generator.weight_update drain (or auto), not {self.weight_update}")
+        if torch_impl and self.tensor_parallel_size > 1:
+            raise ValueError("generator.impl torch runs one device a replica: generator.tensor_parallel_size 1")
         one_of(self, "generator", weight_update=("auto",) + WEIGHT_UPDATES,
                routing=("sticky", "least_loaded"))
         if not 0 <= self.memory_fraction <= 1:

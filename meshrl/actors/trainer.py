@@ -41,6 +41,7 @@ from meshrl.actors.distributed import (all_gather, each_micro_batch, head_kept_g
 from meshrl.actors.trace import ActorClock
 from meshrl.actors.trainer_config import TrainerConfig
 from meshrl.checkpoint import SafeReader, load_safely
+from meshrl.exact import per_sequence_terms
 from meshrl.losses import check, policy_logprobs, policy_loss, policy_terms
 from meshrl.lr_schedule import lr_scheduler
 from meshrl.models.lora import adapter_config, adapter_off, is_adapter, save_adapter
@@ -123,8 +124,11 @@ class TitanTrainer(Actor):
             bonus = self.config.loss.entropy_coef > 0  # else the entropy is a metric only
             chunk = self.config.logprob_chunk_tokens
             with head_kept_gathered(self.model, 0 < chunk < int(batch.loss_mask.sum())):
-                logprobs, entropy = policy_terms(self.model, batch, self.config.bf16_autocast, chunk,
-                                                 "bonus" if bonus else "metric")
+                entropy = "bonus" if bonus else "metric"
+                if self.config.per_sequence:  # each sequence alone: its logprobs as generator.exact computes them
+                    logprobs, entropy = per_sequence_terms(self.model, batch, self.config.bf16_autocast, entropy)
+                else:
+                    logprobs, entropy = policy_terms(self.model, batch, self.config.bf16_autocast, chunk, entropy)
                 loss, metrics = policy_loss(logprobs, batch, self.config.loss, entropy)
                 loss.backward()
         return metrics
@@ -147,8 +151,13 @@ class TitanTrainer(Actor):
         """Each micro-batch's logprobs (under `switch()`), timed as `span`, put back into the replay buffer."""
         async def compute(ref: BatchRef, micro: TrainBatch) -> None:
             with self.clock.span(span, self.policy_version), switch():
-                values = policy_logprobs(self.model, micro.to(self.device), self.config.bf16_autocast,
-                                         self.config.logprob_chunk_tokens).cpu()
+                micro = micro.to(self.device)
+                if self.config.per_sequence:
+                    with torch.no_grad():
+                        values = per_sequence_terms(self.model, micro, self.config.bf16_autocast)[0].cpu()
+                else:
+                    values = policy_logprobs(self.model, micro, self.config.bf16_autocast,
+                                             self.config.logprob_chunk_tokens).cpu()
             await to_buffer(self.buffer, ref, values)
         await each_micro_batch(self.buffer, refs, compute, self.clock, self.policy_version)
 

@@ -29,6 +29,7 @@ class TrainerConfig:
     bf16_autocast: bool = True  # forward in bf16 autocast where bf16 pays (a GPU with bf16; a CPU whose bf16 matmuls measure faster than fp32 at the run's start, as generator.dtype auto; fp32 elsewhere); master weights stay fp32
     activation_checkpointing: str = "auto"  # torchtitan's, per layer: off | full (recompute each layer's forward in the backward) | selective (keep every second matmul's output); auto: full on CUDA, off on the CPU (meshrl/models/memory.py)
     bf16_all_gather: str = "auto"  # FSDP2 all-gathers parameters in bf16 (gradients reduced in fp32, master weights fp32; ranks > 1): on | off; auto: on CUDA where the forward runs in bf16 autocast (it casts the norms and embedding too), off on the CPU
+    per_sequence: bool = False  # score each sequence alone at its own length (meshrl/exact.py): its logprobs independent of what it is batched with, as generator.exact re-scores them (set on by it); slower: no batching
     logprob_chunk_tokens: int = 1024  # the LM head, log-softmax and entropy this many positions at a time, each chunk recomputed in the backward (no [tokens, vocabulary] fp32 logits); 0: all at once
     device: str = "auto"  # auto (planned GPUs if the hosts have some, else the CPU) | cpu | cuda | cuda:N (per local rank: "cuda:4;cuda:5")
     ranks: int = 1  # trainer processes (data parallel, the model sharded with FSDP2 over them)

@@ -20,7 +20,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshrl.actors.generator_config import GeneratorConfig
+from meshrl.actors.generator_config import IMPLEMENTATIONS, GeneratorConfig, generator_impl
 from meshrl.actors.grader_config import GraderConfig
 from meshrl.actors.reference_config import ReferenceConfig
 from meshrl.actors.replay_buffer_config import ReplayBufferConfig
@@ -145,6 +145,11 @@ class Config:
         if self.weight_sync.verify and self.generator.tensor_parallel_size > 1:
             raise ValueError("weight_sync.verify compares the tensors of a generator's own vLLM worker: it needs "
                              "generator.tensor_parallel_size 1")
+        if self.generator.exact and self.weight_sync.dtype not in ("auto", "float32"):
+            raise ValueError(f"generator.exact serves the trainer's float32 master weights: weight_sync.dtype auto or "
+                             f"float32, not {self.weight_sync.dtype}")
+        if self.weight_sync.verify and generator_impl(self.generator.impl) == IMPLEMENTATIONS["torch"]:
+            raise ValueError("weight_sync.verify compares the tensors vLLM holds: not with generator.impl torch")
         if self.weight_sync.verify and self.trainer.lora.rank:
             raise ValueError("weight_sync.verify compares the base weights vLLM holds, which an adapter leaves as "
                              "they are: not with trainer.lora")
@@ -155,11 +160,13 @@ def resolve(config: Config, run_dir: Path | None = None) -> Config:
     anything is spawned: the roles and the controller read these and derive no setting themselves (the
     replay buffer's share of fresh groups is its section's `fresh_groups`, not a setting).
     - `generator.weight_update` auto: drain when training is synchronous (controller.max_policy_age 0:
-      nothing may span two versions), else in_flight;
+      nothing may span two versions) or with generator.exact (a completion is re-scored under the weights that
+      sampled all of it), else in_flight;
     - `controller.generate_ahead` -1: the whole staleness bound, or none with `replay_buffer.impl replay`,
       whose groups trained again need the bound's room (docs/studies.md#replay);
     - `trainer.lr_schedule.total_updates` 0: the run's optimizer updates, steps x trainer.mini_batches;
     - `trainer.loss.constant_norm` 0: generator.max_tokens, the most tokens a sequence has;
+    - `trainer.per_sequence` on with `generator.exact`, whose re-scoring it must match (meshrl/exact.py);
     - `weight_sync.disk_dir` "": RUN_DIR/weights, where the disk path or verify writes versions.
     What depends on the hosts (the GPU plan and the dtypes measured at the start: meshrl/runtime/gpu_plan.py
     and dtypes.py) is written into the same resolved config by the run before the roles are spawned.
@@ -167,13 +174,15 @@ def resolve(config: Config, run_dir: Path | None = None) -> Config:
     config = copy.deepcopy(config)
     g, c, t, w = config.generator, config.controller, config.trainer, config.weight_sync
     if g.weight_update == "auto":
-        g.weight_update = "drain" if c.max_policy_age == 0 else "in_flight"
+        g.weight_update = "drain" if c.max_policy_age == 0 or g.exact else "in_flight"
     if c.generate_ahead < 0:
         c.generate_ahead = 0 if config.replay_buffer.impl == "replay" else c.max_policy_age
     if t.lr_schedule.total_updates == 0:
         t.lr_schedule.total_updates = c.steps * t.mini_batches
     if t.loss.constant_norm == 0:
         t.loss.constant_norm = g.max_tokens
+    if g.exact:
+        t.per_sequence = True
     if (w.transport == "disk" or w.verify) and not w.disk_dir and run_dir is not None:
         w.disk_dir = str((run_dir / "weights").absolute())
     return config

@@ -1,6 +1,7 @@
 """A run's dtypes, decided once at its start, before any actor starts: vLLM's for the generators and the
 judge (`dtype auto`), the published weights' (`weight_sync.dtype auto`: what the generators serve, so the
-served policy is exactly the trained one, not a rounded copy) and the trainer's and reference's bf16
+served policy is exactly the trained one, not a rounded copy; float32 and the trainer's autocast rule with
+generator.exact) and the trainer's and reference's bf16
 autocast. meshrl/actors/dtypes.py holds the rule; this module asks it on each role's host (here, or a
 probe actor on the role's first host) with the role's device and threads, and writes the answers into the
 config the actors are started with. The recipe's hash was taken before: it stays that of the user's
@@ -126,4 +127,10 @@ def apply(config, choices: dict[str, Bf16Choice], roles: set[str]) -> Dtypes:
             section.bf16_autocast = choices[role].bf16
         note(role, "bf16 autocast" if section.bf16_autocast else "float32", choices.get(role),
              f"{role}.bf16_autocast false")
+    if g.exact:  # the trainer's numerics: its float32 master weights published, its autocast rule
+        config.weight_sync.dtype = "float32"
+        g.dtype = "bfloat16" if config.trainer.bf16_autocast else "float32"
+        chosen["generator"] = {"dtype": f"float32 weights, {'bf16 autocast' if g.dtype == 'bfloat16' else 'float32'}",
+                               "reason": "generator.exact: the trainer's numerics"}
+        chosen["weight_sync"] = {"dtype": "float32", "reason": "generator.exact: the trainer's master weights"}
     return Dtypes(chosen)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from meshrl.actors import load_actor_class, placement, spawn, spawn_ranks
+from meshrl.actors.generator_config import generator_impl
 from meshrl.actors.replay_buffer import buffer_impl
 from meshrl.actors.roles import ROLES, missing_endpoints
 from meshrl.configs import Config
@@ -37,14 +38,19 @@ class Actors:
 
 def actor_classes(config: Config) -> dict[str, type]:
     """The implementation each role's config names (checked before anything starts)."""
-    roles = {"generator": config.generator, "grader": config.grader, "trainer": config.trainer}
+    roles = {"grader": config.grader, "trainer": config.trainer}
     base_reference = config.trainer.loss.kl_coef > 0 and config.trainer.lora.rank > 0  # the trainer's own base
     if config.trainer.loss.kl_coef > 0 and not base_reference:
         roles["reference"] = config.reference
     classes = {role: load_actor_class(role_config.impl) for role, role_config in roles.items()}
+    roles["generator"], classes["generator"] = config.generator, load_actor_class(generator_impl(config.generator.impl))
     roles["replay_buffer"] = config.replay_buffer
     classes["replay_buffer"] = load_actor_class(buffer_impl(config.replay_buffer.impl))
     multi_turn = is_environment(task_class(config.task))
+    if multi_turn and config.generator.exact:
+        raise ValueError("generator.exact re-scores each completion as the trainer scores its sequence: a multi-turn "
+                         "conversation is trained as one sequence, which no turn's re-scoring sees whole: single-turn "
+                         "tasks only")
     if multi_turn and config.generator.request_seeds:
         raise ValueError("generator.request_seeds is for single-turn tasks: a multi-turn group's conversations are "
                          "requests of one sample each with the same opening, and seeded alike they would all "
