@@ -218,7 +218,8 @@ def test_the_study_command_lists_dry_runs_and_refuses_unknown_names(tmp_path, cl
     assert code == 0
     assert [line.split()[0] for line in listed.splitlines()] == ["weight-sync-equivalence", "sync-vs-async",
                                                                   "difficulty", "replay", "curriculum",
-                                                                  "demo-settings", "demo-heldout", "demo-recipe", "calculator"]
+                                                                  "demo-settings", "demo-heldout", "demo-recipe", "calculator",
+                                                                  "unified-model"]
     code, out, _ = cli("study", "sync-vs-async", "--dry-run", "--dir", tmp_path)
     commands = out.splitlines()
     assert code == 0
@@ -537,3 +538,36 @@ def test_the_calculator_report_shows_validation_by_eval_and_each_seeds_test_spli
     assert "| untrained model | 0.000 | 1.000 | 0.000 | 1.000 |" in text
     assert f"### seed2, step 30\n\n```\nq\nCALC[..] Answer: {sample.answer}\n-> reward 1.10 (right)" in text
     assert (tmp_path / "validation_level2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_unified_model_report_gives_each_arms_test_accuracy_and_training_figures(tmp_path):
+    """Three arms (vllm, torch, torch_exact) on the demo recipe as it is, three seeds each: each seed's final
+    policy's test accuracy (its cached `meshrl eval --split test`), and the training rows' mismatch, clip,
+    behaviour KL, tokens/s and seconds a step, as means over the arm's seeds."""
+    from meshrl.configs import to_dict
+    from meshrl.tools.studies import STUDIES, unified_model
+
+    study = STUDIES["unified-model"]
+    assert [r.name for r in study.runs][:3] == ["vllm_seed0", "torch_seed0", "torch_exact_seed0"]
+    assert all(r.config == "sum_digits_smollm2" for r in study.runs)  # the demo's recipe, nothing chosen
+    assert [r.overrides[:4] for r in study.runs[:3]] == [
+        ["--generator.seed", "0", "--trainer.seed", "0"], ["--generator.impl", "torch", "--generator.seed", "0"],
+        ["--generator.impl", "torch", "--generator.exact", "true"]]
+    mismatch = {"vllm": 0.02, "torch": 0.001, "torch_exact": 0.0}
+    for run in study.runs:
+        arm, seed = run.name.rsplit("_seed", 1)
+        run_dir = tmp_path / run.name
+        (run_dir / "eval-test").mkdir(parents=True)
+        (run_dir / "config.json").write_text(json.dumps(to_dict(load_config(run.config, run.overrides))))
+        (run_dir / "study_run.json").write_text(json.dumps(run.recipe()))
+        rows = [{"step": s, "tokens_trained": 100, "logprob_mismatch": mismatch[arm], "clip_fraction_low": 0.01,
+                 "clip_fraction_high": 0.02 * (arm == "vllm"), "behaviour_kl": mismatch[arm] / 10,
+                 "tokens_generated": 1000, "step_time_s": 10.0} for s in (1, 2)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run_dir / "summary.json").write_text(json.dumps({"config_hash": run.config_hash(), "steps": run.steps()}))
+        (run_dir / "eval-test" / "eval.json").write_text(json.dumps({"rates": {"eval_accuracy": 0.5 + int(seed) / 10}}))
+    text = write_report(study, tmp_path).read_text()
+    assert "| vllm | 3 | 0.600 ± 0.100 (0.500-0.700, n=3) | 0.500 | 0.020 ± 0.000 (0.020-0.020, n=3) | " in text
+    assert "| torch_exact | 3 | 0.600 ± 0.100 (0.500-0.700, n=3) | 0.500 | 0.000 ± 0.000 (0.000-0.000, n=3) | " \
+        "0.010 ± 0.000 (0.010-0.010, n=3) | 0.000 ± 0.000 (0.000-0.000, n=3) | 100 | 10.0 |" in text
+    assert unified_model.ARMS["torch_exact"] == ["--generator.impl", "torch", "--generator.exact", "true"]

@@ -74,5 +74,5 @@ def read_json_lines(path: Path) -> list[dict]:
 
 
 for _name in ("weight_sync_equivalence", "sync_vs_async", "difficulty", "replay", "curriculum", "demo_settings", "demo_heldout", "demo_recipe",
-              "calculator"):
+              "calculator", "unified_model"):
     importlib.import_module(f"meshrl.tools.studies.{_name}")
