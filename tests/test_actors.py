@@ -10,6 +10,7 @@ from probe_actors import SlowPublishTrainer, WorkerHandoffGenerator
 
 from meshrl.actors import spawn
 from meshrl.actors.generator import VLLMGenerator
+from meshrl.actors.torch_generator import TorchGenerator
 from meshrl.actors.generator_config import GeneratorConfig
 from meshrl.actors.grader import TaskGrader
 from meshrl.actors.grader_config import GraderConfig
@@ -31,13 +32,15 @@ pytestmark = pytest.mark.processes
 PARITY = {"tiny": 0.02, "tiny_qwen3": 0.02, "tiny_qwen3_moe": 0.05}
 
 
-@pytest.mark.parametrize("source, generator_class", [("tiny", VLLMGenerator), ("tiny_qwen3", WorkerHandoffGenerator)])
+@pytest.mark.parametrize("source, generator_class", [("tiny", VLLMGenerator), ("tiny_qwen3", WorkerHandoffGenerator),
+                                                     ("tiny_qwen3", TorchGenerator)])
 def test_trainer_weights_reach_vllm_and_change_its_output(source, generator_class):
     """For each model family: vLLM and the trainer score vLLM's samples alike before and after a
     published update, which vLLM loads under its own names (the family's adapter gives the ring's layout).
     Qwen3's versions go through the route of tensor-parallel replicas (each vLLM worker maps the shared
     memory the version was read into, through collective_rpc); the others are handed to the one worker in
-    the replica's process."""
+    the replica's process. The torch generator (the trainer's own model) holds the contract alike: it loads
+    each version under torchtitan's names."""
     tiny_checkpoint = resolve_checkpoint(source)
     gaps = []
 
@@ -120,17 +123,19 @@ def test_grader_scores_a_group_skips_malformed_completions_and_zeroes_truncated_
     assert checks[3] == checks[0] | {"truncated": 1.0}
 
 
-def test_the_trainer_scores_sampled_tokens_as_vllm_sampled_them_at_any_temperature():
-    """vLLM returns the logprobs of the distribution it sampled from (logits / temperature), and the
-    trainer takes its own from logits / the episode's temperature: at 0.7 they agree as closely as at 1.
-    A trainer that ignored the temperature would score the same tokens very differently."""
+@pytest.mark.parametrize("generator_class", [VLLMGenerator, TorchGenerator])
+def test_the_trainer_scores_sampled_tokens_as_vllm_sampled_them_at_any_temperature(generator_class):
+    """vLLM (and the torch generator) returns the logprobs of the distribution it sampled from (logits /
+    temperature), and the trainer takes its own from logits / the episode's temperature: at 0.7 they agree as
+    closely as at 1. A trainer that ignored the temperature would score the same tokens very differently."""
     from meshrl.models.model import resolve_checkpoint
 
     smollm2 = resolve_checkpoint("smollm2")  # a real model: a random one's logits are too flat to tell
 
     async def run():
         sync = WeightSyncConfig()
-        gen_procs, generator = spawn("generator", VLLMGenerator, GeneratorConfig(weight_update="drain", num_threads=1), sync, str(smollm2))
+        gen_procs, generator = spawn("generator", generator_class, GeneratorConfig(weight_update="drain", num_threads=1), sync,
+                                     str(smollm2))
         trn_procs, trainer = spawn("trainer", TitanTrainer, TrainerConfig(num_threads=1), sync, str(smollm2))
         buffer = replay_buffer_on(trn_procs)
         try:

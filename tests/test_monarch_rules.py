@@ -16,6 +16,7 @@ from rule_actors import Sleeper, sleep_timed
 
 from meshrl.actors import roles
 from meshrl.actors.generator import VLLMGenerator
+from meshrl.actors.torch_generator import TorchGenerator
 from meshrl.actors.grader import TaskGrader
 from meshrl.actors.trainer import TitanTrainer
 from support.fake_monarch import FakeMesh, concurrent
@@ -93,6 +94,7 @@ def concurrent_endpoints(real) -> set[str]:
 
 
 @pytest.mark.parametrize("fake, real, role", [(FakeGenerator, VLLMGenerator, roles.Generator),
+                                              (FakeGenerator, TorchGenerator, roles.Generator),
                                               (FakeTrainer, TitanTrainer, roles.Trainer),
                                               (FakeGrader, TaskGrader, roles.Grader)])
 def test_each_fake_runs_concurrently_what_its_real_actor_does(fake, real, role):
