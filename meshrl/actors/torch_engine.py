@@ -3,8 +3,8 @@ torchtitan model with a KV cache of its own, in pure torch (no Monarch, no vLLM)
 with exactly the model the trainer trains, wherever torch runs.
 
 KV cache (meshrl/actors/kv_cache.py): each layer's inner attention is wrapped (`CachedAttention`, the layer's own
-kept inside). During an engine forward it writes the new keys and values (rotated at the positions the engine passes) into a slot cache
-([slots, max_model_len, kv heads, head dim] per layer, in the compute dtype, allocated at the first forward) and
+kept inside). During an engine forward it writes the new keys and values (rotated at the positions the engine
+passes) into a slot cache ([slots, max_model_len, kv heads, head dim] per layer, in the compute dtype, allocated at the first forward) and
 attends each row's queries to its slot's keys up to their positions. Otherwise it is the layer's own attention:
 the same model still computes exactly the trainer's forward (meshrl/exact.py re-scores on it). Without
 `attention.inner_attention` in every layer (the transformers backend), or with `kv_cache=False`, each step
