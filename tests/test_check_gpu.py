@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from meshrl.actors import has_bf16_math
-from meshrl.tools.checks import mfu, parity, weights, workloads
+from meshrl.tools.checks import mfu, parity, smoke, torch_loop, weights, workloads
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +32,8 @@ def test_the_dry_run_writes_every_section_and_says_what_ran_on_stand_ins(dry):
     assert list(result["sections"]) == ["parity", "endpoints", "memory", "mfu", "publish", "weights", "smoke"]
     assert {n: s["status"] for n, s in result["sections"].items()} == {
         "parity": "pass", "endpoints": "pass", "memory": "ran", "mfu": "ran", "publish": "ran", "weights": "pass",
-        "smoke": "skipped"}
-    assert "dry mode" in result["sections"]["smoke"]["reason"]
+        "smoke": "pass"}
+    assert result["sections"]["smoke"]["why"] == "dry mode"
     assert any(part.startswith("monarch") for part in result["stood_in"]) and not result["installed"]["monarch"]
     for name in result["sections"]:  # the table on stdout has a row for each
         assert f"\n{name} " in stdout
@@ -123,6 +123,61 @@ def test_the_dry_weights_section_loads_every_shape_in_a_second_process_bit_equal
         assert all(shape[k] > 0 for k in ("publish_s", "load_s", "end_to_end_s", "publish_gbps", "load_gbps"))
         assert 0 <= shape["overlap"]["overlap"] <= 1 and shape["overlap"]["steps"] >= 1
     assert stdout.count("bit-equal yes, torn 0") == len(weights.SHAPES)
+
+
+@pytest.mark.processes
+def test_the_dry_smoke_runs_an_async_loop_with_the_torch_generator_loading_every_version(dry):
+    """With no vLLM (or no Monarch), and in the dry mode, the smoke section runs the whole loop in the check's
+    process: the torch generator and the trainer actor on the stand-ins, sum_digits' reward, GRPO advantages.
+    Every step trains, each version published is loaded by the generator, and each step after the first trains
+    groups generated one version behind (max_policy_age 1)."""
+    result, stdout = dry
+    section = result["sections"]["smoke"]
+    steps, prompts, n, tokens = torch_loop.DRY_SIZES
+    versions = list(range(1, steps + 1))
+    assert section["status"] == "pass" and section["problems"] == [], section["problems"]
+    assert section["path"] == torch_loop.PATH and section["generator_device"] == "cpu"
+    assert section["steps_run"] == steps and [r["step"] for r in section["steps"]] == versions
+    assert section["versions_published"] == versions == section["versions_loaded"]
+    assert [load["version"] for load in section["loads"]] == versions
+    assert all(load["seconds"] > 0 for load in section["loads"]) and section["load_s_per_version"] > 0
+    assert section["generated_tokens_per_s"] > 0 and section["trained_tokens_per_s"] > 0
+    for row in section["steps"]:
+        assert row["groups"] == prompts and row["episodes"] == prompts * n, row
+        assert 0 < row["generated_tokens"] <= prompts * n * tokens and row["tokens_trained"] == row["generated_tokens"]
+        assert row["updates"] == row["step"] and len(row["rewards"]) == prompts * n
+        assert row["sampled_versions"] == [max(0, row["step"] - 2)]  # generated before the previous step trained
+    assert [r["policy_age_max"] for r in section["steps"]] == [0] + [1] * (steps - 1)
+    assert len(section["rewards_per_step"]) == steps and all(0 <= r <= 1.2 for r in section["rewards_per_step"])
+    assert f"{torch_loop.PATH}: tiny Qwen3 (dry mode)" in stdout and "(dry mode)\n" in stdout
+    assert f"versions published {versions}, loaded {versions}" in stdout
+
+
+def test_the_smoke_section_runs_meshrl_train_only_where_vllm_and_monarch_are_both_installed(monkeypatch, tmp_path):
+    """The subprocess where both are installed and not in the dry mode; the in-process loop otherwise, saying
+    why; the report names the path that ran."""
+    monkeypatch.setattr(smoke.torch_loop, "run", lambda check: {"path": torch_loop.PATH, "status": "pass"})
+    monkeypatch.setattr(smoke, "train", lambda check: {"path": smoke.SUBPROCESS, "status": "pass"})
+    cases = [({"vllm", "monarch"}, False, smoke.SUBPROCESS, None),
+             ({"vllm", "monarch"}, True, torch_loop.PATH, "dry mode"),
+             ({"monarch"}, False, torch_loop.PATH, "vllm not installed here (or stood in)"),
+             (set(), False, torch_loop.PATH, "vllm and monarch not installed here (or stood in)")]
+    for installed, dry, path, why in cases:
+        monkeypatch.setattr(smoke.standins, "available", lambda module, have=installed: module in have)
+        check = gpu_check(tmp_path, dry)
+        try:
+            section = smoke.run(check)
+        finally:
+            check.loop.close()
+        assert (section["path"], section.get("why")) == (path, why), (installed, dry)
+    assert smoke.report({"path": smoke.SUBPROCESS, "status": "pass", "exit_code": 0, "run_s": 30.0,
+                         "summary": {"steps": 2}})[0].startswith(f"{smoke.SUBPROCESS}: exit code 0")
+
+
+def gpu_check(tmp_path, dry: bool):
+    from meshrl.tools.checks import gpu
+
+    return gpu.Check(torch.device("cpu"), dry, tmp_path)
 
 
 def test_the_weights_digest_changes_with_any_changed_or_moved_bits(monkeypatch):

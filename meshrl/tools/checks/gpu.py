@@ -8,7 +8,8 @@ optim_step, publish_weights into a real ring read back), memory (peak memory at 
 micro-batch, the memory switches off and on), mfu (a ~1B model at 8k tokens), publish (device-to-host
 rates and the overlap with a forward and backward), weights (the weight ring in device memory between a
 writer and a reader process, CUDA IPC, at Qwen3-1.7B's, 4B's and 8B's shapes), smoke (`meshrl train --config
-smoke`).
+smoke` where vLLM and Monarch are installed; elsewhere, and in the dry mode, a few asynchronous RL steps in this
+process with the torch generator over the stand-ins: torch_loop.py).
 
 Without CUDA (or with --dry) it runs in a dry mode: the same code on the CPU at tiny sizes, the sections
 that need CUDA said skipped, in well under a minute (tests/test_check_gpu.py runs it). What the machine
@@ -39,7 +40,8 @@ def add_parser(sub) -> None:
                                                                    + ", ".join(SECTIONS))
     gpu.add_argument("--stand-ins", action="store_true", help="stand in for Monarch even where it is installed "
                                                               "(as on a machine without it)")
-    gpu.add_argument("--smoke-timeout", type=float, default=240.0, help="seconds the smoke run may take")
+    gpu.add_argument("--smoke-timeout", type=float, default=240.0, help="seconds the smoke section's `meshrl train` "
+                                                                        "subprocess may take")
 
 
 @dataclass

@@ -4,7 +4,8 @@ endpoint, real or stood in.
 
 - `monarch.actor` and `monarch.rdma`: the trainer actor class is built as a plain object and its endpoints
   are called in this process (`call`); a ring's RDMA handles become plain references to its memory (a
-  reader on the same host copies over shared memory anyway).
+  reader on the same host copies over shared memory anyway). The generators' modules also import Monarch's
+  `SupervisionError`: a plain exception class here.
 - `torch.distributed.fsdp.DataParallelMeshDims`: torchtitan 0.3 imports it; torch 2.11 lacks it (2.13 has it),
   and FSDP over one mesh dimension never passes it (torchtitan only hands it on when it is set).
 
@@ -65,12 +66,20 @@ def _standin_monarch() -> dict[str, types.ModuleType]:
             self.tensor.copy_(src)
 
     rdma.RDMABuffer = RDMABuffer
+    # the generators' modules import the error a dead actor's call raises (no actor dies in this process)
+    names = ("monarch._rust_bindings", "monarch._rust_bindings.monarch_hyperactor",
+             "monarch._rust_bindings.monarch_hyperactor.supervision")
+    bindings = {name: types.ModuleType(name) for name in names}
+    bindings[names[-1]].SupervisionError = type("SupervisionError", (Exception,), {})
     monarch = types.ModuleType("monarch")
     monarch.__path__ = []  # a package: `import monarch.actor` finds the entries below
-    for module in (monarch, actor, rdma):
+    for module in (monarch, actor, rdma, *bindings.values()):
         module.STAND_IN = True
-    monarch.actor, monarch.rdma = actor, rdma
-    return {"monarch": monarch, "monarch.actor": actor, "monarch.rdma": rdma}
+    for parent, child in zip(names[:-1], names[1:]):
+        bindings[parent].__path__ = []
+        setattr(bindings[parent], child.rsplit(".", 1)[1], bindings[child])
+    monarch.actor, monarch.rdma, monarch._rust_bindings = actor, rdma, bindings[names[0]]
+    return {"monarch": monarch, "monarch.actor": actor, "monarch.rdma": rdma, **bindings}
 
 
 def install(force_monarch: bool = False) -> list[str]:
@@ -86,7 +95,8 @@ def install(force_monarch: bool = False) -> list[str]:
             for name in [n for n in sys.modules if n == "monarch" or n.startswith("monarch.")]:
                 del sys.modules[name]  # what a failed import left
             sys.modules.update(_standin_monarch())
-        stood_in.append(f"monarch (monarch.actor, monarch.rdma): actors built and called in this process; {why}")
+        stood_in.append(f"monarch (monarch.actor, monarch.rdma, its SupervisionError): actors built and called in "
+                        f"this process; {why}")
     import torch.distributed.fsdp as fsdp
 
     if not hasattr(fsdp, "DataParallelMeshDims"):
