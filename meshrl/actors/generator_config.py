@@ -27,10 +27,10 @@ class GeneratorConfig:
     impl: str = "meshrl.actors.generator:VLLMGenerator"  # the actor class: vllm | torch (the trainer's torchtitan model, meshrl/actors/torch_generator.py) | module:Class
     max_tokens: int = 48  # tokens per completion at most
     temperature: float = 1.0  # sampling temperature of training rollouts
-    max_model_len: int = 512  # vLLM's context length
-    dtype: str = "auto"  # vLLM's weight dtype: auto (bfloat16 on a GPU with bf16, and on a CPU whose bf16 matmuls measure faster than float32 at the run's start; else float32) | bfloat16 | float32
+    max_model_len: int = 512  # the context length (prompt and completion)
+    dtype: str = "auto"  # the generator's weight dtype (with impl torch and exact: its autocast, weights float32): auto (bfloat16 on a GPU with bf16, and on a CPU whose bf16 matmuls measure faster than float32 at the run's start; else float32) | bfloat16 | float32
     memory_fraction: float = 0.0  # vLLM's gpu_memory_utilization; 0: from the GPU plan (0.9 of a GPU to itself, a share of one it shares), on the CPU 0.2 of host memory
-    kv_cache_gib: int = 1  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
+    kv_cache_gib: int = 1  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE); impl torch: its KV cache on any device, as many sequences as it holds at max_model_len (256 at most)
     num_threads: int = 2  # torch/OpenMP threads of each replica
     cpus: str = ""  # pin to these cores ("0", "0-1", "0,2"; per replica: "0;1"); "" leaves placement to the OS
     tensor_parallel_size: int = 1  # GPUs of each replica (vLLM's tensor parallelism)
