@@ -100,7 +100,11 @@ def _parser() -> argparse.ArgumentParser:
     relay.add_argument("--model", default="smollm2", help=MODEL_HELP)
     relay.add_argument("--replicas", type=int, default=2, help="stand-in replicas on the host")
     relay.add_argument("--versions", type=int, default=3, help="versions published and loaded per arm")
-    generation = bench.add_parser("generation", help="raw vLLM against one generator replica and against N")
+    generation = bench.add_parser("generation", help="the raw engine against one generator replica and against N")
+    generation.add_argument("--impl", choices=("vllm", "torch"), default="vllm",
+                            help="the generator: vLLM, or the torch generator on the trainer's own model")
+    generation.add_argument("--exact", action="store_true", help="with --impl torch: generator.exact (float32 "
+                                                                 "weights, each completion re-scored)")
     generation.add_argument("--json", type=Path, required=True, help="where to write the figures")
     generation.add_argument("--model", default="smollm2", help=MODEL_HELP)
     generation.add_argument("--prompts", type=int, default=32, help="prompts (groups) per run")
@@ -339,8 +343,10 @@ def _bench_weight_sync(args) -> None:
 def _bench_generation(args) -> None:
     from meshrl.tools.bench import generation
 
+    if args.exact and args.impl != "torch":
+        raise ValueError("--exact is the torch generator's (generator.exact): add --impl torch")
     _write_bench(args.json, generation, generation.run(args.model, args.prompts, args.group_size, args.max_tokens,
-                                                       args.replicas, args.repeats))
+                                                       args.replicas, args.repeats, args.impl, args.exact))
 
 
 def _bench_trainer(args) -> None:
