@@ -15,6 +15,7 @@ from assertions import assert_checks_are_the_means_of_the_records, assert_stalen
 
 from meshrl.actors import spawn
 from meshrl.actors.generator import VLLMGenerator
+from meshrl.actors.torch_generator import TorchGenerator
 from meshrl.actors.generator_config import GeneratorConfig
 from meshrl.actors.grader import EnvReply, TaskGrader
 from meshrl.configs import ControllerConfig
@@ -365,21 +366,22 @@ def test_sticky_routing_serves_later_turns_from_the_prefix_cache_and_least_loade
 
 
 @pytest.mark.processes
+@pytest.mark.parametrize("generator_class", [VLLMGenerator, TorchGenerator])
 def test_a_later_turn_sends_only_its_new_tokens_and_a_replica_that_did_not_make_the_turn_before_takes_it(
-        tiny_checkpoint):
+        tiny_checkpoint, generator_class):
     """Turn 2 of a conversation is sent as its new tokens only (the template's end of turn 1, the tool's
     answer, the assistant's turn opened), naming turn 1 (`Prompt.prefix`), which replica A generated and
     holds. Sent to A, A puts turn 1 in front itself; sent to B with `prefix_holder` A, B takes turn 1 from
     A. Greedy, both generate the same tokens from the same whole prompt: turn 1's prompt and tokens, then
     the new ones. The conversation stays under vLLM's 128-token blocks on the CPU: no replica's prefix
-    cache serves any of it, both compute the whole prompt."""
+    cache serves any of it, both compute the whole prompt. The torch generator holds the contract alike."""
     tokenizer = ChatTokenizer(tiny_checkpoint)
     greedy = Sampling(n=1, temperature=0.0, max_tokens=16)
     opening = [{"role": "user", "content": "What is 2 + 3?"}]
 
     async def run():
-        spawned = [spawn(f"generator{i}", VLLMGenerator, GeneratorConfig(weight_update="drain", num_threads=1), WeightSyncConfig(),
-                         str(tiny_checkpoint)) for i in range(2)]
+        spawned = [spawn(f"generator{i}", generator_class, GeneratorConfig(weight_update="drain", num_threads=1),
+                         WeightSyncConfig(), str(tiny_checkpoint)) for i in range(2)]
         (_, a), (_, b) = spawned
         try:
             [first] = (await a.generate.call_one([Prompt(0, tokenizer.encode_messages(opening))], sampling=greedy,
