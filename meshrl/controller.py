@@ -18,6 +18,10 @@ A trainer that dies or hangs is restarted in the state it lost, a reference afre
 empty with its untrained groups generated again (meshrl/restarts.py), and the step that failed is
 trained again; the generators serve on meanwhile.
 
+Each step's row counts the replies whose reward function raised (`reward_errors`, meshrl/episodes.py): a
+share above `grader.warn_error_fraction` is one warning line; above `grader.max_error_fraction` for
+`grader.max_error_steps` steps in a row, the run stops (TooManyFailures, one line).
+
 A stop (Ctrl-C, SIGTERM) cancels the loops between steps (a step training or a checkpoint being
 written finishes first); the groups in flight are stopped and their prompts kept, and a checkpoint
 holds every step logged: `--resume` goes on from it with nothing lost and nothing trained twice.
@@ -38,12 +42,12 @@ from meshrl.actors.weight_updates import absorb, cache_figures, gather_reports, 
 from meshrl.buffer_calls import BufferCalls
 from meshrl.checkpoint import Checkpointer, RunState, latest
 from meshrl.configs import Config
-from meshrl.episodes import batch_builder, keep_group
+from meshrl.episodes import batch_builder, keep_group, reward_error_stop, reward_error_warning
 from meshrl.restarts import FAULTS, Respawner, Restarts
 from meshrl.rollout import RolloutCollector
 from meshrl.train_step import train_updates
 from meshrl.types import BatchRef
-from meshrl.work_buffer import Batch, Group, WorkBuffer
+from meshrl.work_buffer import Batch, Group, TooManyFailures, WorkBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -300,6 +304,7 @@ class Controller:
                         await self.buffer.trained.call_one(batch.index, step)
                 finally:  # a buffer dying now is restarted (its records die with it); the step is not trained again
                     self.rows.log(row)
+                await self._reward_errors(row)
                 if self.rows.bad_steps:
                     logger.warning("step %d: %d of its updates had a NaN or infinite loss or gradient norm and "
                                    "were not applied", step, row["updates_skipped"])
@@ -309,6 +314,20 @@ class Controller:
                                      f"{latest(self.checkpointer.run_dir) or 'none'}, is from before them")
             if every and step % every == 0 and step < cfg.steps:
                 await self.checkpoint()
+
+    async def _reward_errors(self, row: dict) -> None:
+        """A warning line when the step's share of replies the reward function raised on passes
+        `grader.warn_error_fraction`; TooManyFailures when it stayed above `grader.max_error_fraction` for
+        `grader.max_error_steps` steps in a row."""
+        g = self.config.grader
+        warn = reward_error_warning(row, g.warn_error_fraction, "") is not None
+        stop = reward_error_stop(self.rows.rows, g.max_error_fraction, g.max_error_steps) is not None
+        if warn or stop:
+            first = await self.collector.first_reward_error()
+            if warn:
+                logger.warning(reward_error_warning(row, g.warn_error_fraction, first))
+            if stop:
+                raise TooManyFailures(reward_error_stop(self.rows.rows, g.max_error_fraction, g.max_error_steps, first))
 
     async def _next_batch(self, index: int) -> Batch:
         """Batch `index` once complete; re-raises if the rollout loop, the last publish (whose version

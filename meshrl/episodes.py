@@ -1,6 +1,8 @@
 """Episode building: a complete batch's groups become flat, trainer-ready Episodes with their group
-advantages, together with the batch's rollout metrics and the records rollouts.jsonl keeps. Pure
-functions: the controller's side of the data, after the grader and before the trainer."""
+advantages, together with the batch's rollout metrics and the records rollouts.jsonl keeps, and what the
+steps' rows say of the replies whose reward function raised (a step's warning, the bound that stops a run,
+the run's totals). Pure functions: the controller's side of the data, after the grader and before the
+trainer."""
 
 import json
 import math
@@ -203,7 +205,10 @@ def batch_builder(cfg, now: Callable[[], float], accuracy: str = "correct"):
             "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
             "reward_std": population_std(rewards) if rewards else math.nan,
             **check_rates(checks, len(checks), "", accuracy),
-            "reward_errors": sum(g.completions - len(g.scored) for g in f.groups),
+            # replies (completions, conversations) graded for this batch, its failed groups' included, and those
+            # whose reward function or environment raised (left out; a group where most raised failed)
+            "replies_graded": sum(g.completions for g in f.groups) + f.failed_graded,
+            "reward_errors": sum(g.completions - len(g.scored) for g in f.groups) + f.failed_errors,
             "equal_reward_groups": f.equal,
             # the share of them whose rewards differ: the groups that teach anything (a stalled run's is low)
             "groups_with_signal": max(scored - f.equal, 0) / scored if scored else math.nan,
@@ -226,6 +231,52 @@ def batch_builder(cfg, now: Callable[[], float], accuracy: str = "correct"):
             "tokens_after_swap": sum(k.tokens_after_swap for _, k in kept),
         }
         stats["tokens_discarded"] = sum(v for k, v in stats.items() if k.startswith("tokens_discarded_"))
+        stats["reward_error_fraction"] = error_fraction(stats["reward_errors"], stats["replies_graded"])
         return Batch(f.index, [gid for gid, _ in kept], [v for _, k in kept for v in k.versions], stats)
 
     return build
+
+
+def error_fraction(errors: int, graded: int) -> float:
+    """The share of `graded` replies whose reward function raised (0 with none graded)."""
+    return errors / graded if graded else 0.0
+
+
+def reward_error_warning(row: dict, warn_fraction: float, first: str) -> str | None:
+    """One warning line for a step's row whose share of replies the reward function raised on is above
+    `warn_fraction` (`grader.warn_error_fraction`), naming the step, the count, the share and `first` (the
+    first error the graders saw, "" if none said); None otherwise."""
+    fraction = row.get("reward_error_fraction", 0.0)
+    if not row.get("reward_errors") or fraction <= warn_fraction:
+        return None
+    return (f"step {row['step']}: the reward function raised on {row['reward_errors']} of {row['replies_graded']} "
+            f"replies ({fraction:.1%}, above grader.warn_error_fraction {warn_fraction:g}); they are left out"
+            + (f"; the first: {first}" if first else ""))
+
+
+def reward_error_stop(rows: list[dict], max_fraction: float, max_steps: int, first: str = "") -> str | None:
+    """The run's error when each of the last `max_steps` rows' share of replies the reward function raised on
+    is above `max_fraction` (`grader.max_error_fraction`, `grader.max_error_steps`); None otherwise."""
+    last = rows[-max_steps:]
+    if len(last) < max_steps or any(r.get("reward_error_fraction", 0.0) <= max_fraction for r in last):
+        return None
+    shares = ", ".join(f"{r['reward_error_fraction']:.0%}" for r in last)
+    return (f"the reward function raised on more than grader.max_error_fraction ({max_fraction:g}) of the replies "
+            f"of {max_steps} steps in a row (grader.max_error_steps), steps {last[0]['step']} to {last[-1]['step']}: "
+            f"{shares}" + (f"; the first: {first}" if first else ""))
+
+
+def reward_error_totals(rows: list[dict]) -> dict[str, float]:
+    """summary.json's `reward_errors` (the run's replies whose reward function raised, over the steps
+    logged) and `reward_error_fraction` (their share of the replies graded)."""
+    errors, graded = sum(r.get("reward_errors", 0) for r in rows), sum(r.get("replies_graded", 0) for r in rows)
+    return {"reward_errors": errors, "reward_error_fraction": error_fraction(errors, graded)}
+
+
+def reward_error_line(summary: dict) -> str | None:
+    """The run's last word on its reward errors (summary.json's), if there were any."""
+    if not summary.get("reward_errors"):
+        return None
+    return (f"meshrl: warning: the reward function raised on {summary['reward_errors']} replies over the run, "
+            f"{summary['reward_error_fraction']:.1%} of those graded; they were left out (the log has the first "
+            "traceback of each kind of error)")

@@ -6,8 +6,10 @@ graded as soon as it is complete; the work buffer (meshrl/work_buffer.py) decide
 group does to its batch. The same on the eval split.
 
 A group whose call raised an error of its own (vLLM rejecting its prompt, an environment raising)
-fails: it is counted, its prompt named once in the log, and the run goes on. A replica that died or
-hung is replaced by its pool and the call redone elsewhere (meshrl/actors/replicas.py).
+fails: it is counted, its prompt named once in the log, and the run goes on. An eval's failed prompts
+are told in one line per distinct error, with their count; a first eval (before training) whose every
+prompt failed with one same error stops the run there (TooManyFailures): nothing would be learnt. A
+replica that died or hung is replaced by its pool and the call redone elsewhere (meshrl/actors/replicas.py).
 
 Each try at a group is an `Attempt` (meshrl/attempt.py: its calls, and the tokens it leaves with the
 generators until the replay buffer takes them). A try whose tokens died with their generator (or a
@@ -23,9 +25,10 @@ from typing import Callable
 from tqdm import tqdm
 
 from meshrl.actors.generator_config import GeneratorConfig
+from meshrl.actors.grader import failed_counts
 from meshrl.actors.replicas import CallFailed, ReplicaPool
 from meshrl.actors.roles import TokensLost
-from meshrl.actors.timeouts import Timeouts
+from meshrl.actors.timeouts import Timeouts, deadline
 from meshrl.attempt import EXAMPLES, LETTING_GO, Attempt
 from meshrl.buffer_calls import Stages
 from meshrl.configs import ControllerConfig
@@ -33,10 +36,17 @@ from meshrl.episodes import bootstrap_interval, check_rates
 from meshrl.tasks import Sample
 from meshrl.tasks.conversation import SessionRoom
 from meshrl.types import Sampling
-from meshrl.work_buffer import Group, WorkBuffer
+from meshrl.work_buffer import Group, TooManyFailures, WorkBuffer
 
 logger = logging.getLogger(__name__)
 MAX_REGENERATIONS = 2  # times a group whose tokens died with their generator is generated again
+
+
+def eval_failures(error: str, prompts: list[int], total: int) -> str:
+    """One line for the eval prompts (of `total`) that failed with `error`."""
+    if len(prompts) == 1:
+        return f"eval prompt {prompts[0]} failed (counted as wrong): {error}"
+    return f"{len(prompts)} of {total} eval prompts failed (counted as wrong; the first, {prompts[0]}) with: {error}"
 
 
 class RolloutCollector:
@@ -89,7 +99,7 @@ class RolloutCollector:
                 group = await self.run_group(index, self.task.train_sample(index), self.sampling, "generate")
             except CallFailed as e:
                 logger.warning("the group of prompt %d failed and is not trained: %s", index, e)
-                self.work.fail(index, str(e), e.tokens)
+                self.work.fail(index, str(e), e.tokens, failed_counts(str(e)))
             else:
                 if self.work.finish(group):
                     self.batch_ready.set()
@@ -133,6 +143,17 @@ class RolloutCollector:
         counts, self.counts = self.counts, dict.fromkeys(self.counts, 0)
         return counts
 
+    async def first_reward_error(self) -> str:
+        """The first error a serving grader replica saw its reward function raise ("" if none says): bookkeeping
+        for a warning, bounded; a replica failing now is the pool's to find."""
+        async def ask(replica) -> str:
+            async with deadline(self.timeouts.grade, "grader", "first_error"):
+                return await replica.actor.first_error.call_one()
+
+        asked = [ask(r) for r in self.graders.replicas if r.healthy and hasattr(r.actor, "first_error")]
+        answers = await asyncio.gather(*asked, return_exceptions=True)
+        return next((a for a in answers if isinstance(a, str) and a), "")
+
     def cancel(self) -> None:
         """Ask every group in flight to stop (each puts its prompt back, first, as it stops)."""
         for task in list(self.groups.values()):
@@ -141,20 +162,28 @@ class RolloutCollector:
     async def evaluate(self, step: int | None, split: str = "validation") -> dict[str, float]:
         """The newest policy on the task's held-out `split` (`eval_samples` per prompt at `eval_temperature`;
         greedy by default): each reward check's mean as `eval_<check>` (the task's accuracy check as
-        `eval_accuracy`); a group that failed counts as wrong. Prints the rates and three example completions."""
+        `eval_accuracy`); a group that failed counts as wrong. Prints the rates and three example completions;
+        a line per distinct error of its failed prompts. TooManyFailures if the first eval (`step` 0, before
+        training) failed on every prompt with one same error."""
         cfg = self.controller
         samples = self.task.eval_samples(split)
         sampling = Sampling(n=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
                             max_tokens=self.generator.max_tokens)
+        failed: dict[str, list[int]] = {}  # each distinct error -> the prompts that failed with it
 
         async def one(i: int, sample: Sample) -> Group:
             try:
                 return await self.run_group(i, sample, sampling, "evaluate")
             except CallFailed as e:
-                logger.warning("eval prompt %d failed (counted as wrong): %s", i, e)
+                failed.setdefault(str(e), []).append(i)
                 return Group(i, [], sampling.n, 0, self.latest)
 
         groups = await asyncio.gather(*(one(i, s) for i, s in enumerate(samples)))
+        for error, prompts in failed.items():
+            logger.warning(eval_failures(error, sorted(prompts), len(samples)))
+        if step == 0 and samples and [len(p) for p in failed.values()] == [len(samples)]:
+            raise TooManyFailures(f"every one of the {len(samples)} {split} eval prompts failed before training, "
+                                  f"with the same error: {next(iter(failed))}")
         scored = [s for g in groups for s in g.scored]
         rates = check_rates([s.reward_components for s in scored], sum(g.completions for g in groups), "eval_",
                             self.task.accuracy)  # failed: 0

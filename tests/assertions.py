@@ -76,3 +76,11 @@ def assert_final_policy_is_the_trained_one(run_dir: Path, source: str = "tiny") 
     assert final.keys() == initial.keys()
     moved = any(r["grad_norm"] > 0 and not r["updates_skipped"] for r in rows)
     assert moved == any(not torch.equal(final[k], initial[k].to(final[k].dtype)) for k in final)
+
+
+def log_messages(caplog) -> list[str]:
+    """The captured log records' messages, without the "[actor=<root>] " Monarch puts before each message once
+    its runtime has started in the process (a test's order decides whether it has)."""
+    import re
+
+    return [re.sub(r"^(\[actor=[^]]*\] )+", "", r.getMessage()) for r in caplog.records]

@@ -99,6 +99,8 @@ def test_the_grader_leaves_out_a_few_failures_and_fails_a_group_where_most_raise
             grader.rewards([completion("bad 2"), completion("good"), completion("bad 3")], sample)
     # the first traceback is in the log; the repeats of the same error are not
     assert caplog.text.count("Traceback") == 1 and "'bad 1'" in caplog.text and "'bad 2'" not in caplog.text
+    # the first error it saw, which a step's warning names (its `first_error` endpoint)
+    assert grader.first == "the reward function silent_reward:reward: IndexError: list index out of range"
 
 
 class NoTrainer:
@@ -142,10 +144,12 @@ def test_an_optimizer_step_with_no_gradient_applies_nothing_and_leaves_the_lr_sc
 
 
 @pytest.mark.processes
-def test_a_run_whose_reward_function_raises_on_every_reply_stops_at_once_with_one_line(tmp_path):
+def test_a_run_whose_reward_function_raises_on_every_reply_stops_at_its_first_eval_on_its_error_line(tmp_path):
     """A real smoke run of the dataset task, 12 steps asked for, its reward `mymodule:reward` raising
-    IndexError on every reply: it stops before step 5 with one `meshrl: error:` line naming the function
-    and its error, exit code 1, and the first traceback in the log."""
+    IndexError on every reply: its first eval fails on every prompt with that one error, said in one line
+    with the count, and the run stops there, before any step, exit code 1, with one `meshrl: error:` line
+    naming the function and its error as the last line of its whole output (nothing of the teardown after
+    it), and the first traceback in the log."""
     (tmp_path / "mymodule.py").write_text("def reward(text, answer):\n    return [][0]\n")
     rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(12)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -153,17 +157,21 @@ def test_a_run_whose_reward_function_raises_on_every_reply_stops_at_once_with_on
     run = subprocess.run([sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(tmp_path / "run"),
                           "--checkpoint.every", "0", "--controller.steps", "12", "--task", "dataset",
                           "--dataset.path", str(tmp_path / "d.jsonl"), "--dataset.reward", "mymodule:reward",
-                          "--dataset.eval_size", "2", "--dataset.test_size", "0"],
-                         capture_output=True, text=True, timeout=600, env=env)
-    errors = [line for line in run.stderr.splitlines() if line.startswith("meshrl: error:")]
-    assert run.returncode == 1, run.stderr[-3000:]
-    assert len(errors) == 1, run.stderr[-3000:]
-    assert "the reward function mymodule:reward raised on 4 of 4 completions" in errors[0]
-    assert "IndexError: list index out of range" in errors[0] and "controller.max_failed_fraction" in errors[0]
-    assert "Traceback" in run.stderr and 'return [][0]' in run.stderr  # the first traceback, in the log
+                          "--dataset.eval_size", "3", "--dataset.test_size", "0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, env=env)
+    output = run.stdout
+    lines = [line for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("meshrl: error:")]
+    assert run.returncode == 1, output[-3000:]
+    assert len(errors) == 1 and lines[-1] == errors[0], output[-3000:]
+    assert errors[0].startswith("meshrl: error: every one of the 3 validation eval prompts failed before training, "
+                                "with the same error: ")
+    assert "the reward function mymodule:reward raised on 1 of 1 completions" in errors[0]
+    assert "IndexError: list index out of range" in errors[0]
+    assert output.count("eval prompts failed (counted as wrong") == 1 and "3 of 3 eval prompts failed" in output
+    assert "Traceback" in output and 'return [][0]' in output  # the first traceback, in the log
     metrics = tmp_path / "run" / "metrics.jsonl"
-    steps = metrics.read_text().splitlines() if metrics.exists() else []
-    assert len(steps) < 5
+    assert not metrics.exists() or not metrics.read_text().strip()  # no step trained
 
 
 def broad_handlers_without_a_reason(root) -> list[str]:

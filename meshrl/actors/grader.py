@@ -13,11 +13,15 @@ environment raised is left out and counted (`reward_errors`); the first tracebac
 error is logged, later ones of that kind are not. A call on which it raised for more than half of the
 completions fails the group (`UserCodeFailed`, naming the function and its first error): the group
 counts toward `controller.max_failed_fraction`, so code that raises on most replies stops the run at
-its first batch, with that one line, instead of training on nothing.
+its first batch, with that one line, instead of training on nothing. A group failed so says how many of
+its replies raised (`failure`'s words, read back by `failed_counts`), so they count in the step's
+`reward_errors` too; each replica keeps the first error it saw (`first_error`), for the controller's
+warning when a step's share of errors passes `grader.warn_error_fraction`.
 """
 
 import asyncio
 import logging
+import re
 from dataclasses import dataclass, field
 
 from monarch.actor import Actor, endpoint
@@ -71,6 +75,16 @@ def failure(who: str, errors: list[BaseException], total: int, what: str) -> str
     return f"{who} raised on {len(errors)} of {total} {what}; the first: {type(first).__name__}: {first}"
 
 
+FAILED_COUNTS = re.compile(r" raised on (\d+) of (\d+) (?:completions|conversations); the first: ")
+
+
+def failed_counts(error: str) -> tuple[int, int]:
+    """(items raised on, items graded) of a group failed by `failure` (its error's line, as the controller got
+    it); (0, 0) for any other error (nothing of the group was graded)."""
+    found = FAILED_COUNTS.search(error)
+    return (int(found[1]), int(found[2])) if found else (0, 0)
+
+
 class TaskGrader(Actor):
     """Scores with the task's own reward function (roles.Grader)."""
 
@@ -80,14 +94,23 @@ class TaskGrader(Actor):
         self.reward_name = user_code(task, task_config, environment=False)
         self.env_name = user_code(task, task_config, environment=True)
         self.logged: set[str] = set()  # the kinds of error whose traceback is in the log already
+        self.first = ""  # the first error the user's code raised here, one line
 
     def _log(self, who: str, error: BaseException, on: str) -> None:
         """The first traceback of each kind of error; its repeats are counted, not logged."""
         kind = f"{who}: {type(error).__name__}"
+        if not self.first:
+            lines = str(error).strip().splitlines()
+            self.first = f"{kind}: {lines[0]}" if lines else kind
         if kind not in self.logged:
             self.logged.add(kind)
             logger.error("%s failed on %r (its later %s errors are counted, not logged)", who, on,
                          type(error).__name__, exc_info=error)
+
+    @endpoint
+    async def first_error(self) -> str:
+        """The first error the task's reward function or environment raised in this replica ("": none)."""
+        return self.first
 
     @endpoint
     async def score(self, sample: Sample, replies: list[Reply]) -> list[tuple[float, dict[str, float]] | None]:

@@ -52,8 +52,14 @@ class GraderConfig:
     hosts: str = ""  # the job.hosts group the replicas go on, round-robin over its hosts; "": the controller's host
     timeout_s: float = 300.0  # one group's grading: past it the replica is replaced
     zero_truncated: bool = False  # a completion cut off at generator.max_tokens scores 0 (its checks stay the task's): the model learns to end its reply (single-turn tasks)
+    warn_error_fraction: float = 0.1  # a step's share of replies whose reward function raised, above it: a warning
+    max_error_fraction: float = 0.5  # that share above it for max_error_steps steps in a row stops the run
+    max_error_steps: int = 3  # steps in a row (see max_error_fraction)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
 
     def check(self) -> None:
-        at_least(self, "grader", replicas=1, max_restarts=0)
+        at_least(self, "grader", replicas=1, max_restarts=0, max_error_steps=1)
+        for name in ("warn_error_fraction", "max_error_fraction"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"grader.{name} must be between 0 and 1, not {getattr(self, name):g}")
         self.judge.check()

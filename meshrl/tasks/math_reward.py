@@ -6,6 +6,10 @@ long as it is allowed. Its own time limit uses SIGALRM, which works only in a pr
 (a grader actor's endpoints run in another) and cannot stop code that does not return to Python. So
 the comparison runs in a child process of the grader's, which is killed when a reply takes longer than
 `TIMEOUT_S` (the reply scores 0) and started again for the next one.
+
+math-verify itself returns "no answer" for what it cannot read; an exception out of it is a fault, and
+counts as a user's reward raising would: the child answers its error and the parent raises it, so the
+grader leaves the reply out and counts it (`reward_errors`).
 """
 
 import json
@@ -41,7 +45,8 @@ class MathVerifier:
         self.lock = threading.Lock()
 
     def __call__(self, text: str, answer: str) -> dict[str, bool] | None:
-        """The comparison, or None if it ran past the time limit (the child is then killed)."""
+        """The comparison, or None if it ran past the time limit (the child is then killed). RuntimeError
+        if math-verify raised on it."""
         with self.lock:
             child = self._started()
             child.stdin.write(json.dumps([text, answer]) + "\n")
@@ -54,7 +59,10 @@ class MathVerifier:
             if not line:
                 self.close()
                 raise RuntimeError("the math-verify child process died on a reply")
-            return json.loads(line)
+            result = json.loads(line)
+            if "error" in result:
+                raise RuntimeError(f"math-verify raised on a reply: {result['error']}")
+            return result
 
     def _started(self) -> subprocess.Popen:
         if self.child is None or self.child.poll() is not None:
@@ -72,7 +80,8 @@ class MathVerifier:
 
 
 def _serve() -> None:
-    """The child: a [text, answer] JSON line in, a `compare` JSON line out, until its input closes."""
+    """The child: a [text, answer] JSON line in, a `compare` JSON line out (or {"error": its exception}),
+    until its input closes."""
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # the limit is the parent's: no notice of its own
     compare("1", "1")  # math-verify and sympy imported
     print("ready", flush=True)
@@ -80,8 +89,8 @@ def _serve() -> None:
         text, answer = json.loads(line)
         try:
             result = compare(text, answer)
-        except Exception:  # math-verify could not read it: no answer found
-            result = {"found": False, "correct": False}
+        except Exception as e:  # answered to the parent, which raises it: counted as a reward error
+            result = {"error": f"{type(e).__name__}: {e}"}
         print(json.dumps(result), flush=True)
 
 
