@@ -12,7 +12,8 @@ so a step count sure to hold all five would run on long after them. It then ends
 run would: resumed for two more steps, it exits 0 with its final eval in summary.json, every step logged
 once and every prompt trained once over the whole run. The second signal's stop is tested in
 test_clean_stop.py; where the loops stop and what the checkpoint holds at each of their await points,
-with fake actors in test_controller.py."""
+with fake actors in test_controller.py. A last test kills a weight relay (processes.json names relays too)
+and sees another serve."""
 
 import json
 import shutil
@@ -123,3 +124,26 @@ def test_the_stopped_chaos_run_resumed_ends_by_itself_with_its_final_eval(stoppe
     assert 0 <= summary["eval_accuracy_final"] == rows[-1]["eval_accuracy"] <= 1  # the last step evaluated
     assert [r["step"] for r in rows] == [r["policy_version"] for r in rows] == list(range(1, steps + 3))
     assert_each_prompt_trained_once(read_jsonl(run_dir / "rollouts.jsonl"), range(2 * (steps + 2)), 4)
+
+
+def test_chaos_kills_a_weight_relay_and_the_run_starts_another(tmp_path):
+    """`weight_sync.relay on` on a local job: the relay is named in processes.json ("relay0") and placement.json;
+    `meshrl chaos` picks it and kills it; the run starts another within seconds (processes.json names its new
+    pid) and ends by itself with exit 0 and every step logged once."""
+    run_dir = tmp_path / "run"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(run_dir),
+         "--controller.steps", "6", "--weight_sync.relay", "on"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    try:
+        made = chaos(run_dir, every_steps=1, kills=1, roles=("relay",), ended=lambda: run.poll() is not None,
+                     replaced_within_s=60, say=lambda line: None)
+        _, stderr = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, stderr[-3000:]
+    assert [k["name"] for k in made] == ["relay0"] and made[0]["replaced_s"] is not None, made
+    assert stderr.count("the weight relay of generator host 0 failed (") == 1, stderr[-3000:]
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert "relay0" in json.loads((run_dir / "placement.json").read_text())

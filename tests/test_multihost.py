@@ -17,9 +17,11 @@ from netns_hosts import leftovers, namespace_hosts, usable
 
 from meshrl.actors import resolve_device
 from meshrl.actors.dtypes import bf16_choice
+from meshrl.tools.chaos import steps_logged
 
 pytestmark = pytest.mark.processes
 
+STEPS_LOST_HOST = 100  # to outlast the replacement starting on the host left (~1 s a step; a new vLLM: 30-60 s)
 TWO_HOSTS = ["--job.hosts", "trainer:1,generators:1", "--trainer.hosts", "trainer", "--generator.hosts", "generators"]
 
 
@@ -72,6 +74,56 @@ def test_a_controller_the_workers_ca_did_not_sign_spawns_nothing_on_them(tmp_pat
     errors = [line for line in result.stderr.splitlines() if line.startswith("meshrl: error:")]
     assert len(errors) == 1 and "did not start: no answer from its workers within job.connect_timeout_s" in errors[0]
     assert not leftovers(hosts), leftovers(hosts)
+
+
+
+@pytest.mark.skipif(bool(usable()), reason=usable())
+def test_a_generator_host_lost_with_everything_on_it_moves_its_replica_and_the_run_ends_whole(tmp_path):
+    """The trainer on one namespace host, a generator replica and a weight relay on each of two others; once two
+    steps are logged one generator host's worker and every process under it are SIGKILLed at once. The
+    replica is found dead (Monarch's supervision, or its call's generator.timeout_s); its replacement cannot
+    start on the lost host (one line: the host is lost) and starts on the other generator host, and so does
+    the lost host's relay; the run ends by itself with every step once and the restart counted."""
+    run_dir = tmp_path / "run"
+    with namespace_hosts(3, tmp_path) as hosts:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "meshrl", "train", "--config", "smoke", "--run-dir", str(run_dir),
+             "--controller.steps", str(STEPS_LOST_HOST), "--job.kind", "workers", "--job.workers",
+             ",".join(hosts.addresses), "--job.bind", hosts.bind, *hosts.job_args, *TWO_HOSTS,
+             "--job.hosts", "trainer:1,generators:2", "--generator.replicas", "2", "--weight_sync.relay", "on",
+             "--generator.timeout_s", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE": "10s"})  # a spawn on the lost host gives up
+        try:
+            deadline = time.monotonic() + 300
+            while steps_logged(run_dir) < 2 and run.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert run.poll() is None and steps_logged(run_dir) >= 2, run.communicate()[1][-3000:]
+            before, before_pids = (json.loads((run_dir / name).read_text()) for name in ("placement.json",
+                                                                                        "processes.json"))
+            lost_name = before["generator1"]["host"]
+            worker = psutil.Process(hosts.workers[hosts.names.index(lost_name)].pid)
+            for victim in [worker, *worker.children(recursive=True)]:  # the host's every process, at once
+                victim.kill()
+            _, stderr = run.communicate(timeout=400)
+        finally:
+            if run.poll() is None:
+                run.kill()
+        assert run.returncode == 0, stderr[-3000:]
+    assert not leftovers(hosts), leftovers(hosts)
+    trainer_host, kept_host, lost_host = hosts.names
+    assert lost_name == lost_host and before["relay1"]["host"] == lost_host and before["relay0"]["host"] == kept_host
+    assert [line for line in stderr.splitlines() if "generator 1 (pid" in line and "); replacing it" in line]
+    assert stderr.count("host 1 of group generators is lost (") == 1, stderr[-3000:]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, STEPS_LOST_HOST + 1))
+    assert rows[-1]["generator_restarts"] >= 1 and rows[0]["generator_restarts"] == 0
+    # the replacement runs on the generator host left, beside its relay, and reads that relay's ring
+    placement, pids = (json.loads((run_dir / name).read_text()) for name in ("placement.json", "processes.json"))
+    assert placement["generator1"]["host"] == placement["generator0"]["host"] == kept_host, placement
+    assert placement["relay0"]["host"] == placement["relay1"]["host"] == kept_host, placement
+    assert pids["relay1"] != before_pids["relay1"] and pids["generator1"] != before_pids["generator1"]
+    assert placement["generator1"]["weight_transport"] == placement["generator0"]["weight_transport"]
+    assert placement["trainer"]["host"] == trainer_host
 
 
 def test_a_stalled_pull_replaces_the_replica_and_a_stalled_trainer_is_restarted(tmp_path):

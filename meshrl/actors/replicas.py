@@ -7,7 +7,8 @@ timed out (CallTimeout), or it says its engine is broken (an endpoint raising `R
 replaced and the call redone whole elsewhere, so each piece of work (one prompt's group) is done once
 by a healthy replica and never silently dropped. Any other error an endpoint raises is the call's own
 (vLLM rejecting a request, a tokenizer or environment error): the replica serves on and the caller
-gets `CallFailed`, with one line saying why.
+gets `CallFailed`, with one line saying why. A replacement whose host can no longer start a process (a
+host lost with everything on it) starts on another host of its group (`monarch_replicas`' `host_lost`).
 
 Restart budgets catch crash loops, not a lifetime total (`RestartBudget`): a replica that fails within
 `controller.restart_window_s` of its start counts toward its role's `max_restarts`, one that served
@@ -136,25 +137,45 @@ def replica_name(role: str, index: int, count: int) -> str:
 def monarch_replicas(name: Callable[[int], str], cls: type, make_args: Callable[[int], tuple],
                      host: Callable[[int], object] | None = None,
                      setup: Callable[[Replica], Awaitable[None]] | None = None,
-                     start_timeout: Timeout | None = None) -> Callable[[int], Awaitable[Replica]]:
+                     start_timeout: Timeout | None = None,
+                     host_lost: Callable[[int, BaseException], bool] | None = None
+                     ) -> Callable[[int], Awaitable[Replica]]:
     """How a pool starts replica i of `cls(*make_args(i))`: on a proc mesh of its own on `host(i)` (a
     host mesh of one host; default the controller's), then `setup` (a generator attaches to the
-    weight ring), all within `start_timeout`; nothing left running if it fails or is cancelled."""
+    weight ring), all within `start_timeout`; nothing left running if it fails or is cancelled. Where the
+    host cannot start the process, `host_lost(i, error)` says whether it is lost and another host is to be
+    tried (`host(i)` then gives another: meshrl/runtime/jobs.py, `Hosts.lose`)."""
 
     async def start(index: int) -> Replica:
-        procs, actor = spawn(name(index), cls, *make_args(index), host=host(index) if host else None)
-        try:
-            async with deadline(start_timeout, name(index), "start"):
-                [(where, pid)] = await processes(procs, name(index))
-                replica = Replica(index, procs, actor, where, pid)
-                if setup:
-                    await setup(replica)
-            return replica
-        except BaseException:
-            await asyncio.shield(bounded(procs.stop(), start_timeout, f"stopping {name(index)}"))
-            raise
+        while True:
+            procs, actor = spawn(name(index), cls, *make_args(index), host=host(index) if host else None)
+            try:
+                async with deadline(start_timeout, name(index), "start"):
+                    if found := await _where(procs, name(index), lambda e: host_lost and host_lost(index, e)):
+                        replica = Replica(index, procs, actor, *found)
+                        if setup:
+                            await setup(replica)
+                        return replica
+            except BaseException:
+                await asyncio.shield(bounded(procs.stop(), start_timeout, f"stopping {name(index)}"))
+                raise
+            try:  # the lost host's mesh, which may not answer; then another host is tried
+                await asyncio.shield(bounded(procs.stop(), start_timeout, f"stopping {name(index)}"))
+            except Exception:
+                pass
 
     return start
+
+
+async def _where(procs, name: str, host_lost: Callable[[BaseException], bool]) -> tuple[str, int] | None:
+    """(host name, pid) of a new replica's process; None if its host could not start it and is lost."""
+    try:
+        [found] = await processes(procs, name)
+        return found
+    except Exception as e:  # no process on that host: the host's fault, not the replica's
+        if host_lost(e):
+            return None
+        raise
 
 
 class ReplicaPool:

@@ -6,6 +6,8 @@ process job start Monarch's workers, and `workers` attaches to workers started s
 `job.hosts` names groups of hosts and their sizes ("trainer:1,generators:2"); each role's `hosts`
 field picks its group ("": the controller's own host). Trainer and reference ranks are spread evenly
 over their group's hosts; generator and grader replicas go round-robin over theirs, one process each.
+A host that can no longer start a process is lost: the replicas that would go there go to the group's
+next host instead (`Hosts.slot`, `Hosts.lose`).
 """
 
 import asyncio
@@ -20,6 +22,8 @@ from monarch.actor import Actor, attach_to_workers, enable_transport, endpoint, 
 from monarch.job import JobState, JobTrait, LocalJob, ProcessJob, SlurmJob
 
 from meshrl.configs.job import JobConfig
+
+logger = logging.getLogger(__name__)
 
 KINDS = ("local", "process", "workers", "slurm", "kubernetes")
 PLACED = ("trainer", "reference", "replay_buffer", "generator", "grader")  # the roles with a `hosts` field
@@ -279,6 +283,8 @@ class Hosts:
         logging.getLogger("monarch._src.job.job").setLevel(logging.WARNING)  # its progress lines, on stderr
         state = job.state(cached_path=None) if groups else None  # never reuse another run's job
         self.meshes = {name: getattr(state, name) for name in groups} | {"": this_host()}
+        self.lost: dict[str, set[int]] = {}  # group -> its hosts that could no longer start a process (`lose`)
+        self.placed: dict[tuple[str, int], int] = {}  # (role, replica index) -> the host it was last given
 
     async def connected(self) -> None:
         """Wait until every group's hosts answer; raises (Monarch gives up after about a minute) if not."""
@@ -288,10 +294,44 @@ class Hosts:
         """The role's whole group, for ranks spread over its hosts."""
         return self.meshes[self.placement[role].group]
 
+    def slot(self, role: str, index: int) -> int:
+        """Which host of the role's group replica `index` goes on: host index % hosts, or, if that host is
+        lost, the next one of the group that is not. RuntimeError (one line) if every host of it is lost."""
+        count, lost = self.of(role).sizes.get("hosts", 1), self.lost.get(self.placement[role].group, set())
+        for k in range(count):
+            if (index + k) % count not in lost:
+                return (index + k) % count
+        raise RuntimeError(f"every host of group {self.placement[role].group!r} is lost")
+
     def host(self, role: str, index: int):
-        """One host of the role's group for replica `index`, round-robin."""
+        """One host of the role's group for replica `index` (`slot`, remembered for `lose`)."""
+        if "hosts" not in self.of(role).sizes:
+            return self.of(role)
+        self.placed[(role, index)] = self.slot(role, index)
+        return self.on(role, self.placed[(role, index)])
+
+    def on(self, role: str, slot: int):
+        """Host `slot` of the role's group (a host mesh of one host)."""
         mesh = self.of(role)
-        return mesh.slice(hosts=index % mesh.sizes["hosts"]) if "hosts" in mesh.sizes else mesh
+        return mesh.slice(hosts=slot) if "hosts" in mesh.sizes else mesh
+
+    def lose(self, role: str, index: int, error: BaseException, slot: int | None = None) -> bool:
+        """The host that replica `index` of `role` was last given (or host `slot` of its group) could not start a
+        process (`error`): True if it is taken as lost, the replicas (and a generator host's relay) that would go
+        there going to the group's other hosts from then on, said in one warning line; False if it is the
+        group's last host, with nowhere else to go."""
+        group = self.placement[role].group
+        slot = self.placed.get((role, index), index) if slot is None else slot
+        lost = self.lost.setdefault(group, set())
+        if slot in lost:  # another start found it lost first
+            return True
+        if not group or len(lost) + 1 >= self.of(role).sizes.get("hosts", 1):
+            return False
+        lost.add(slot)
+        why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        logger.warning("host %d of group %s is lost (%s): what ran there starts on the group's other hosts", slot,
+                       group, why)
+        return True
 
     def kill(self) -> None:
         self.job.kill()

@@ -3,8 +3,9 @@ that the run survives each (docs/running.md: Stopping a run, and processes that 
 
 Every role in turn, in a random order (then again, in another), a random serving process of it as the
 run's `processes.json` names it: a generator or grader replica, a trainer rank, a reference rank, the
-replay buffer. A kill comes `every_s` seconds (or `every_steps` logged steps) after the previous
-victim's replacement appeared in `processes.json`, so that each failure is survived on its own. It
+replay buffer, a weight relay ("relay0"...: replaced within seconds). A kill comes `every_s` seconds (or
+`every_steps` logged steps) after the previous victim's replacement appeared in `processes.json`, so that
+each failure is survived on its own. It
 stops after `kills` kills (0: none more once the run has ended). The processes must be on this
 machine (a `local` or `process` job).
 """
@@ -40,15 +41,17 @@ def serving(run_dir: Path) -> dict:
 
 
 def chaos(run_dir: Path, every_s: float = 0.0, every_steps: int = 0, kills: int = 0, seed: int = 0,
-          ended=lambda: False, replaced_within_s: float = 600.0, say=print) -> list[dict]:
+          ended=lambda: False, replaced_within_s: float = 600.0, say=print,
+          roles: tuple[str, ...] = ()) -> list[dict]:
     """Kill as the module says until `kills` are made or `ended()`; returns each kill: {"name", "pid",
-    "step" (steps logged when it was made), "replaced_s" (seconds until its replacement served, or None)}."""
+    "step" (steps logged when it was made), "replaced_s" (seconds until its replacement served, or None)}.
+    `roles`: only these roles' processes (default every role)."""
     run_dir, rng, made, turn = Path(run_dir), random.Random(seed), [], []
     while not kills or len(made) < kills:
         since, at = time.monotonic(), steps_logged(run_dir)
         while (time.monotonic() - since < every_s or steps_logged(run_dir) - at < every_steps) and not ended():
             time.sleep(0.05)
-        procs = serving(run_dir)
+        procs = {name: pids for name, pids in serving(run_dir).items() if not roles or role_of(name) in roles}
         if ended() or not procs:
             break
         if not turn:
