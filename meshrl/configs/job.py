@@ -57,7 +57,7 @@ class JobConfig:
     gpus_per_host: int = 0  # GPUs of each host the roles share (meshrl/runtime/gpu_plan.py); 0: slurm.gpus_per_node, kubernetes.gpus_per_pod, this host's own for local and process jobs, what each host reports at start for workers (none: the CPU)
     gpu_memory_gib: float = 0.0  # each GPU's memory, which the memory plan (meshrl/runtime/memory_plan.py) checks every GPU's share against; 0: this host's own GPUs' for local and process jobs, else 80 (an H100's or A100's 80 GB)
     host_memory_gib: float = 0.0  # each host's memory the roles may take, which the memory plan checks each host against; 0: this host's own for local and process jobs, else 1024
-    gpu_sharing: str = "auto"  # auto (roles share a host's GPUs, each with a memory share, only where it has too few for one per process) | off (one GPU per process, else an error)
+    gpu_sharing: str = "auto"  # auto (roles share a host's GPUs, each with a memory share, only where it has too few for one per process) | on (the same; resolved.json's where auto shared) | off (one GPU per process, else an error)
     bind: str = ""  # kind workers: the address the workers reach this controller at ("tls://10.0.0.1:0"); "": on this host's name
     tls: TlsConfig = field(default_factory=TlsConfig)
     connect_timeout_s: float = 300.0  # kind workers: how long the workers may take to answer the attach (0: no limit)

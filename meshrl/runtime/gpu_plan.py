@@ -30,7 +30,7 @@ from meshrl.actors.engine import GPU_MEMORY_FRACTION
 from meshrl.runtime.jobs import RolePlacement
 from meshrl.weight_sync.device_ring import ring_memory
 
-SHARING = ("auto", "off")
+SHARING = ("auto", "on", "off")  # on: as auto (what meshrl/runtime/settle.py writes where auto shared)
 
 
 @dataclass(frozen=True)

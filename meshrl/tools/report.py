@@ -1,7 +1,8 @@
 """`meshrl report RUN_DIR [RUN_DIR ...]`: what runs did, side by side, from the files they wrote.
 
 Reads metrics.jsonl (and summary.json, trace.jsonl where present), prints one column per run, and
-draws the run's curves.png and timeline.png again from those files.
+draws the run's curves.png and timeline.png again from those files. Below, what each run settled at its start
+(resolved.json against config.json: each `auto` and each value derived from others) and what final/ holds.
 """
 
 import json
@@ -76,15 +77,41 @@ def table(figures: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def settled(run_dir: Path) -> dict[str, str]:
+    """The settings a run's resolved.json holds other than its config.json asked: {dotted name: "asked -> ran"}."""
+    from meshrl.configs import _flat
+
+    paths = Path(run_dir) / "config.json", Path(run_dir) / "resolved.json"
+    if not all(p.is_file() for p in paths):  # a run from before resolved.json was written
+        return {}
+    asked, ran = (_flat(json.loads(p.read_text())) for p in paths)
+    return {k: f"{asked.get(k)} -> {v}" for k, v in ran.items() if asked.get(k) != v}
+
+
+def text_table(columns: dict[str, dict[str, str]]) -> str:
+    """One row per key, one column per run, of text (a blank where a run lacks it)."""
+    keys = list(dict.fromkeys(k for c in columns.values() for k in c))
+    width = max(12, *(len(v) for c in columns.values() for v in c.values()), *(len(n) for n in columns))
+    lines = [f"{'':34s}" + "".join(f"{n:>{width + 2}s}" for n in columns)]
+    lines += [f"{k:34s}" + "".join(f"{columns[n].get(k, ''):>{width + 2}s}" for n in columns) for k in keys]
+    return "\n".join(lines)
+
+
 def report(run_dirs: list[Path]) -> str:
-    """The side-by-side table of `run_dirs`; redraws each run's plots from its files."""
-    figures = {}
+    """The side-by-side table of `run_dirs`, then what each settled and what its final/ holds; redraws each
+    run's plots from its files."""
+    figures, notes = {}, {}
     for run_dir in run_dirs:
         rows, summary = read_rows(run_dir), read_summary(run_dir)
         name = Path(run_dir).name if Path(run_dir).name not in figures else str(run_dir)
         figures[name] = summarize(rows, summary)
+        final = summary.get("final_policy")
+        notes[name] = {**settled(run_dir), **({"final/ holds": f"version {final['version']} from {final['source']}"}
+                                              if final else {})}
         initial = {k.removesuffix("_initial"): v for k, v in summary.items() if k.endswith("_initial")}
         plot_curves(rows, initial, Path(run_dir) / "curves.png")
         if (Path(run_dir) / "trace.jsonl").is_file():
             plot_timeline(read_spans(Path(run_dir)), Path(run_dir) / "timeline.png", title=name)
-    return table(figures)
+    if not any(notes.values()):
+        return table(figures)
+    return table(figures) + "\n\nsettled at the start (resolved.json), and final/:\n" + text_table(notes)

@@ -152,10 +152,10 @@ class RelayedReader:
     first to bring the trainer's newest version onto the host; the trainer's rings once the relay is gone."""
 
     def __init__(self, handle: RelayHandle, layout: WeightLayout, to_hf: Callable[[dict], dict], transport: str = "auto"):
-        """`transport`: how to read the trainer's rings should the relay die (the relay's ring: always `auto`,
-        shared memory on its host)."""
+        """`transport`: how to read the trainer's rings should the relay die (the relay's ring: shared memory,
+        on this replica's host by construction)."""
         self.handle, self.layout, self.to_hf, self.fallback_transport = handle, layout, to_hf, transport
-        self.local = ShardedReader([handle.ring], layout, to_hf, "auto")
+        self.local = ShardedReader([handle.ring], layout, to_hf, "shm")
         self.fallback: ShardedReader | None = None  # the trainer's rings, once the relay died
 
     @property

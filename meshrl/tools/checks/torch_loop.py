@@ -24,7 +24,6 @@ per check; in the dry mode the tiny Qwen3 (`tiny_qwen3`).
 
 import time
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -68,17 +67,16 @@ def qwen3_checkpoint(check) -> Path:
 
 def generator(check, checkpoint: Path, dtype: str, tokens: int):
     """The torch generator on `checkpoint`, in this process, on the check's device (in the dry mode the CPU, even
-    where CUDA is: the actor itself takes CUDA whenever it sees it)."""
+    where CUDA is): a GPU where `generator.devices` names one, as the run's GPU plan would."""
     from meshrl.actors import torch_generator
     from meshrl.actors.generator_config import GeneratorConfig
     from meshrl.weight_sync import WeightSyncConfig
 
     config = GeneratorConfig(impl="torch", dtype=dtype, weight_update="in_flight", max_tokens=tokens,
                              num_threads=workloads.threads(), max_model_len=MAX_MODEL_LEN,
-                             kv_cache_gib=1 if check.dry else KV_CACHE_GIB)
-    here = mock.patch.object(torch_generator, "resolve_device", lambda _: check.device)
-    with here:
-        return torch_generator.TorchGenerator(config, WeightSyncConfig(dtype=dtype), str(checkpoint))
+                             kv_cache_gib=1 if check.dry else KV_CACHE_GIB,
+                             devices=str(check.device.index or 0) if check.device.type == "cuda" else "")
+    return torch_generator.TorchGenerator(config, WeightSyncConfig(dtype=dtype), str(checkpoint))
 
 
 def run(check) -> dict:
