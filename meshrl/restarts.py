@@ -123,6 +123,7 @@ class Restarts:
         self.count = {"trainer": 0, "reference": 0, "replay_buffer": 0}
         self.seconds_lost = 0.0
         self.trainer_behind = False  # a trainer restart has begun and not ended: its state is not the run's
+        self.given_up: str | None = None  # the role whose failures outran its restart budget, ending the run
         for role, budget in self.budgets.items():
             budget.start(role)
 
@@ -154,6 +155,7 @@ class Restarts:
         cause = error_line(error)
         name = role.replace("_", " ")
         if not self.budgets[role].failed(role):
+            self.given_up = role
             raise RoleFailed(f"the {name} {self.budgets[role].describe(role)}: {cause}")
         async with controller.tracer.span(role, "restart", controller.rows.done):
             await restart(controller, cause)

@@ -68,3 +68,23 @@ class MarkingGenerator(VLLMGenerator):
     def __init__(self, *args, **kwargs):
         Path(os.environ["MESHRL_TEST_MARKER"]).write_text("spawned")
         super().__init__(*args, **kwargs)
+
+
+class DyingTrainer(TitanTrainer):
+    """The first trainer's process dies in its optimizer step from version 2 to 3; the trainer started in its
+    place (a marker file in $MESHRL_TEST_STALL_DIR says the death has happened) never answers its first
+    forward_backward, so the restart that brings it back never ends."""
+
+    @endpoint
+    async def optim_step(self, skip: bool = False) -> dict:
+        marker = Path(os.environ["MESHRL_TEST_STALL_DIR"]) / "trainer-died"
+        if self.policy_version == 2 and not marker.exists():
+            marker.touch()
+            os._exit(1)
+        return await TitanTrainer.optim_step._method(self, skip)
+
+    @endpoint
+    async def forward_backward(self, refs) -> list[dict]:
+        if (Path(os.environ["MESHRL_TEST_STALL_DIR"]) / "trainer-died").exists():
+            await asyncio.sleep(3600)
+        return await TitanTrainer.forward_backward._method(self, refs)

@@ -51,6 +51,7 @@ class VLLMGenerator(GeneratorActor):
                               **(lora_options(lora) if served else {}))
         # what the trainer's ranks publish, together
         self.layout, self.to_hf = published_weights(checkpoint, weight_sync.dtype, lora)
+        self.checkpoint = checkpoint
         self.adapter: ServedAdapter | MergedAdapter | None = None
         if served:
             self.adapter = ServedAdapter(self.llm.llm_engine, lora, self.to_hf, checkpoint, self.layout)
@@ -107,6 +108,9 @@ class VLLMGenerator(GeneratorActor):
             self.hand_to_workers(weights)
         else:
             self.engine.model_executor.driver_worker.worker.reload_weights(weights_iterator=iter(weights))
+
+    def _policy(self, served: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
+        return None if self.adapter else dict(served)  # the rings' tensors are HF-named (`to_hf`)
 
     def _vllm_model(self) -> torch.nn.Module:
         return self.engine.model_executor.driver_worker.worker.model_runner.get_model()

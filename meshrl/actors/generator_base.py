@@ -26,12 +26,15 @@ prefix cache. Everything else is here, once:
   it reaches the engine: the controller replaces it. So does a call asking for a version the replica cannot
   load (`min_version` newer than its rings hold): a call is served from `min_version` or newer, or fails.
   A ring in device memory (meshrl/weight_sync/device_ring.py) is loaded from in place.
+- The reader's copy of the version served stays whole until the next load: `save_policy` writes it as the
+  policy, for a run whose trainer cannot (it is being brought back after a restart: meshrl/runtime/final.py).
 """
 
 import asyncio
 import itertools
 import time
 import zlib
+from pathlib import Path
 
 import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
@@ -41,6 +44,7 @@ from meshrl.actors.generator_config import WEIGHT_UPDATES, GeneratorConfig
 from meshrl.actors.held import HeldCompletions, PartialCompletion, Request, graded, take_held
 from meshrl.actors.roles import ReplicaBroken
 from meshrl.actors.weight_updates import WeightUpdates
+from meshrl.models.model import save_checkpoint
 from meshrl.types import Completion, Generation, Grading, Prompt, Sampling
 from meshrl.weight_sync import WeightSyncConfig
 from meshrl.weight_sync.device_ring import DeviceRingHandle, DeviceRingReader
@@ -79,6 +83,8 @@ class GeneratorActor(Actor):
         self.prompt_tokens = self.cached_prompt_tokens = 0  # of the requests finished since the last report
         self.asleep = False  # sleep mode: the KV cache freed (`sleep`)
         self.verifier = None
+        self.checkpoint = None  # the model's directory: its config and tokenizer files go beside a saved policy
+        self.served = None  # the version served, as the reader's copy holds it (None: loaded in place, or none yet)
 
     # --- what an engine implements
     def _add(self, request_id: str, prompt: Prompt, sampling: Sampling, seed: int | None) -> None:
@@ -102,6 +108,11 @@ class GeneratorActor(Actor):
     def _loads_here(self) -> bool:
         """Whether `reload` runs in this process's event loop (else in a thread, the engine held meanwhile)."""
         return True
+
+    def _policy(self, served: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
+        """The version served as HF-named tensors of the whole policy, from what the rings gave (`served`); None
+        where they are not the whole policy (a LoRA adapter alone)."""
+        raise NotImplementedError
 
     async def _finished(self, made: list[Completion]) -> list[Completion]:
         """The completions of a call, once all are made (the torch engine's exact mode re-scores them)."""
@@ -256,7 +267,7 @@ class GeneratorActor(Actor):
                         return
                 else:
                     await self._swap(staged[-1])
-                self.policy_version = version
+                self.policy_version, self.served = version, None if in_place else staged[-1]
                 if in_flight and self.update == "in_flight":
                     reset = True  # running requests keep their prefixes' KV; new ones get a new cache salt
                 else:
@@ -353,6 +364,26 @@ class GeneratorActor(Actor):
 
     def _attached(self) -> None:
         """After `attach_weights` (vLLM warns of a dtype it serves other than the published one)."""
+
+    @endpoint
+    async def served_copy(self) -> int | None:
+        """The version `save_policy` would write, or None where it would write nothing."""
+        async with self.loading:
+            return self._served_policy() and self.policy_version
+
+    @endpoint
+    async def save_policy(self, path: str) -> int | None:
+        """The version this replica serves written to `path` as the trainer's `save` writes a policy (an HF
+        checkpoint, bf16); its version, or None and nothing written where the replica holds no whole copy of
+        it: none loaded yet, a ring in device memory (loaded in place), a LoRA adapter, a broken replica."""
+        async with self.loading:  # no load writes the reader's copy meanwhile
+            if not (weights := self._served_policy()):
+                return None
+            await asyncio.to_thread(save_checkpoint, weights, Path(self.checkpoint), Path(path))
+            return self.policy_version
+
+    def _served_policy(self) -> dict[str, torch.Tensor] | None:
+        return None if self.broken or self.served is None else self._policy(self.served)
 
     @endpoint
     async def pull_weights(self) -> int:

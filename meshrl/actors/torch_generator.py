@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from meshrl.actors import pin_cpus, resolve_device
+from meshrl.actors import pin_cpus
 from meshrl.actors.engine import vllm_dtype
 from meshrl.actors.generator_base import GeneratorActor
 from meshrl.actors.generator_config import GeneratorConfig
@@ -79,9 +79,10 @@ class TorchGenerator(GeneratorActor):
             pin_cpus(config.cpus, config.num_threads)
         else:
             torch.set_num_threads(config.num_threads)
-        self.device = resolve_device("auto")
+        self.device = torch.device("cuda" if config.devices else "cpu")  # the GPU plan gave it one, or none
         start = time.perf_counter()
-        self.model, _ = load_policy(Path(checkpoint), lora=lora if lora and lora.rank else None)
+        self.model, self.hf = load_policy(Path(checkpoint), lora=lora if lora and lora.rank else None)
+        self.checkpoint, self.lora = checkpoint, bool(lora and lora.rank)
         dtype = vllm_dtype(config.dtype)  # bfloat16 | float32, as vLLM's would be here
         self.exact = config.exact
         # exact: the trainer's float32 master weights under its autocast rule; else the weights in the dtype
@@ -158,6 +159,9 @@ class TorchGenerator(GeneratorActor):
             if target is None:
                 raise KeyError(f"the published tensor {name} is not a parameter of this model")
             target.copy_(tensor)
+
+    def _policy(self, served: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
+        return None if self.lora else self.hf.to_hf(dict(served))  # torchtitan's names, as the model's
 
     def _sleep(self) -> None:
         self.engine.sleep(offload=self.device.type == "cuda")
