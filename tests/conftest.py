@@ -97,7 +97,7 @@ def cli(capsys):
 # out whole files in collection order, so these start first and the quick files fill the last minutes
 # of both workers instead of one worker finishing a long file alone.
 SLOW_FIRST = ["test_checkpoint.py", "test_multihost.py", "test_train_smoke.py", "test_torch_generator.py", "test_lora.py",
-              "test_chaos.py",
+              "test_chaos.py", "test_supervise.py", "test_reward_errors.py", "test_final_policy.py",
               "test_generator_pool.py", "test_multiturn.py", "test_openenv.py", "test_actors.py", "test_sync_vs_async.py",
               "test_weight_stress.py", "test_generate_server.py", "test_bench_weight_sync.py", "test_weight_updates.py", "test_bench_trainer.py",
               "test_check_gpu.py", "test_jobs.py", "test_trainer_ranks.py", "test_tasks.py", "test_decoupled_ratio.py",

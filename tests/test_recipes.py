@@ -43,7 +43,10 @@ RECIPES = {
 # job.host_memory_gib 0 (this host's own; only the memory plan reads them).
 # 2026-11-28 (issue 66): new settings whose defaults keep what ran before: generator.exact false,
 # generator.prefill_tokens 256 and trainer.per_sequence false (both read only by the torch generator's runs).
-DEFAULTS = "3ea3c8870108da1f"
+# 2026-11-29 (issue 67): new settings that change nothing trained: grader.warn_error_fraction 0.1 (a warning line),
+# grader.max_error_fraction 0.5 and grader.max_error_steps 3 (a run whose reward raises on most replies for 3 steps
+# stops instead of training on the rest).
+DEFAULTS = "84529b10c9c5a586"
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -20,6 +20,7 @@ from meshrl.actors.dtypes import bf16_choice
 from meshrl.configs import Config, from_dict
 from meshrl.configs.recipe import recipe_hash
 from meshrl.models.model import cache_dir
+from meshrl.runtime.settle import unsettled
 
 pytestmark = pytest.mark.processes
 
@@ -91,6 +92,12 @@ def test_smoke_run_on_two_ranks_writes_metrics_plot_and_a_final_policy_vllm_load
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved["generator"]["dtype"] == "auto" and saved["trainer"]["bf16_autocast"] is True
     assert summary["config_hash"] == recipe_hash(from_dict(Config, saved))
+    # every `auto` settled once at the start into resolved.json, what the roles ran with: those dtypes among them
+    ran = json.loads((run_dir / "resolved.json").read_text())
+    assert unsettled(ran) == [] and (ran["generator"]["dtype"], ran["trainer"]["bf16_autocast"]) == (rule.dtype, rule.bf16)
+    # final/ is the trainer's, at the last version trained, and the last line says so
+    assert summary["final_policy"] == {"version": 3, "source": "the trainer", "why": ""}
+    assert result.stdout.strip().splitlines()[-1].endswith("policy version 3 (final/, from the trainer))")
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # TensorBoard reads back what metrics.jsonl says, key for key, step for step (lists as key/i)
@@ -181,6 +188,7 @@ def test_a_reasoning_gym_mix_graded_by_a_judge_model_trains_and_reports_each_dat
     judge, rule = json.loads((judge_run / "summary.json").read_text())["dtypes"]["judge"], bf16_choice(
         resolve_device("auto"), 1)
     assert (judge["dtype"], judge["reason"]) == (rule.dtype, rule.reason)
+    assert json.loads((judge_run / "resolved.json").read_text())["grader"]["judge"]["dtype"] == rule.dtype
     evaluated = {k for row in rows for k in row if k.startswith("eval_accuracy/")}
     assert evaluated == {"eval_accuracy/chain_sum", "eval_accuracy/leg_counting"}
     assert {k for row in rows for k in row if k.startswith("accuracy/")} <= {"accuracy/chain_sum", "accuracy/leg_counting"}

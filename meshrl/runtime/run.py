@@ -13,7 +13,6 @@ hosts and `Run._attach_generators` points the generators at a new trainer's ring
 
 import asyncio
 import json
-import logging
 import os
 import signal
 import sys
@@ -35,25 +34,28 @@ from meshrl.actors.trace import Tracer
 from meshrl.configs import Config, resolve, to_dict
 from meshrl.configs.recipe import recipe_hash
 from meshrl.controller import Controller
+from meshrl.episodes import reward_error_totals
 from meshrl.models.model import ChatTokenizer, read_hf_config, resolve_checkpoint
 from meshrl.restarts import Respawner
 from meshrl.rollout import RolloutCollector
 from meshrl.runtime.dtypes import Dtypes, choose_dtypes, run_roles
+from meshrl.runtime.final import FinalPolicy, save_final
 from meshrl.runtime.gpu_plan import plan_gpus
 from meshrl.runtime.jobs import Hosts, gpus_per_host, host_gpus, make_job, plan
 from meshrl.runtime.launch import (Actors, actor_classes, generator_args, note_fault, spawn_actors, spawn_buffer,
                                    spawn_ranked)
-from meshrl.runtime.loggers import MetricLoggers
+from meshrl.runtime.loggers import MetricLoggers, wandb_mode
 from meshrl.runtime.memory_plan import refusal, refuse_unfitting
 from meshrl.runtime.metric_rows import MetricRows
 from meshrl.runtime.plot import plot_curves
 from meshrl.runtime.relays import Relays
 from meshrl.runtime.serve import GenerateServer, serve_run
+from meshrl.runtime.settle import settle
+from meshrl.runtime.settle import write as write_settled
 from meshrl.tasks import make_task, task_config
 from meshrl.weight_sync import published_weights
 from meshrl.work_buffer import TooManyFailures
 
-logger = logging.getLogger(__name__)
 FAILURES = (RoleFailed, TooManyFailures, SupervisionError, CallTimeout)  # a role can no longer work
 
 
@@ -67,6 +69,7 @@ class Run:
         # every value computed from others filled in once (meshrl.configs.resolve); the GPU plan and the dtypes
         # are written into it at the start, before any role is spawned (_start). Everything below reads it.
         config = resolve(config, run_dir)
+        config.logging.wandb_mode = wandb_mode(config.logging)  # before the loggers start; the rest: _start
         self.placement = plan(config)
         self.gpus = plan_gpus(config, self.placement, gpus_per_host(config.job))
         self.timeouts = Timeouts.of(config)
@@ -94,6 +97,7 @@ class Run:
         self.relays: Relays | None = None  # a weight relay per generator host, if weight_sync.relay says so
         self.dtypes: Dtypes | None = None  # what each role computes in, and why (decided at the start)
         self.server: GenerateServer | None = None  # the generate endpoint, with serve.enabled
+        self.final: FinalPolicy | None = None  # what final/ holds, once written
 
     def fit_prompts(self) -> None:
         """Tasks that can (the dataset's) drop samples whose prompts could not be generated from: more
@@ -119,7 +123,7 @@ class Run:
         self.rows = rows
         self.tracer = Tracer(self.run_dir, resume=resumed is not None)
         monarch.actor.unhandled_fault_hook = note_fault  # failures reach us as errors of the calls
-        failure, error, saved = None, None, False
+        failure, error = None, None
         try:
             try:
                 await self._start()
@@ -140,9 +144,10 @@ class Run:
                 await c.run()
             except FAILURES as e:  # a role died, hung or kept failing: write what there is
                 error, failure = e, error_line(e) if isinstance(e, SupervisionError) else str(e)
-            if not (isinstance(error, CallTimeout) and error.role == "trainer"):  # else it would not save either
-                stop = self.timeouts.stop if self.signals.stopped_by or failure else None
-                saved = bool(await bounded(self._save(), stop, "saving the policy"))
+            stop = self.timeouts.stop if self.signals.stopped_by or failure else None
+            hung = isinstance(error, CallTimeout) and error.role == "trainer"
+            self.final = await bounded(self._save("the trainer did not answer" if hung else None), stop,
+                                       "saving the policy")
         finally:
             rows.close()
             if self.server:
@@ -153,7 +158,7 @@ class Run:
         initial = self.controller.initial if self.controller else (resumed.initial if resumed else {})
         summary = self._summary(initial, time.perf_counter() - start, failure)
         if failure:
-            kept = "metrics, rollouts, trace" + (" and the policy (final/)" if saved else "")
+            kept = "metrics, rollouts, trace" + (f" and the {self.final.describe()}" if self.final else "")
             raise RoleFailed(f"{failure} (after {rows.done} steps; {kept} are in {self.run_dir})")
         return summary
 
@@ -189,8 +194,12 @@ class Run:
                                           self.gpus.apply(self.config))
         for line in self.dtypes.describe():
             tqdm.write(line)
-        self.actors = await spawn_actors(self.gpus.apply(self.config), self.classes, self.model_path, self.hosts,
-                                         self.tokenizer.pad_id)
+        # every `auto` left settled once, written to resolved.json; every role, and the controller, get these
+        self.config = settle(self.gpus.apply(self.config), self.placement, self.model_path,
+                             read_hf_config(self.model_path), self.run_dir, "judge" in run_roles(self.classes),
+                             bool(self.gpus.shared))
+        write_settled(self.config, self.run_dir)
+        self.actors = await spawn_actors(self.config, self.classes, self.model_path, self.hosts, self.tokenizer.pad_id)
         self.signals.install()
         self.signals.on_hard_stop = self._hard_stop
         await self._start_pools()
@@ -202,7 +211,10 @@ class Run:
             plot_curves(rows, initial, self.run_dir / "curves.png")
         final = {k: v for k, v in rows[-1].items() if k.startswith("eval_")} if rows else {}
         summary = {**{f"{k}_initial": v for k, v in initial.items()}, **{f"{k}_final": v for k, v in final.items()},
+                   **({"final_eval_step": rows[-1]["step"]} if final else {}),  # the policy the final evals scored
+                   "final_policy": self.final.summary() if self.final else None,  # what final/ holds
                    "steps": len(rows), "wall_time_s": wall_time, "config_hash": self.recipe,
+                   **reward_error_totals(rows),  # the replies whose reward function raised, and their share
                    **({"dtypes": self.dtypes.summary()} if self.dtypes else {}),
                    **({"stopped_by": self.signals.stopped_by} if self.signals.stopped_by else {}),
                    **({"failed": failure} if failure else {})}
@@ -234,21 +246,22 @@ class Run:
     async def _start_pools(self) -> None:
         """The generator and grader replicas on their hosts, each generator attached to the trainer's
         weight ring; then processes.json and placement.json say where every actor runs."""
-        cfg, timeouts = self.gpus.apply(self.config), self.timeouts
+        cfg, timeouts = self.config, self.timeouts
         async with self.tracer.span("trainer", "attach", timeout=timeouts.trainer):
             self.rings = await in_rank_order(self.actors.trainer.weight_ring.call())
-        self.relays = Relays(cfg, self.placement, self.hosts, timeouts)
+        self.relays = Relays(cfg, self.placement, self.hosts, timeouts, self._write_processes)
         await self.relays.start(self.rings)
         gen, grade = cfg.generator, cfg.grader
 
         generators = ReplicaPool("generator", monarch_replicas(
             lambda i: replica_name("generator", i, gen.replicas), self.classes["generator"],
             lambda i: generator_args(cfg, i, self.model_path), lambda i: self.hosts.host("generator", i), self._attach,
-            timeouts.start), gen.replicas, gen.max_restarts, self._write_processes, timeouts.stop,
-            cfg.controller.restart_window_s, sticky_slack(gen))
+            timeouts.start, lambda i, e: self.hosts.lose("generator", i, e)), gen.replicas, gen.max_restarts,
+            self._write_processes, timeouts.stop, cfg.controller.restart_window_s, sticky_slack(gen))
         graders = ReplicaPool("grader", monarch_replicas(
             lambda i: replica_name("grader", i, grade.replicas), self.classes["grader"],
-            lambda i: (cfg.task, self.grader_task, grade), lambda i: self.hosts.host("grader", i), None, timeouts.grade),
+            lambda i: (cfg.task, self.grader_task, grade), lambda i: self.hosts.host("grader", i), None, timeouts.grade,
+            lambda i, e: self.hosts.lose("grader", i, e)),
             grade.replicas, grade.max_restarts, self._write_processes, timeouts.stop, cfg.controller.restart_window_s)
         self.pools = [generators, graders]
         await asyncio.gather(generators.start(), graders.start())
@@ -263,8 +276,10 @@ class Run:
                 for name, p in placed.items() if name != "job"))
 
     async def _attach(self, replica) -> None:
-        """Generator `replica` pulls from the trainer's weight rings, or from its host's relay."""
-        async with self.tracer.span("generator", "attach", replica=replica.index, timeout=self.timeouts.generate):
+        """Generator `replica` pulls from the trainer's weight rings, or from its host's relay. A new replica's
+        first call waits for its engine to start: bounded by generator.start_timeout_s, not generator.timeout_s."""
+        timeout = self.timeouts.generate if replica.served else self.timeouts.start
+        async with self.tracer.span("generator", "attach", replica=replica.index, timeout=timeout):
             name = replica_name("generator", replica.index, self.config.generator.replicas)
             rings = await self.relays.attach_to(replica.index) if self.relays else self.rings
             self.transports[name] = await replica.actor.attach_weights.call_one(rings)
@@ -276,7 +291,7 @@ class Run:
             await bounded(self.actors.procs[role].stop(), self.timeouts.stop, f"stopping the failed {role}")
         except Exception:  # a dead mesh may refuse to stop; the new one does not depend on it
             pass
-        config = self.gpus.apply(self.config)
+        config = self.config
         if role == "replay_buffer":
             procs, mesh = spawn_buffer(config, self.classes, self.hosts, self.tokenizer.pad_id)
             self.actors.buffer = mesh
@@ -307,23 +322,23 @@ class Run:
         for pool in self.pools:
             pids.update(pool.pids())
             hosts.update(pool.hosts())
+        if self.relays:  # "relay0", ...: `meshrl chaos` kills them too
+            pids.update(self.relays.pids())
+            hosts.update(self.relays.host_names())
         (self.run_dir / "processes.json").write_text(json.dumps(pids, indent=2))
         placement = {name: {"host": host, **({"weight_transport": self.transports[name]}
                                               if name in self.transports else {})} for name, host in hosts.items()}
         (self.run_dir / "placement.json").write_text(json.dumps({"job": self.config.job.kind, **placement}, indent=2))
 
-    async def _save(self) -> bool:
-        """The current policy to final/; False (and a log line) if the trainer cannot."""
+    async def _save(self, why: str | None) -> FinalPolicy | None:
+        """The policy to final/: the trainer's when it holds the last version trained, else the newest a
+        generator or checkpoint holds (meshrl/runtime/final.py); what final/ holds, None if nothing was written.
+        `why`: why the trainer is not asked."""
         if self.actors is None:
-            return False
-        try:
-            version = self.controller.trainer_version if self.controller else None
-            async with self.tracer.span("trainer", "save", version, timeout=self.timeouts.trainer):
-                await self.actors.trainer.save.call(str(self.run_dir / "final"))
-            return True
-        except Exception as e:
-            logger.error("the policy could not be saved: %s", str(e).strip().splitlines()[0])
-            return False
+            return None
+        generators = self.pools[0] if self.pools else None
+        return await save_final(self.run_dir, self.actors.trainer, self.controller, generators, self.tracer,
+                                self.timeouts, why)
 
     async def _stop_actors(self) -> None:
         """Every pool and mesh at once, each bounded; a dead process's mesh may refuse to stop, and the

@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
                             "checkpoints, timeouts)")
     train.add_argument("--dry-run", action="store_true", help="check the config, the model and the placement "
                                                               "of every role, print the plan, start nothing")
+    train.add_argument("--supervise", action="store_true", help="run the controller under a small parent process "
+                       "that starts it again from its newest checkpoint if its process is killed (SIGKILL, a crash; "
+                       "at most 3 times in a row); Ctrl-C and SIGTERM still stop the run (docs/running.md)")
     train.add_argument("--plan-only", action="store_true", help="print the placement, the GPU plan and each GPU's and "
                        "host's memory (docs/memory.md) without the checkpoint or a GPU; exit 1 if it cannot fit")
     prepare = sub.add_parser("prepare-model", help="convert the embedded model once (cached) and print its path")
@@ -198,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train" and bool(args.config) == bool(args.resume):
         return _error("train --resume RUN_DIR goes on with the run's own config: drop --config" if args.config else
                       f"train needs --config NAME, one of: {', '.join(sorted(CONFIGS))}; or --resume RUN_DIR")
+    if args.command == "train" and args.supervise and not (args.dry_run or args.plan_only):
+        return _supervise(args, rest)
     try:
         if args.command == "configs":
             for name, fn in sorted(CONFIGS.items()):
@@ -412,12 +417,24 @@ def _bench_sync_vs_async(args, overrides: list[str]) -> None:
     print(f"runs: {run_dir}/sync, {run_dir}/async_drain, {run_dir}/async_in_flight")
 
 
+def _supervise(args, overrides: list[str]) -> int:
+    """`train --supervise`: the controller in a child process, started again if it is killed."""
+    from meshrl.runtime.supervise import Supervisor, train_commands
+
+    run_dir = args.resume or _run_dir(args.config, args.run_dir)
+    return Supervisor(run_dir, *train_commands(args.config, run_dir, args.resume, overrides)).run()
+
+
+def _run_dir(name: str, given: Path | None) -> Path:
+    return given or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 def _prepare_train(name: str, overrides: list[str], run_dir: Path | None):
     """The Run: the config, the model and every role's implementation checked."""
     from meshrl.runtime.run import Run
 
     config = load_config(name, overrides)
-    return Run(config, run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return Run(config, _run_dir(name, run_dir))
 
 
 def _prepare_resume(run_dir: Path, overrides: list[str]):
@@ -453,18 +470,29 @@ def _train(run) -> int:
     except RoleFailed as e:  # a role could no longer work: what there is was written; one line says what
         print(f"meshrl: error: {e}", file=sys.stderr)
         return 1
+    from meshrl.episodes import reward_error_line
+
+    if line := reward_error_line(summary):  # ended or stopped with replies its reward function raised on
+        print(line, file=sys.stderr)
     if "stopped_by" in summary:
         from meshrl.checkpoint import latest
 
         newest = latest(run_dir)
         resume = f"; go on with: meshrl train --resume {run_dir} (from {newest.name})" if newest else ""
-        print(f"meshrl: stopped by {summary['stopped_by']} after {summary['steps']} steps; "
-              f"metrics, rollouts, trace and the policy (final/) are in {run_dir}{resume}", file=sys.stderr)
+        print(f"meshrl: stopped by {summary['stopped_by']} after {summary['steps']} steps; metrics, rollouts, trace"
+              f"{' and the ' + _final(summary) if _final(summary) else ''} are in {run_dir}{resume}", file=sys.stderr)
         return 128 + getattr(signal, summary["stopped_by"])
     for key in (k.removesuffix("_initial") for k in summary if k.endswith("_initial") and not k.endswith("95_initial")):
         interval = (f" (95% interval {summary[key + '_low95_final']:.3f}-{summary[key + '_high95_final']:.3f})"
                     if key + "_low95_final" in summary else "")
         print(f"{key.replace('_', ' ')}: step 0 {summary[key + '_initial']:.3f} -> "
               f"step {summary['steps']} {summary[key + '_final']:.3f}{interval}")
-    print(f"run directory: {run_dir} (metrics.jsonl, curves.png, final/)")
+    print(f"run directory: {run_dir} (metrics.jsonl, curves.png{', ' + _final(summary) if _final(summary) else ''})")
     return 0
+
+
+def _final(summary: dict) -> str:
+    """"policy version N (final/, from ...)": what summary.json's final_policy says final/ holds ("": nothing)."""
+    from meshrl.runtime.final import FinalPolicy
+
+    return FinalPolicy(**summary["final_policy"]).describe() if summary.get("final_policy") else ""
