@@ -148,7 +148,13 @@ def monarch_replicas(name: Callable[[int], str], cls: type, make_args: Callable[
 
     async def start(index: int) -> Replica:
         while True:
-            procs, actor = spawn(name(index), cls, *make_args(index), host=host(index) if host else None)
+            args = make_args(index)
+            try:
+                procs, actor = spawn(name(index), cls, *args, host=host(index) if host else None)
+            except Exception as e:  # Monarch may refuse at once a spawn on a host it knows is gone
+                if host_lost and host_lost(index, e):
+                    continue
+                raise
             try:
                 async with deadline(start_timeout, name(index), "start"):
                     if found := await _where(procs, name(index), lambda e: host_lost and host_lost(index, e)):

@@ -69,8 +69,13 @@ class Relays:
         others (`Hosts.lose`), and the relay starts on another."""
         w = self.config.weight_sync
         while True:
-            procs, relay = spawn("relay", WeightRelay, w.slots, w.chunk_mb, w.checksums, w.transport, w.timeout_s,
-                                 host=self.hosts.host("generator", host))
+            try:
+                procs, relay = spawn("relay", WeightRelay, w.slots, w.chunk_mb, w.checksums, w.transport, w.timeout_s,
+                                     host=self.hosts.host("generator", host))
+            except Exception as e:  # Monarch may refuse at once a spawn on a host it knows is gone
+                if not self.hosts.lose("generator", host, e):
+                    raise
+                continue
             self.procs[host] = procs
             try:
                 async with deadline(self.timeouts.relay, "relay", "start"):
