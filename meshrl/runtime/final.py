@@ -69,9 +69,9 @@ async def save_final(run_dir: Path, trainer, controller, generators, tracer, tim
             return _placed(partial, final, FinalPolicy(version, "the trainer"))
         except Exception as e:  # dead or hung: what else holds a trained version is asked below
             why = f"the trainer could not write it ({error_line(e)})"
-    for version, source, write in await _candidates(run_dir, controller, generators):
-        try:
-            if await write(str(partial)) is not None:
+    for _, source, write in await _candidates(run_dir, controller, generators):
+        try:  # the version written, as the writer says (a replica answers for the version it saved)
+            if (version := await write(str(partial))) is not None:
                 return _placed(partial, final, FinalPolicy(version, source, why))
         except Exception as e:  # that one cannot: the next
             logger.warning("final/ could not be written from %s: %s", source, error_line(e))
@@ -99,9 +99,9 @@ async def _candidates(run_dir: Path, controller, generators) -> list[tuple[int, 
         step, path = saved[-1]
 
         async def from_checkpoint(out: str, path=path):
-            await controller.checkpointer.restore_trainer(path)
+            version = await controller.checkpointer.restore_trainer(path)
             await controller.trainer.save.call(out)
-            return step
+            return version
 
         found.append((step, 0, f"checkpoint {path.name}", from_checkpoint))
     return [(version, source, write) for version, _, source, write in sorted(found, reverse=True, key=lambda f: f[:2])]
